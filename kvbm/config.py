@@ -1,0 +1,60 @@
+"""The one configuration object of the KV Block Manager (CLI flags `--kvbm-*` and `--redis-url` map onto it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+class KVBMConfigError(ValueError):
+    """A config value out of range; `field` names the offending setting."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"kvbm config {field}: {message}")
+        self.field = field
+
+
+@dataclass(slots=True)
+class KVBMConfig:
+    """Sizes are GiB of block payload; a tier sized 0 (or a Redis url of None) is off.
+
+    host_cache_gb      G2: POSIX shared-memory pool shared by every worker on the node (--kvbm-host-cache-gb)
+    disk_cache_gb      G3: preallocated block file under `disk_path` (--kvbm-disk-cache-gb, --kvbm-disk-path)
+    redis_url          G4: Redis holding blocks for every node (--redis-url); None = no G4
+    redis_cache_gb     G4 capacity bound kept by our own LRU sorted set; 0 = unbounded (server maxmemory rules)
+    redis_ttl_s        G4 expiry of a block in seconds; 0 = none
+    write_through      every offloaded block is also written to G4 (otherwise G4 only fills via write-through
+                       callers such as a prefill worker; G2 eviction goes to G3)
+    disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
+    disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
+    cache_id           node-local name of the G2 segment; workers sharing it share blocks
+    """
+
+    host_cache_gb: float = 1.0
+    disk_cache_gb: float = 0.0
+    disk_path: Path = Path(".strata-cache/kvbm")
+    redis_url: str | None = None
+    redis_cache_gb: float = 0.0
+    redis_ttl_s: int = 0
+    write_through: bool = False
+    disk_min_uses: int = 1
+    disk_fsync: bool = False
+    cache_id: str = "default"
+
+    def validate(self) -> None:
+        for name in ("host_cache_gb", "disk_cache_gb", "redis_cache_gb"):
+            if getattr(self, name) < 0:
+                raise KVBMConfigError(name, "must be >= 0 GiB")
+        if self.redis_ttl_s < 0:
+            raise KVBMConfigError("redis_ttl_s", "must be >= 0 seconds")
+        if self.disk_min_uses < 1:
+            raise KVBMConfigError("disk_min_uses", "must be >= 1")
+        if not self.cache_id or "/" in self.cache_id:
+            raise KVBMConfigError("cache_id", "must be a non-empty name without '/'")
+        self.disk_path = Path(self.disk_path)
+
+    def capacity_blocks(self, size_gb: float, block_bytes: int) -> int:
+        """How many whole blocks of `block_bytes` fit in `size_gb` GiB."""
+        return int(size_gb * GIB) // block_bytes

@@ -1,0 +1,297 @@
+"""G2: a block pool in POSIX shared memory that every worker process on the node maps.
+
+Segment `/dev/shm/strata-kvbm-<cache_id>-<layout tag>` (a file in /dev/shm so it can carry an fcntl lock):
+
+    +---------------------+ 0
+    | segment header      |  magic, version, block_bytes, num_slots, ways, clock, slot_stride, data_offset
+    +---------------------+ 4096
+    | slot headers        |  num_slots x 64 B: hash, last_use, state, pins, uses, writer pid, owner[32]
+    +---------------------+ data_offset (4 KiB aligned)
+    | slot 0 payload      |  block_bytes, padded to slot_stride (4 KiB multiple)
+    | slot 1 payload      |
+    | ...                 |
+    +---------------------+
+
+The slot headers *are* the cross-process index: the pool is set-associative (as CPU caches are). Block hash h may
+live only in set `h % num_sets`, i.e. one of `ways` (16) slots, so a lookup reads 16 headers, no separate hash
+table can go stale, and eviction is LRU within the set (the clock in the segment header orders uses). Every
+header access holds `flock` on the segment file plus a thread lock; payload copies run without the lock:
+
+    put: lock, claim slot (state WRITING, hash = new), unlock, spill the old payload, copy in, lock, READY, unlock
+    get: lock, pins += 1, unlock, copy out, lock, pins -= 1, unlock
+
+Invariants: a reader sees only READY slots; a slot with pins > 0 or state WRITING is never chosen as a victim
+(a WRITING slot whose writer pid has died is reclaimed). On CUDA this segment would be registered as pinned host
+memory (cudaHostRegister) so G2<->G1 copies run as DMA; here G1 is host memory too and a copy is a memcpy.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvbm.block_hash import BlockHash
+from kvbm.tier import layout_tag
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x4D42564B41525453  # "STRAKVBM"
+VERSION = 1
+PAGE = 4096
+EMPTY, WRITING, READY = 0, 1, 2
+SLOT_HEADER = np.dtype(
+    [("hash", "<u8"), ("last_use", "<u8"), ("state", "<u4"), ("pins", "<u4"), ("uses", "<u4"), ("pid", "<u4"),
+     ("owner", "S32")]
+)
+_META_FIELDS = ("magic", "version", "block_bytes", "num_slots", "ways", "clock", "slot_stride", "data_offset")
+
+
+@dataclass(slots=True)
+class EvictedBlock:
+    """A READY block pushed out of G2 by a put; `payload` stays valid only during the spill callback."""
+
+    block_hash: BlockHash
+    payload: np.ndarray
+    uses: int
+    owner: str
+
+
+SpillFn = Callable[[EvictedBlock], None]
+
+
+def segment_path(shm_dir: Path, cache_id: str, fingerprint: str) -> Path:
+    return Path(shm_dir) / f"strata-kvbm-{cache_id}-{layout_tag(fingerprint)}"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class HostPool:
+    """G2 tier (see module docstring). `spill` is called for each block a put evicts, before it is overwritten."""
+
+    name = "G2"
+
+    def __init__(
+        self, cache_id: str, fingerprint: str, block_bytes: int, num_slots: int, owner: str = "",
+        spill: SpillFn | None = None, shm_dir: Path = Path("/dev/shm"),
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"G2 host pool needs at least one slot (got {num_slots}); raise host_cache_gb")
+        self.path = segment_path(shm_dir, cache_id, fingerprint)
+        self.block_bytes = block_bytes
+        self.spill = spill
+        self._owner = owner.encode()[:32]
+        self._pid = os.getpid()
+        self._thread_lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(self._fd).st_size == 0:
+                self._format(block_bytes, num_slots)
+            self._map()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _format(self, block_bytes: int, num_slots: int) -> None:
+        ways = min(16, num_slots)
+        num_slots -= num_slots % ways
+        slot_stride = _round_up(block_bytes, PAGE)
+        data_offset = _round_up(PAGE + num_slots * SLOT_HEADER.itemsize, PAGE)
+        os.ftruncate(self._fd, data_offset + num_slots * slot_stride)
+        values = (MAGIC, VERSION, block_bytes, num_slots, ways, 1, slot_stride, data_offset)
+        os.pwrite(self._fd, np.array(values, dtype="<u8").tobytes(), 0)
+        log.info("created G2 segment %s: %d slots of %d bytes", self.path, num_slots, block_bytes)
+
+    def _map(self) -> None:
+        head = np.frombuffer(os.pread(self._fd, 8 * len(_META_FIELDS), 0), dtype="<u8")
+        meta = dict(zip(_META_FIELDS, (int(v) for v in head), strict=True))
+        if meta["magic"] != MAGIC or meta["version"] != VERSION or meta["block_bytes"] != self.block_bytes:
+            raise ValueError(f"G2 segment {self.path} has another format or block size; remove it to reformat")
+        size = meta["data_offset"] + meta["num_slots"] * meta["slot_stride"]
+        self._mm = mmap.mmap(self._fd, size)
+        self.num_slots, self.ways = meta["num_slots"], meta["ways"]
+        self.num_sets = self.num_slots // self.ways
+        self._meta = np.ndarray((len(_META_FIELDS),), dtype="<u8", buffer=self._mm)
+        self._slots = np.ndarray((self.num_slots,), dtype=SLOT_HEADER, buffer=self._mm, offset=PAGE)
+        self._data = np.ndarray(
+            (self.num_slots, meta["slot_stride"]), dtype=np.uint8, buffer=self._mm, offset=meta["data_offset"]
+        )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _tick(self) -> int:
+        clock = int(self._meta[5])
+        self._meta[5] = clock + 1
+        return clock
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_slots
+
+    @property
+    def used_blocks(self) -> int:
+        return int(np.count_nonzero(self._slots["state"] == READY))
+
+    def payload(self, slot: int) -> np.ndarray:
+        return self._data[slot, : self.block_bytes]
+
+    def _find(self, block_hashes: Sequence[BlockHash], states: tuple[int, ...] = (READY,)) -> np.ndarray:
+        """Slot of each hash in the given states, or -1 (caller holds the lock)."""
+        hashes = np.fromiter(block_hashes, dtype="<u8", count=len(block_hashes))
+        ways = np.arange(self.ways, dtype=np.int64)
+        candidates = (hashes % np.uint64(self.num_sets)).astype(np.int64)[:, None] * self.ways + ways
+        rows = self._slots[candidates]
+        match = (rows["hash"] == hashes[:, None]) & np.isin(rows["state"], states)
+        found = match.any(axis=1)
+        chosen = candidates[np.arange(len(hashes)), match.argmax(axis=1)]
+        return np.where(found, chosen, -1)
+
+    def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        if not block_hashes:
+            return []
+        with self._locked():
+            return (self._find(block_hashes) >= 0).tolist()
+
+    def _touch(self, slot: int) -> None:
+        header = self._slots[slot]
+        header["last_use"] = self._tick()
+        header["uses"] = min(int(header["uses"]) + 1, 0xFFFFFFFF)
+
+    def _victim(self, block_hash: BlockHash) -> int:
+        """Free or least recently used unpinned slot of the hash's set, or -1 if every way is busy."""
+        first = (int(block_hash) % self.num_sets) * self.ways
+        rows = self._slots[first : first + self.ways]
+        free = np.flatnonzero(rows["state"] == EMPTY)
+        if free.size:
+            return first + int(free[0])
+        stale = [i for i in np.flatnonzero(rows["state"] == WRITING) if not _pid_alive(int(rows["pid"][i]))]
+        if stale:
+            return first + int(stale[0])
+        idle = np.flatnonzero((rows["state"] == READY) & (rows["pins"] == 0))
+        if not idle.size:
+            return -1
+        return first + int(idle[np.argmin(rows["last_use"][idle])])
+
+    def _claim(self, block_hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, int]], list[EvictedBlock]]:
+        """Under the lock: touch present blocks, claim a WRITING slot for each absent one (first occurrence)."""
+        claims: list[tuple[int, int]] = []
+        evicted: list[EvictedBlock] = []
+        present = self._find(block_hashes, (READY, WRITING))
+        claimed: set[int] = set()
+        for index, (block_hash, slot) in enumerate(zip(block_hashes, present.tolist(), strict=True)):
+            if slot >= 0:
+                self._touch(slot)
+                continue
+            if block_hash in claimed:
+                continue
+            victim = self._victim(block_hash)
+            if victim < 0:
+                continue
+            header = self._slots[victim]
+            if int(header["state"]) == READY:
+                evicted.append(EvictedBlock(
+                    BlockHash(int(header["hash"])), self.payload(victim), int(header["uses"]),
+                    bytes(header["owner"]).decode(errors="replace"),
+                ))
+            header["hash"], header["state"], header["pins"], header["uses"] = block_hash, WRITING, 0, 1
+            header["pid"], header["owner"], header["last_use"] = self._pid, self._owner, self._tick()
+            claims.append((index, victim))
+            claimed.add(block_hash)
+        return claims, evicted
+
+    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
+        return len(self.put_evicting(block_hashes, blocks)[0])
+
+    def put_evicting(
+        self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]
+    ) -> tuple[list[BlockHash], list[EvictedBlock]]:
+        """`put` that also returns (hashes newly stored, blocks evicted); spill runs before slots are reused."""
+        if not block_hashes:
+            return [], []
+        with self._locked():
+            claims, evicted = self._claim(block_hashes)
+        for block in evicted:
+            if self.spill is not None:
+                self.spill(block)
+        for index, slot in claims:
+            self.payload(slot)[:] = blocks[index]
+        with self._locked():
+            for _, slot in claims:
+                self._slots[slot]["state"] = READY
+        return [block_hashes[index] for index, _ in claims], evicted
+
+    def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
+        if not block_hashes:
+            return []
+        with self._locked():
+            slots = self._find(block_hashes).tolist()
+            for slot in slots:
+                if slot >= 0:
+                    self._touch(slot)
+                    self._slots[slot]["pins"] += 1
+        for slot, dest in zip(slots, dests, strict=True):
+            if slot >= 0:
+                dest[:] = self.payload(slot)
+        with self._locked():
+            for slot in slots:
+                if slot >= 0:
+                    self._slots[slot]["pins"] -= 1
+        return [slot >= 0 for slot in slots]
+
+    def evict(self, num_blocks: int) -> list[BlockHash]:
+        with self._locked():
+            idle = np.flatnonzero((self._slots["state"] == READY) & (self._slots["pins"] == 0))
+            victims = idle[np.argsort(self._slots["last_use"][idle], kind="stable")[:num_blocks]]
+            hashes = [BlockHash(int(h)) for h in self._slots["hash"][victims]]
+            self._slots["state"][victims] = EMPTY
+        return hashes
+
+    def owned_hashes(self, owner: str) -> list[BlockHash]:
+        """READY blocks this owner stored (used to re-announce after a service restart)."""
+        with self._locked():
+            mask = (self._slots["state"] == READY) & (self._slots["owner"] == owner.encode()[:32])
+            return [BlockHash(int(h)) for h in self._slots["hash"][mask]]
+
+    def close(self) -> None:
+        """Unmap; the segment stays for the other workers of the node (see `destroy`)."""
+        if self._fd < 0:
+            return
+        del self._meta, self._slots, self._data
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("G2 segment %s still has views in use; leaving it mapped", self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+    def destroy(self) -> None:
+        """Close and remove the segment from /dev/shm (node shutdown or tests)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
