@@ -1,0 +1,1 @@
+"""Strata's serving process: repository, backends, Triton binding, engine, router, OpenAI frontend, metrics."""

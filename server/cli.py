@@ -1,0 +1,53 @@
+"""`strata` command line. Flag names follow `tritonserver` where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from server import settings
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model repository over KServe v2 HTTP/gRPC (Triton)")
+    p.add_argument("--model-repository", action="append", type=Path, required=True,
+                   help="repository folder; repeat for several")
+    p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
+    p.add_argument("--repository-poll-secs", type=float, default=15.0,
+                   help="poll mode: seconds between scans (a change is applied once two scans agree)")
+    p.add_argument("--load-model", action="append", default=[],
+                   help="explicit mode: model to load at start; repeat; '*' loads all")
+    p.add_argument("--http-address", default="0.0.0.0")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--strict-readiness", action=argparse.BooleanOptionalAction, default=False,
+                   help="ready only when every loaded model is ready (default: ready while models load)")
+    p.add_argument("--exit-timeout-secs", type=int, default=30)
+    p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG")
+    p.add_argument("--access-token", default=settings.access_token(),
+                   help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
+                        "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        from server.serve import serve
+
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The boundary between an LLM engine and everything that calls it (Triton backend, OpenAI frontend, router, workers).
+
+Callers tokenize, build a `GenerationRequest`, and `submit` it with a sink; the engine calls the sink from its own
+thread with one `GenerationOutput` per step that produced something, the last one with `finished=True`. A sink must
+not block: it hands the output to a queue or an event loop (see `server.engine.stream`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NewType, Protocol
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `field` names the offending input so the client can fix it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+_SAMPLING_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 means no top-k cut."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
+        """Validate a client's sampling fields (vLLM / OpenAI names); raise RequestError naming the field."""
+        unknown = sorted(set(raw) - _SAMPLING_FIELDS)
+        if unknown:
+            raise RequestError(unknown[0], f"unknown sampling field; allowed: {', '.join(sorted(_SAMPLING_FIELDS))}")
+        params = cls()
+        for name, value in raw.items():
+            if value is not None:
+                setattr(params, name, value)
+        params.validate(max_tokens_limit)
+        return params
+
+    def validate(self, max_tokens_limit: int) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, max_tokens_limit)
+        _check_float("temperature", self.temperature, 0.0, math.inf)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, 1 << 30)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(1 << 63), (1 << 64) - 1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+        ):
+            raise RequestError("stop_token_ids", "must be a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError("ignore_eos", "must be a boolean")
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(name, f"must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RequestError(name, f"must be in [{low}, {high}], got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise RequestError(name, f"must be a number, got {value!r}")
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise RequestError(name, f"must be in {bracket}{low}, {high}], got {value}")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One prompt to continue. The prompt is already tokenized (the caller applied any chat template)."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """What one engine step added to one request. Counts are totals so far, in tokens."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from cache (any tier) instead of prefill
+    num_output_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error": an internal failure, already logged
+
+
+OutputSink = Callable[[GenerationOutput], None]
+
+
+class Engine(Protocol):
+    """What the server needs from an engine (in-process, or a worker behind a transport)."""
+
+    model_name: str
+    max_model_len: int  # tokens: prompt + output
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        """Queue a request; raises RequestError at once for a request that can never run."""
+        ...
+
+    def abort(self, request_id: RequestId) -> None:
+        """Stop a request and free its blocks now; its sink gets a final output with finish_reason "abort"."""
+        ...

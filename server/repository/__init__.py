@@ -1,0 +1,1 @@
+"""Triton-style model repositories: parse config.pbtxt, pick versions, stage models for Triton, control loading."""

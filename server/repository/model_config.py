@@ -1,0 +1,87 @@
+"""Read a model's `config.pbtxt` into Triton's own `ModelConfig` message and check what Triton would reject later.
+
+Every problem becomes a `ConfigError` that names the file, the line when known, and the field, so an operator can
+fix it from the log or from the repository index reason alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+ModelConfig = model_config_pb2.ModelConfig
+
+# backend names Strata serves, by what config.pbtxt says (backend or platform)
+PYTHON = "python"
+LIBTORCH = "pytorch"
+LLM = "strata_llm"
+_BACKEND_ALIASES = {
+    "python": PYTHON,
+    "pytorch": LIBTORCH,
+    "pytorch_libtorch": LIBTORCH,
+    "strata_llm": LLM,
+    "vllm": LLM,  # configs written for Triton's vLLM backend run on Strata's engine
+}
+
+
+@dataclass(slots=True)
+class ConfigError(Exception):
+    """A model that cannot be served, with the place to fix it."""
+
+    path: Path
+    message: str
+    line: int | None = None
+    column: int | None = None
+
+    def __str__(self) -> str:
+        where = str(self.path)
+        if self.line is not None:
+            where += f":{self.line}" + (f":{self.column}" if self.column is not None else "")
+        return f"{where}: {self.message}"
+
+
+def parse_config(path: Path, text: str | None = None) -> ModelConfig:
+    """Parse config.pbtxt text (read from `path` unless given) with protobuf's text format."""
+    if text is None:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(path, f"cannot read: {exc}") from exc
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        message = re.sub(r"^\d+:\d+ : ", "", str(exc))
+        raise ConfigError(path, message, exc.GetLine(), exc.GetColumn()) from exc
+    return config
+
+
+def backend_of(config: ModelConfig, path: Path, text: str) -> str:
+    """Strata's backend for this config: one of PYTHON, LIBTORCH, LLM."""
+    declared = config.backend or config.platform
+    if not declared:
+        raise ConfigError(path, 'no "backend" or "platform" given; use backend: "python", "pytorch" or "strata_llm"')
+    backend = _BACKEND_ALIASES.get(declared)
+    if backend is None:
+        field = "backend" if config.backend else "platform"
+        allowed = ", ".join(sorted(_BACKEND_ALIASES))
+        raise ConfigError(path, f'{field} "{declared}" is not supported; supported: {allowed}', _line_of(text, field))
+    return backend
+
+
+def check_name(config: ModelConfig, folder_name: str, path: Path, text: str) -> None:
+    """Triton requires the config's name, when given, to match the model's folder."""
+    if config.name and config.name != folder_name:
+        raise ConfigError(
+            path, f'name "{config.name}" does not match the model folder "{folder_name}"', _line_of(text, "name")
+        )
+
+
+def _line_of(text: str, field: str) -> int | None:
+    """1-based line of the first top-level-looking `field:` in the text, for error messages."""
+    match = re.search(rf"^\s*{re.escape(field)}\s*:", text, re.MULTILINE)
+    return text.count("\n", 0, match.start()) + 1 if match else None

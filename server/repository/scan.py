@@ -1,0 +1,132 @@
+"""Find the models in one or more repository folders and decide which versions each one serves.
+
+Layout (Triton's): <repository>/<model>/config.pbtxt and <repository>/<model>/<version>/<model file>, where
+<version> is a positive integer. A scan never raises for one bad model: it returns a `BrokenModel` for it and goes on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.repository.model_config import (
+    LIBTORCH,
+    LLM,
+    PYTHON,
+    ConfigError,
+    ModelConfig,
+    backend_of,
+    check_name,
+    parse_config,
+)
+
+Fingerprint = tuple[tuple[str, int, int], ...]  # (relative path, size in bytes, mtime in ns) of every file
+
+_DEFAULT_FILENAME = {PYTHON: "model.py", LIBTORCH: "model.pt", LLM: "model.json"}
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """A model whose config parsed and whose chosen versions have their files."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    config_text: str
+    backend: str
+    versions: list[int]  # served versions, ascending
+    fingerprint: Fingerprint
+
+    @property
+    def model_filename(self) -> str:
+        return self.config.default_model_filename or _DEFAULT_FILENAME[self.backend]
+
+
+@dataclass(slots=True)
+class BrokenModel:
+    """A model folder that cannot be served as it is; `error` says where and why."""
+
+    name: str
+    path: Path
+    error: ConfigError
+    fingerprint: Fingerprint
+
+
+def fingerprint(folder: Path) -> Fingerprint:
+    """What changes whenever any file under `folder` is written, added or removed (stat only, no reads)."""
+    entries = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            full = Path(root, name)
+            try:
+                stat = full.stat()
+            except OSError:  # removed while we walked: the next scan sees a different fingerprint anyway
+                continue
+            entries.append((str(full.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def scan(repositories: Iterable[Path]) -> dict[str, ModelSource | BrokenModel]:
+    """Every model folder of every repository, by model name."""
+    found: dict[str, ModelSource | BrokenModel] = {}
+    for repository in repositories:
+        for folder in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            model = read_model(folder)
+            previous = found.get(folder.name)
+            if previous is not None:
+                message = f"model name also used by {previous.path}; names must be unique across repositories"
+                model = BrokenModel(folder.name, folder, ConfigError(folder, message), model.fingerprint)
+            found[folder.name] = model
+    return found
+
+
+def read_model(folder: Path) -> ModelSource | BrokenModel:
+    stamp = fingerprint(folder)
+    try:
+        return _read_model(folder, stamp)
+    except ConfigError as error:
+        return BrokenModel(folder.name, folder, error, stamp)
+
+
+def _read_model(folder: Path, stamp: Fingerprint) -> ModelSource:
+    config_path = folder / "config.pbtxt"
+    if not config_path.is_file():
+        raise ConfigError(config_path, "missing: every model folder needs a config.pbtxt")
+    text = config_path.read_text()
+    config = parse_config(config_path, text)
+    check_name(config, folder.name, config_path, text)
+    backend = backend_of(config, config_path, text)
+    if not config.name:
+        config.name = folder.name
+    source = ModelSource(folder.name, folder, config, text, backend, [], stamp)
+    source.versions = select_versions(config, folder, config_path)
+    for version in source.versions:
+        model_file = folder / str(version) / source.model_filename
+        if not model_file.exists():
+            raise ConfigError(model_file, f"missing: version {version} has no {source.model_filename}")
+    return source
+
+
+def select_versions(config: ModelConfig, folder: Path, config_path: Path) -> list[int]:
+    """The versions `version_policy` serves (Triton's default: the latest one)."""
+    available = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    if not available:
+        raise ConfigError(folder, "no version folder: expected <model>/<N>/ with N a positive integer")
+    policy = config.version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        return available
+    if policy == "specific":
+        wanted = sorted(set(config.version_policy.specific.versions))
+        missing = [v for v in wanted if v not in available]
+        if missing:
+            raise ConfigError(
+                config_path, f"version_policy.specific names version(s) {missing} with no folder under {folder}"
+            )
+        return wanted
+    count = config.version_policy.latest.num_versions if policy == "latest" else 1
+    if count < 1:
+        raise ConfigError(config_path, "version_policy.latest.num_versions must be at least 1")
+    return available[-count:]

@@ -1,0 +1,68 @@
+"""`strata serve`: start Triton, bring the repositories in, serve until SIGTERM/SIGINT, then shut down cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from server.repository.manager import ControlMode, RepositoryManager
+from server.triton import PortInUse, TritonServer, TritonSettings
+
+log = logging.getLogger("strata")
+
+_WATCHDOG_SECS = 1.0  # how often the main thread checks that Triton is still alive
+
+
+def serve(args: argparse.Namespace) -> int:
+    for repository in args.model_repository:
+        if not repository.is_dir():
+            log.error("--model-repository %s: not a folder", repository)
+            return 2
+    triton_settings = TritonSettings(
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        address=args.http_address, strict_readiness=args.strict_readiness,
+        exit_timeout_secs=args.exit_timeout_secs, log_verbose=args.log_verbose, access_token=args.access_token,
+    )
+    try:
+        triton = TritonServer(triton_settings)
+    except PortInUse as exc:
+        log.error("%s", exc)
+        return 2
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopping.set())
+    manager = RepositoryManager(
+        [r.resolve() for r in args.model_repository], triton, ControlMode(args.model_control_mode),
+        args.repository_poll_secs, args.load_model,
+    )
+    try:
+        triton.start()
+        manager.start()
+        log.info("strata ready (pid %d)", os.getpid())
+        while not stopping.wait(_WATCHDOG_SECS):
+            if not triton.is_alive():
+                log.error("Triton exited unexpectedly; shutting down")
+                return 1
+        log.info("signal received, shutting down (exit timeout %d s)", args.exit_timeout_secs)
+        return 0
+    finally:
+        _shutdown(manager, triton, args.exit_timeout_secs)
+
+
+def _shutdown(manager: RepositoryManager, triton: TritonServer, exit_timeout_secs: int) -> None:
+    """Stop within the exit timeout: a timer ends the process if a part hangs."""
+    deadline = threading.Timer(exit_timeout_secs + 5, _force_exit)
+    deadline.daemon = True
+    deadline.start()
+    manager.stop()
+    triton.stop()
+    deadline.cancel()
+    log.info("stopped")
+
+
+def _force_exit() -> None:
+    log.error("shutdown exceeded the exit timeout; exiting now")
+    os._exit(1)

@@ -1,0 +1,22 @@
+"""The one place Strata reads environment variables."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted model weights are cached (STRATA_CACHE_DIR, default ~/.cache/strata)."""
+    return Path(os.environ.get("STRATA_CACHE_DIR") or Path.home() / ".cache" / "strata")
+
+
+def runtime_dir() -> Path:
+    """Where each server run keeps its Triton workspace (STRATA_RUNTIME_DIR, default <tmp>/strata-runtime)."""
+    return Path(os.environ.get("STRATA_RUNTIME_DIR") or Path(tempfile.gettempdir()) / "strata-runtime")
+
+
+def access_token() -> str | None:
+    """Token that protects Triton's repository/statistics/shm/trace/logging APIs (STRATA_ACCESS_TOKEN)."""
+    return os.environ.get("STRATA_ACCESS_TOKEN") or None

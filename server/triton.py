@@ -1,0 +1,192 @@
+"""The real Triton Inference Server (the binary bundled in PyTriton's wheel), started and controlled by Strata.
+
+Strata owns Triton's model store (PyTriton's workspace `model-store`, a fresh folder per run): file backends stage
+models there and Strata loads them through Triton's repository API; the LLM backend binds callables through
+PyTriton, which writes its proxy models into the same store. So `tritonclient`'s repository index, load and unload
+see one repository.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
+from pytriton.utils.workspace import Workspace
+from tritonclient.grpc import InferenceServerClient
+
+from server import settings
+
+log = logging.getLogger(__name__)
+
+ACCESS_HEADER = "triton-access-token"
+PROTECTED_APIS = ["model-repository", "shared-memory", "statistics", "trace", "logging"]
+_SHM_DIR = Path("/dev/shm")
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class TritonSettings:
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    address: str = "0.0.0.0"
+    strict_readiness: bool = False
+    exit_timeout_secs: int = 30
+    log_verbose: int = 0
+    access_token: str | None = None  # None: repository and control APIs are open, as in plain tritonserver
+
+    def ports(self) -> dict[str, int]:
+        return {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
+
+
+def check_ports_free(address: str, ports: dict[str, int]) -> None:
+    """Fail fast, naming the flag and the port, instead of letting Triton wait out its startup timeout."""
+    for flag, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                raise PortInUse(f"port {port} ({flag}) is already in use on {address}: {exc.strerror}") from exc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_runs(runtime_dir: Path) -> None:
+    """Remove what runs killed with -9 left behind: their workspaces and Python-backend shared memory."""
+    for workspace in runtime_dir.glob("serve-*"):
+        match = re.match(r"serve-(\d+)-", workspace.name)
+        if match and not _pid_alive(int(match.group(1))):
+            log.info("removing workspace of dead run %s", workspace)
+            _remove_tree_without_following_links(workspace)
+    for region in _SHM_DIR.glob("pytrtion*"):
+        match = re.match(r"pytrtion(\d+)-", region.name)
+        if match and not _pid_alive(int(match.group(1))):
+            log.info("removing leaked shared memory %s", region)
+            region.unlink(missing_ok=True)
+
+
+def _remove_tree_without_following_links(root: Path) -> None:
+    for current, dirs, files in os.walk(root, topdown=False):
+        for name in files + [d for d in dirs if Path(current, d).is_symlink()]:
+            Path(current, name).unlink(missing_ok=True)
+        for name in dirs:
+            path = Path(current, name)
+            if not path.is_symlink():
+                path.rmdir()
+    root.rmdir()
+
+
+class TritonServer:
+    """One Triton process with a fresh workspace; `store` is its model repository."""
+
+    def __init__(self, config: TritonSettings) -> None:
+        self.config = config
+        runtime = settings.runtime_dir()
+        runtime.mkdir(parents=True, exist_ok=True)
+        clean_stale_runs(runtime)
+        check_ports_free(config.address, config.ports())
+        self._workspace = Workspace(runtime / f"serve-{os.getpid()}-{secrets.token_hex(4)}")
+        self.store = self._workspace.model_store_path
+        self._triton: Triton | None = None
+
+    def start(self) -> None:
+        # the Python-backend stub must load this interpreter's libpython (BRIEF: PyTriton quirk)
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
+        c = self.config
+        triton_config = TritonConfig(
+            model_repository=self.store,
+            http_address=c.address,
+            grpc_address=c.address,
+            http_port=c.http_port,
+            grpc_port=c.grpc_port,
+            metrics_port=c.metrics_port,
+            strict_readiness=c.strict_readiness,
+            exit_timeout_secs=c.exit_timeout_secs,
+            log_verbose=c.log_verbose,
+            allow_gpu_metrics=False,
+        )
+        security = TritonSecurityConfig(
+            access_token=c.access_token, restricted_endpoints=list(PROTECTED_APIS) if c.access_token else []
+        )
+        self._triton = Triton(
+            config=triton_config,
+            workspace=self._workspace,
+            triton_lifecycle_policy=TritonLifecyclePolicy(local_model_store=True),
+            security_config=security,
+        )
+        self._triton.run()
+        log.info("Triton serving: HTTP %d, gRPC %d, metrics %d", c.http_port, c.grpc_port, c.metrics_port)
+
+    @property
+    def pytriton(self) -> Triton:
+        if self._triton is None:
+            raise RuntimeError("Triton is not started")
+        return self._triton
+
+    @contextmanager
+    def client(self) -> Iterator[InferenceServerClient]:
+        """A gRPC client to this Triton for control calls (load, unload, index)."""
+        client = InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
+        try:
+            yield client
+        finally:
+            client.close()
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {ACCESS_HEADER: self.config.access_token} if self.config.access_token else None
+
+    def load(self, name: str) -> None:
+        """Load (or reload) a model from the store; raises InferenceServerException with Triton's reason."""
+        with self.client() as client:
+            client.load_model(name, headers=self.headers)
+
+    def unload(self, name: str) -> None:
+        with self.client() as client:
+            client.unload_model(name, headers=self.headers)
+
+    def is_alive(self) -> bool:
+        return self._triton is not None and self._triton.is_alive()
+
+    def stop(self) -> None:
+        """Unload and stop Triton, then remove the workspace (staged symlinks first, never their targets)."""
+        if self._triton is not None:
+            for entry in list(self.store.iterdir()):
+                if entry.is_symlink() or entry.is_dir():
+                    _unlink_staged(entry)
+            self._triton.stop()
+            self._triton = None
+        if self._workspace.path.exists():
+            _remove_tree_without_following_links(self._workspace.path)
+
+
+def _unlink_staged(folder: Path) -> None:
+    """Drop the symlinks Strata staged under a model folder so that no cleanup can follow them."""
+    if folder.is_symlink():
+        folder.unlink()
+        return
+    for entry in folder.rglob("*"):
+        if entry.is_symlink():
+            entry.unlink()
