@@ -1,0 +1,55 @@
+"""Block tier events that workers publish and the KVBM service index applies, and their Redis Stream encoding."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from kvbm.block_hash import BlockHash
+
+EventKind = Literal["stored", "removed", "moved"]
+G1, G2, G3, G4 = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """`block_hashes` entered (stored), left (removed) or went from `from_tier` to `tier` (moved) on `worker_id`.
+
+    Tiers are 1..4 for G1..G4. G4 is shared by everyone: its events name the writer but index globally.
+    `ttl_s` (G4 stored only) makes the index forget the blocks when Redis expires them. `timestamp` is unix
+    seconds at publish time (event lag = apply time - timestamp).
+    """
+
+    worker_id: str
+    kind: EventKind
+    tier: int
+    block_hashes: tuple[BlockHash, ...]
+    from_tier: int = 0
+    ttl_s: int = 0
+    timestamp: float = field(default_factory=time.time)
+
+    def to_fields(self) -> dict[bytes, bytes]:
+        """Flat field map for XADD; hashes travel as packed little-endian u64."""
+        return {
+            b"w": self.worker_id.encode(), b"k": self.kind.encode(), b"t": b"%d" % self.tier,
+            b"f": b"%d" % self.from_tier, b"ttl": b"%d" % self.ttl_s, b"ts": repr(self.timestamp).encode(),
+            b"h": np.array(self.block_hashes, dtype="<u8").tobytes(),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> TierEvent:
+        hashes = np.frombuffer(fields[b"h"], dtype="<u8").tolist()
+        return cls(
+            worker_id=fields[b"w"].decode(), kind=fields[b"k"].decode(), tier=int(fields[b"t"]),  # type: ignore[arg-type]
+            block_hashes=tuple(BlockHash(h) for h in hashes), from_tier=int(fields[b"f"]),
+            ttl_s=int(fields[b"ttl"]), timestamp=float(fields[b"ts"]),
+        )
+
+
+class EventSink(Protocol):
+    """Where a worker's KVBM agent sends its tier events: the embedded index or a Redis Stream publisher."""
+
+    def publish(self, event: TierEvent) -> None: ...

@@ -1,0 +1,139 @@
+"""G4: blocks as binary Redis values, shared by every node that points at the same Redis.
+
+    key    kvbm:blk:<layout tag>:<block hash, 16 hex>
+    value  32-byte header (magic u64, layout tag u64, xxh3_64 checksum u64, payload length u64) + payload
+    kvbm:lru:<layout tag>   sorted set block-hash -> last use (unix s), our own capacity bound when
+                            `capacity_blocks` > 0: after a put the oldest members beyond it are deleted
+
+A get is one pipeline (MGET + touch of the LRU set); a value whose header or checksum does not match is a miss
+plus `kvbm_checksum_failures{tier="G4"}`, never bytes. With a TTL every key expires on its own (the LRU set keeps
+a dead member until it is trimmed, which only costs a later miss). Redis down: every call is a miss or a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from kvbm.block_hash import BlockHash
+from kvbm.metrics import KVBMMetrics
+from kvbm.redis_link import RedisLink
+from kvbm.tier import layout_tag
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x344756424B415254  # "TRAKBVG4"
+HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("checksum", "<u8"), ("length", "<u8")])
+
+
+class RedisPool:
+    """G4 tier (see module docstring). `capacity_blocks` 0 means bounded only by the server's maxmemory."""
+
+    name = "G4"
+
+    def __init__(
+        self, link: RedisLink, fingerprint: str, block_bytes: int, capacity_blocks: int = 0, ttl_s: int = 0,
+        metrics: KVBMMetrics | None = None,
+    ) -> None:
+        self.link = link
+        self.block_bytes = block_bytes
+        self.ttl_s = ttl_s or None
+        self.metrics = metrics
+        self._capacity = capacity_blocks
+        tag = layout_tag(fingerprint)
+        self._layout = int(tag, 16)
+        self._prefix = f"kvbm:blk:{tag}:".encode()
+        self._lru_key = f"kvbm:lru:{tag}".encode()
+
+    def key(self, block_hash: BlockHash) -> bytes:
+        return self._prefix + b"%016x" % block_hash
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    @property
+    def used_blocks(self) -> int:
+        return self.link.call(lambda r: int(r.zcard(self._lru_key)), 0)
+
+    def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        if not block_hashes:
+            return []
+
+        def query(r) -> list[bool]:
+            pipe = r.pipeline(transaction=False)
+            for block_hash in block_hashes:
+                pipe.exists(self.key(block_hash))
+            return [bool(n) for n in pipe.execute()]
+
+        return self.link.call(query, [False] * len(block_hashes))
+
+    def encode(self, block: np.ndarray) -> bytes:
+        header = np.array([(MAGIC, self._layout, xxhash.xxh3_64_intdigest(block), block.nbytes)], dtype=HEADER)
+        return header.tobytes() + block.tobytes()
+
+    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
+        if not block_hashes:
+            return 0
+        now = time.time()
+
+        def store(r) -> int:
+            pipe = r.pipeline(transaction=False)
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                pipe.set(self.key(block_hash), self.encode(block), ex=self.ttl_s)
+            pipe.zadd(self._lru_key, {b"%016x" % h: now for h in block_hashes})
+            pipe.zcard(self._lru_key)
+            size = pipe.execute()[-1]
+            if self._capacity and size > self._capacity:
+                self._trim(r, size - self._capacity)
+            return len(block_hashes)
+
+        return self.link.call(store, 0)
+
+    def _trim(self, r, excess: int) -> list[BlockHash]:
+        oldest = [member for member, _ in r.zpopmin(self._lru_key, excess)]
+        if oldest:
+            r.delete(*(self._prefix + member for member in oldest))
+        return [BlockHash(int(member, 16)) for member in oldest]
+
+    def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
+        if not block_hashes:
+            return []
+        now = time.time()
+
+        def fetch(r) -> list[bytes | None]:
+            pipe = r.pipeline(transaction=False)
+            pipe.mget([self.key(h) for h in block_hashes])
+            pipe.zadd(self._lru_key, {b"%016x" % h: now for h in block_hashes}, xx=True)
+            return pipe.execute()[0]
+
+        values = self.link.call(fetch, [None] * len(block_hashes))
+        return [self._decode_into(value, dest) for value, dest in zip(values, dests, strict=True)]
+
+    def _decode_into(self, value: bytes | None, dest: np.ndarray) -> bool:
+        if value is None:
+            return False
+        size = HEADER.itemsize + self.block_bytes
+        header = np.frombuffer(value, dtype=HEADER, count=1)[0] if len(value) >= HEADER.itemsize else None
+        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER.itemsize) if len(value) == size else None
+        if (
+            header is None or payload is None or int(header["magic"]) != MAGIC
+            or int(header["layout"]) != self._layout or int(header["length"]) != self.block_bytes
+            or xxhash.xxh3_64_intdigest(payload) != int(header["checksum"])
+        ):
+            log.warning("G4 value failed verification (%d bytes); treating it as a miss", len(value))
+            if self.metrics is not None:
+                self.metrics.checksum_failures.labels(self.name).inc()
+            return False
+        dest[:] = payload
+        return True
+
+    def evict(self, num_blocks: int) -> list[BlockHash]:
+        return self.link.call(lambda r: self._trim(r, num_blocks), [])
+
+    def close(self) -> None:
+        self.link.close()
