@@ -1,0 +1,120 @@
+"""FastAPI app of the OpenAI-compatible frontend: thin routes over `OpenAIServing`.
+
+Mount with `build_app({"smollm2": engine}, FrontendMetrics.create(registry))` and serve with uvicorn (Triton's
+OpenAI frontend listens on 9000). Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+GET /health, GET /metrics (Prometheus text of the metrics' registry), GET /docs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from server.engine.api import Engine
+from server.openai import protocol as p
+from server.openai.generation import ClientDisconnected
+from server.openai.metrics import FrontendMetrics
+from server.openai.serving import OpenAIError, OpenAIServing, internal_error
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = None) -> FastAPI:
+    """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`."""
+    metrics = metrics or FrontendMetrics.create()
+    serving = OpenAIServing(models, metrics)
+    app = FastAPI(title="Strata OpenAI-compatible API")
+    _add_error_handlers(app, serving)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def list_models() -> p.ModelList:
+        return serving.list_models()
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
+    async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.chat(body, lambda: _client_gone(request)))
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse)
+    async def completion(body: p.CompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.completion(body, lambda: _client_gone(request)))
+
+    return app
+
+
+async def _respond(request: Request, result: Awaitable[Any]) -> Response:
+    answer = await result
+    if isinstance(answer, AsyncIterator):
+        return StreamingResponse(answer, media_type="text/event-stream")
+    return JSONResponse(p.dump(answer))
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (ASGI `http.disconnect`); waits, never polls."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(status: int, info: p.ErrorInfo) -> JSONResponse:
+    return JSONResponse(p.dump(p.ErrorResponse(error=info)), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return _error(exc.status, exc.info)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = None if first.get("type") == "json_invalid" else _param_path(first.get("loc", ()))
+        body = await _json_or_none(request)
+        serving.count_invalid(str(body.get("model", "")) if isinstance(body, dict) else "")
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        return _error(400, p.ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, p.ErrorInfo(message=str(exc.detail), type=kind))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=exc)
+        return _error(500, internal_error().info)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "union"}
+
+
+def _param_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """`("body", "messages", 0, "role")` -> "messages.0.role"; pydantic's union-member tags are dropped."""
+    parts = [str(part) for part in loc[1:] if not (isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part))]
+    return ".".join(parts) or None
+
+
+async def _json_or_none(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        return None
+

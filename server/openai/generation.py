@@ -1,0 +1,129 @@
+"""One HTTP request's engine requests (n choices x prompts), bridged from the engine thread into asyncio.
+
+The engine calls each sink from its own thread; the sink hands the output to the event loop with
+`loop.call_soon_threadsafe` into one `asyncio.Queue`, so the handler awaits outputs without polling. Closing a
+`Generation` aborts every engine request that has not finished, which frees its KV blocks at once; a watcher task
+closes it as soon as the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestId, SamplingParams
+from server.openai.metrics import FrontendMetrics
+
+logger = logging.getLogger(__name__)
+
+WaitForDisconnect = Callable[[], Awaitable[None]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away; every unfinished engine request of the generation was aborted."""
+
+
+_CLIENT_GONE = object()
+
+
+@dataclass(slots=True)
+class _Track:
+    """Timing of one engine request, for the latency histograms (monotonic seconds)."""
+
+    submitted_at: float
+    last_token_at: float | None = None
+    finished: bool = False
+
+
+class Generation:
+    """Submits engine requests, yields `(choice_index, output)` in arrival order, aborts leftovers on close."""
+
+    def __init__(self, engine: Engine, metrics: FrontendMetrics, model: str, client_gone: WaitForDisconnect) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._model = model
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._tracks: dict[RequestId, _Track] = {}
+        self._ids: list[RequestId] = []
+        self._watcher = asyncio.create_task(self._watch(client_gone))
+        self.request_id = uuid.uuid4().hex
+
+    def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
+        """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError."""
+        for index, (token_ids, sampling) in enumerate(prompts):
+            request_id = RequestId(f"{self.request_id}-{index}")
+            self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
+            self._ids.append(request_id)
+            self._tracks[request_id] = _Track(submitted_at=time.monotonic())
+            self._metrics.in_flight.labels(self._model).inc()
+            self._metrics.queued.labels(self._model).inc()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        """Every output of every choice until all have finished; raises ClientDisconnected."""
+        unfinished = len(self._ids)
+        while unfinished:
+            item = await self._queue.get()
+            if item is _CLIENT_GONE:
+                raise ClientDisconnected
+            index, output = item  # type: ignore[misc]
+            self._observe(output)
+            unfinished -= output.finished
+            yield index, output
+
+    def close(self) -> None:
+        """Abort every unfinished engine request (idempotent) and stop watching the client."""
+        self._watcher.cancel()
+        for request_id in self._ids:
+            track = self._tracks[request_id]
+            if track.finished:
+                continue
+            track.finished = True
+            self._engine.abort(request_id)
+            self._release(track)
+            logger.debug("aborted %s", request_id)
+
+    def _sink(self, index: int) -> Callable[[GenerationOutput], None]:
+        def sink(output: GenerationOutput) -> None:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, output))
+            except RuntimeError:  # the event loop has shut down: nobody is left to read this output
+                logger.debug("dropped output of %s: event loop closed", output.request_id)
+
+        return sink
+
+    async def _watch(self, client_gone: WaitForDisconnect) -> None:
+        await client_gone()
+        logger.info("client disconnected from %s, aborting", self.request_id)
+        self.close()
+        self._queue.put_nowait(_CLIENT_GONE)
+
+    def _observe(self, output: GenerationOutput) -> None:
+        track = self._tracks.get(output.request_id)
+        if track is None or track.finished:
+            return
+        now = time.monotonic()
+        if output.new_token_ids:
+            if track.last_token_at is None:
+                self._metrics.time_to_first_token.labels(self._model).observe(now - track.submitted_at)
+                self._metrics.queued.labels(self._model).dec()
+            else:
+                gap = (now - track.last_token_at) / len(output.new_token_ids)
+                self._metrics.inter_token_latency.labels(self._model).observe(gap)
+            track.last_token_at = now
+        if output.finished:
+            track.finished = True
+            self._release(track)
+            self._metrics.request_duration.labels(self._model).observe(now - track.submitted_at)
+            self._metrics.record_tokens(
+                self._model, output.num_prompt_tokens, output.num_cached_tokens, output.num_output_tokens
+            )
+
+    def _release(self, track: _Track) -> None:
+        self._metrics.in_flight.labels(self._model).dec()
+        if track.last_token_at is None:
+            self._metrics.queued.labels(self._model).dec()

@@ -1,0 +1,113 @@
+"""A deterministic fake engine of the Engine Protocol and a uvicorn server on a free port for the frontend tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.openai.app import build_app
+from server.openai.metrics import FrontendMetrics
+
+
+class FakeEngine:
+    """Token i of every answer is " t{i}" (id 1000 + i); the sink is called from a thread per request.
+
+    Prompt tokens are the text's bytes; the first 4 prompt tokens count as cached; `step_s` paces the steps.
+    `stop` strings are honoured on whole tokens, `seed` shifts the token ids so seeded choices differ.
+    """
+
+    model_name = "fake"
+    max_model_len = 256
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.submitted: list[GenerationRequest] = []
+        self.aborted: list[RequestId] = []
+        self._abort_events: dict[RequestId, threading.Event] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        if any(m["role"] == "tool" for m in messages):
+            raise RequestError("messages", "the fake template has no tool role")
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        if len(request.prompt_token_ids) + request.sampling.max_tokens > self.max_model_len:
+            raise RequestError("prompt_token_ids", "too long")
+        self.submitted.append(request)
+        abort = self._abort_events[request.request_id] = threading.Event()
+        threading.Thread(target=self._run, args=(request, sink, abort), daemon=True).start()
+
+    def abort(self, request_id: RequestId) -> None:
+        self.aborted.append(request_id)
+        self._abort_events[request_id].set()
+
+    def _run(self, request: GenerationRequest, sink: OutputSink, abort: threading.Event) -> None:
+        prompt = len(request.prompt_token_ids)
+        cached = min(4, prompt)
+        shift = request.sampling.seed or 0
+        for i in range(request.sampling.max_tokens):
+            if abort.wait(self.step_s) if self.step_s else abort.is_set():
+                sink(GenerationOutput(request.request_id, [], "", True, "abort", prompt, cached, i))
+                return
+            text = f" t{i + shift}"
+            stop = text.strip() in request.sampling.stop
+            last = stop or i + 1 == request.sampling.max_tokens
+            reason = ("stop" if stop else "length") if last else None
+            sink(GenerationOutput(request.request_id, [1000 + i + shift], "" if stop else text, last, reason,
+                                  prompt, cached, i + 1))
+            if last:
+                return
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_started(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if not server.started:
+        raise RuntimeError("uvicorn did not start")
+
+
+class Served:
+    def __init__(self, engine: FakeEngine, metrics: FrontendMetrics, base_url: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.base_url = base_url
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def served(fake_engine: FakeEngine) -> Iterator[Served]:
+    """The frontend over `fake_engine` (model name "fake") served by uvicorn on a free port; always stopped."""
+    metrics = FrontendMetrics.create(CollectorRegistry())
+    app = build_app({"fake": fake_engine}, metrics)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait_started(server, thread)
+        yield Served(fake_engine, metrics, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
