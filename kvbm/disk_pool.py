@@ -19,7 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ class DiskPool:
     def __init__(
         self, disk_path: Path, fingerprint: str, block_bytes: int, num_slots: int,
         metrics: KVBMMetrics | None = None, fsync: bool = False,
+        on_evict: Callable[[list[BlockHash]], None] | None = None,
     ) -> None:
         if num_slots < 1:
             raise DiskPoolError(f"G3 at {disk_path} needs at least one slot; raise disk_cache_gb")
@@ -60,6 +61,7 @@ class DiskPool:
         self._pad = np.empty(self.slot_stride - block_bytes, dtype=np.uint8)  # skipped tail of a slot
         self.metrics = metrics
         self.fsync = fsync
+        self.on_evict = on_evict  # told about blocks that leave (LRU victims, corrupt blocks)
         self._lock_fd = os.open(self.dir / "lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -131,6 +133,8 @@ class DiskPool:
         if victim is None:
             return None
         self._write_record(victim[1], 0, 0, 0)
+        if self.on_evict is not None:
+            self.on_evict([victim[0]])
         return victim[1]
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
@@ -197,6 +201,8 @@ class DiskPool:
         self._lru.remove(block_hash)
         self._write_record(slot, 0, 0, 0)
         self._free.append(slot)
+        if self.on_evict is not None:
+            self.on_evict([block_hash])
 
     def evict(self, num_blocks: int) -> list[BlockHash]:
         evicted: list[BlockHash] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class PrefixReport:
 
 
 class KVIndex:
-    """In-process index (embedded mode, and the core of the standalone service). Not thread-safe: one owner."""
+    """In-process index (embedded mode, and the core of the standalone service); one lock guards every call."""
 
     def __init__(self, max_workers: int = 64, metrics: KVBMMetrics | None = None) -> None:
         self.max_workers = max_workers
@@ -70,6 +71,7 @@ class KVIndex:
         self._live = 0
         self._plane = (1 << max_workers) - 1
         self._g4_bit = 1 << (3 * max_workers)
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._masks)
@@ -80,11 +82,15 @@ class KVIndex:
 
     def register_worker(self, worker_id: str) -> int:
         """Slot of a worker, allocating one (sweeping retired slots if none is free)."""
+        with self._lock:
+            return self._register(worker_id)
+
+    def _register(self, worker_id: str) -> int:
         slot = self._slot_of.get(worker_id)
         if slot is not None:
             return slot
         if not self._free and self._retired:
-            self.sweep()
+            self._sweep()
         if not self._free:
             raise RuntimeError(f"KVIndex is full: {self.max_workers} live workers (raise max_workers)")
         slot = self._free.pop()
@@ -95,6 +101,10 @@ class KVIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget everything a worker holds in G1..G3 (lease expired); O(1), bits are swept later."""
+        with self._lock:
+            self._remove(worker_id)
+
+    def _remove(self, worker_id: str) -> None:
         slot = self._slot_of.pop(worker_id, None)
         if slot is None:
             return
@@ -106,6 +116,10 @@ class KVIndex:
 
     def sweep(self) -> None:
         """Clear retired slots' bits from every entry and free those slots (O(indexed blocks))."""
+        with self._lock:
+            self._sweep()
+
+    def _sweep(self) -> None:
         retired = self._retired
         if not retired:
             return
@@ -128,7 +142,13 @@ class KVIndex:
         self.apply(event)
 
     def apply(self, event: TierEvent) -> None:
-        slot = self.register_worker(event.worker_id)
+        with self._lock:
+            self._apply(event)
+
+    def _apply(self, event: TierEvent) -> None:
+        if event.kind == "removed" and event.tier != G4 and event.worker_id not in self._slot_of:
+            return  # a worker we already forgot
+        slot = self._register(event.worker_id)
         if event.kind in ("removed", "moved"):
             tier = event.from_tier if event.kind == "moved" else event.tier
             self._clear(event.block_hashes, self._bit(tier, slot))
@@ -161,6 +181,10 @@ class KVIndex:
 
     def query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
         """Per live worker the cumulative leading prefix per tier, and the leading prefix in G4 (blocks)."""
+        with self._lock:
+            return self._query(block_hashes)
+
+    def _query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
         width, plane, masks = self.max_workers, self._plane, self._masks
         alive1 = alive2 = alive3 = self._live
         ends: list[tuple[int, int, int]] = []  # (tier index, slot bits, prefix length)

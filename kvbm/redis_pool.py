@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -37,12 +37,13 @@ class RedisPool:
 
     def __init__(
         self, link: RedisLink, fingerprint: str, block_bytes: int, capacity_blocks: int = 0, ttl_s: int = 0,
-        metrics: KVBMMetrics | None = None,
+        metrics: KVBMMetrics | None = None, on_evict: Callable[[list[BlockHash]], None] | None = None,
     ) -> None:
         self.link = link
         self.block_bytes = block_bytes
         self.ttl_s = ttl_s or None
         self.metrics = metrics
+        self.on_evict = on_evict  # told about blocks our LRU bound deletes
         self._capacity = capacity_blocks
         tag = layout_tag(fingerprint)
         self._layout = int(tag, 16)
@@ -96,9 +97,13 @@ class RedisPool:
 
     def _trim(self, r, excess: int) -> list[BlockHash]:
         oldest = [member for member, _ in r.zpopmin(self._lru_key, excess)]
-        if oldest:
-            r.delete(*(self._prefix + member for member in oldest))
-        return [BlockHash(int(member, 16)) for member in oldest]
+        if not oldest:
+            return []
+        r.delete(*(self._prefix + member for member in oldest))
+        evicted = [BlockHash(int(member, 16)) for member in oldest]
+        if self.on_evict is not None:
+            self.on_evict(evicted)
+        return evicted
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
         if not block_hashes:

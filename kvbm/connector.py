@@ -1,0 +1,204 @@
+"""`KVBMConnector`: the engine's KVConnector over G2 host shm, G3 disk and G4 Redis (the per-worker KVBM agent).
+
+Policies:
+  offload   G1 eviction -> G2 (or G3 when there is no G2, or G4 when there is no local tier);
+            with `write_through` every offloaded block is also written to G4.
+  spill     a block G2 evicts goes to G3 if it was used at least `disk_min_uses` times, else it is dropped.
+  onboard   each block comes from the fastest tier holding it, one batched transfer per tier (G2 memcpy,
+            G3 preadv of consecutive slots, G4 one MGET pipeline); the engine gets the leading run of valid
+            blocks, so a checksum failure in the middle turns the rest of the prefix into prefill work.
+Events: every change of what this worker holds (G1 from the engine's events, G2/G3/G4 from the tiers) is
+published to `events` (the embedded `KVIndex` or a Redis Stream publisher) as `TierEvent`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvbm.block_hash import BlockHash
+from kvbm.config import KVBMConfig
+from kvbm.disk_pool import DiskPool
+from kvbm.events import G1, G2, G3, G4, EventSink, TierEvent
+from kvbm.host_pool import EvictedBlock, HostPool
+from kvbm.metrics import KVBMMetrics
+from kvbm.redis_link import RedisLink
+from kvbm.redis_pool import RedisPool
+from kvbm.tier import BlockTier
+from server.engine.kv_connector import BlockEvent, BlockRemoved, BlockStored, KVLayout
+
+log = logging.getLogger(__name__)
+
+
+def block_rows(kv_cache: torch.Tensor, num_blocks: int) -> np.ndarray:
+    """[num_blocks, block_bytes] uint8 numpy view sharing memory with the engine's KV pool."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        raise ValueError("KVBMConnector.bind: kv_cache must be a contiguous CPU tensor (block-major layout)")
+    return kv_cache.view(torch.uint8).reshape(num_blocks, -1).numpy()
+
+
+class KVBMConnector:
+    """Implements `server.engine.kv_connector.KVConnector`. All calls come from the engine thread."""
+
+    def __init__(
+        self, config: KVBMConfig, worker_id: str = "worker-0", metrics: KVBMMetrics | None = None,
+        events: EventSink | None = None, shm_dir: Path = Path("/dev/shm"),
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.worker_id = worker_id
+        self.metrics = metrics if metrics is not None else KVBMMetrics()
+        self.events = events
+        self.shm_dir = shm_dir
+        self.g2: HostPool | None = None
+        self.g3: DiskPool | None = None
+        self.g4: RedisPool | None = None
+        self._g1: set[BlockHash] = set()
+
+    @property
+    def tiers(self) -> list[BlockTier]:
+        """Configured tiers below G1, fastest first."""
+        return [tier for tier in (self.g2, self.g3, self.g4) if tier is not None]
+
+    def bind(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self._rows = block_rows(kv_cache, kv_cache.shape[0])
+        cfg, bb = self.config, self.block_bytes
+        if cfg.host_cache_gb > 0:
+            self.g2 = HostPool(
+                cfg.cache_id, layout.fingerprint, bb, cfg.capacity_blocks(cfg.host_cache_gb, bb),
+                owner=self.worker_id, spill=self._spill, shm_dir=self.shm_dir,
+            )
+        if cfg.disk_cache_gb > 0:
+            self.g3 = DiskPool(
+                cfg.disk_path, layout.fingerprint, bb, cfg.capacity_blocks(cfg.disk_cache_gb, bb),
+                metrics=self.metrics, fsync=cfg.disk_fsync, on_evict=lambda hs: self._publish("removed", G3, hs),
+            )
+        if cfg.redis_url:
+            link = RedisLink(cfg.redis_url, self.metrics)
+            self.g4 = RedisPool(
+                link, layout.fingerprint, bb, cfg.capacity_blocks(cfg.redis_cache_gb, bb), cfg.redis_ttl_s,
+                metrics=self.metrics, on_evict=lambda hs: self._publish("removed", G4, hs),
+            )
+        for tier in self.tiers:
+            self.metrics.set_capacity(tier.name, tier.capacity_blocks, bb)
+        log.info("kvbm %s bound: block %d bytes, tiers %s", self.worker_id, bb, [t.name for t in self.tiers])
+        self.announce()
+
+    def _publish(self, kind: str, tier: int, block_hashes: Sequence[BlockHash], from_tier: int = 0,
+                 worker_id: str | None = None) -> None:
+        if self.events is None or not block_hashes:
+            return
+        ttl = self.config.redis_ttl_s if tier == G4 else 0
+        event = TierEvent(worker_id or self.worker_id, kind, tier, tuple(block_hashes), from_tier, ttl)  # type: ignore[arg-type]
+        self.events.publish(event)
+
+    def announce(self) -> None:
+        """Publish everything this worker holds (after bind, and when the KVBM service restarts)."""
+        self._publish("stored", G1, sorted(self._g1))
+        if self.g2 is not None:
+            self._publish("stored", G2, self.g2.owned_hashes(self.worker_id))
+        if self.g3 is not None:
+            self._publish("stored", G3, self.g3.hashes())
+
+    def _locate(self, block_hashes: Sequence[BlockHash], count_hits: bool) -> list[BlockTier | None]:
+        """Fastest tier holding each block (None: nowhere). Each tier is asked only about blocks not found above."""
+        source: list[BlockTier | None] = [None] * len(block_hashes)
+        remaining = list(range(len(block_hashes)))
+        for tier in self.tiers:
+            if not remaining:
+                break
+            found = tier.contains([block_hashes[i] for i in remaining])
+            hits = sum(found)
+            if count_hits:
+                self.metrics.hits.labels(tier.name).inc(hits)
+                self.metrics.misses.labels(tier.name).inc(len(found) - hits)
+            for i, hit in zip(remaining, found, strict=True):
+                if hit:
+                    source[i] = tier
+            remaining = [i for i, hit in zip(remaining, found, strict=True) if not hit]
+        return source
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        source = self._locate(block_hashes, count_hits=True)
+        return next((i for i, tier in enumerate(source) if tier is None), len(source))
+
+    def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        source = self._locate(block_hashes, count_hits=False)
+        valid = [False] * len(block_hashes)
+        for tier in self.tiers:
+            picked = [i for i, s in enumerate(source) if s is tier]
+            if not picked:
+                continue
+            start = time.perf_counter()
+            ok = tier.get([block_hashes[i] for i in picked], [self._rows[block_ids[i]] for i in picked])
+            self.metrics.record_transfer(
+                f"{tier.name}->G1", sum(ok), sum(ok) * self.block_bytes, time.perf_counter() - start
+            )
+            for i, good in zip(picked, ok, strict=True):
+                valid[i] = good
+            if not all(ok):
+                self.metrics.misses.labels(tier.name).inc(len(ok) - sum(ok))
+        return next((i for i, good in enumerate(valid) if not good), len(valid))
+
+    def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        blocks = [self._rows[block_id] for block_id in block_ids]
+        local = self.g2 if self.g2 is not None else self.g3
+        if local is not None:
+            self._offload_to(local, block_hashes, blocks)
+        if self.g4 is not None and (self.config.write_through or local is None):
+            present = self.g4.contains(block_hashes)
+            missing = [i for i, here in enumerate(present) if not here]
+            self._offload_to(self.g4, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
+        self._update_used()
+
+    def _offload_to(self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]) -> None:
+        if not block_hashes:
+            return
+        start = time.perf_counter()
+        if isinstance(tier, HostPool):
+            stored, _ = tier.put_evicting(block_hashes, blocks)
+        else:
+            stored = list(block_hashes[: tier.put(block_hashes, blocks)])
+        elapsed = time.perf_counter() - start
+        self.metrics.record_transfer(f"G1->{tier.name}", len(stored), len(stored) * self.block_bytes, elapsed)
+        self._publish("stored", int(tier.name[1]), stored)
+
+    def _spill(self, evicted: EvictedBlock) -> None:
+        """G2 is about to reuse the slot of `evicted` (called by HostPool.put, payload still intact)."""
+        owner = evicted.owner or self.worker_id
+        if self.g3 is None or evicted.uses < self.config.disk_min_uses:
+            self._publish("removed", G2, [evicted.block_hash], worker_id=owner)
+            return
+        start = time.perf_counter()
+        stored = self.g3.put([evicted.block_hash], [evicted.payload])
+        self.metrics.record_transfer("G2->G3", stored, stored * self.block_bytes, time.perf_counter() - start)
+        if owner == self.worker_id and stored:
+            self._publish("moved", G3, [evicted.block_hash], from_tier=G2)
+        else:
+            self._publish("removed", G2, [evicted.block_hash], worker_id=owner)
+            self._publish("stored", G3, [evicted.block_hash][:stored])
+
+    def on_event(self, event: BlockEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._g1.add(event.block_hash)
+            self._publish("stored", G1, [event.block_hash])
+        elif isinstance(event, BlockRemoved):
+            self._g1.difference_update(event.block_hashes)
+            self._publish("removed", G1, event.block_hashes)
+
+    def _update_used(self) -> None:
+        for tier in (self.g2, self.g3):
+            if tier is not None:
+                self.metrics.set_used(tier.name, tier.used_blocks, self.block_bytes)
+
+    def close(self) -> None:
+        """Release files and connections; the G2 segment stays for the node's other workers."""
+        for tier in self.tiers:
+            tier.close()
