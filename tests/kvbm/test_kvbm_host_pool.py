@@ -1,0 +1,79 @@
+"""G2 host pool: shared-memory slots, set-associative LRU, pins, spill callback."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvbm.block_hash import BlockHash
+from kvbm.host_pool import HostPool
+
+BLOCK = 1000  # bytes, deliberately not a page multiple
+
+
+def blocks(values: range) -> list[np.ndarray]:
+    return [np.full(BLOCK, v % 256, dtype=np.uint8) for v in values]
+
+
+def test_round_trip_is_byte_identical(cache_id: str) -> None:
+    pool = HostPool(cache_id, "fp", BLOCK, 16)
+    data = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(10)]
+    hashes = [BlockHash(1000 + i) for i in range(10)]
+    assert pool.put(hashes, data) == 10
+    dests = [np.zeros(BLOCK, np.uint8) for _ in range(10)]
+    assert pool.get(hashes, dests) == [True] * 10
+    assert all(np.array_equal(a, b) for a, b in zip(data, dests, strict=True))
+    assert pool.used_blocks == 10
+    pool.destroy()
+
+
+def test_lru_evicts_least_recently_used_and_spills_intact_payload(cache_id: str) -> None:
+    spilled: list[tuple[int, int, int]] = []
+    pool = HostPool(cache_id, "fp", BLOCK, 4, owner="w0")
+    pool.spill = lambda e: spilled.append((e.block_hash, int(e.payload[0]), e.uses))
+    pool.put([BlockHash(h) for h in range(4)], blocks(range(4)))
+    pool.get([BlockHash(0)], [np.zeros(BLOCK, np.uint8)])  # 0 becomes most recent, used twice
+    pool.put([BlockHash(10)], blocks(range(10, 11)))
+    assert spilled == [(1, 1, 1)]
+    assert pool.contains([BlockHash(h) for h in (0, 1, 2, 3, 10)]) == [True, False, True, True, True]
+    pool.destroy()
+
+
+def test_pinned_block_is_never_evicted(cache_id: str) -> None:
+    pool = HostPool(cache_id, "fp", BLOCK, 2)
+    pool.put([BlockHash(1), BlockHash(2)], blocks(range(1, 3)))
+    pool._slots["pins"][:] = 1  # as if two onboards were in flight
+    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == 0
+    assert pool.contains([BlockHash(1), BlockHash(2)]) == [True, True]
+    pool._slots["pins"][:] = 0
+    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == 1
+    pool.destroy()
+
+
+def test_two_handles_share_one_segment(cache_id: str) -> None:
+    writer = HostPool(cache_id, "fp", BLOCK, 8, owner="a")
+    reader = HostPool(cache_id, "fp", BLOCK, 8, owner="b")
+    writer.put([BlockHash(7)], blocks(range(7, 8)))
+    dest = np.zeros(BLOCK, np.uint8)
+    assert reader.get([BlockHash(7)], [dest]) == [True] and dest[0] == 7
+    assert reader.owned_hashes("a") == [7] and reader.owned_hashes("b") == []
+    reader.close()
+    writer.destroy()
+
+
+def test_other_layout_gets_another_segment(cache_id: str) -> None:
+    one = HostPool(cache_id, "model-a", BLOCK, 8)
+    two = HostPool(cache_id, "model-b", BLOCK, 8)
+    one.put([BlockHash(5)], blocks(range(5, 6)))
+    assert one.path != two.path
+    assert two.contains([BlockHash(5)]) == [False]
+    one.destroy()
+    two.destroy()
+
+
+def test_evict_returns_oldest(cache_id: str) -> None:
+    pool = HostPool(cache_id, "fp", BLOCK, 8)
+    pool.put([BlockHash(h) for h in (1, 2, 3)], blocks(range(3)))
+    assert pool.evict(2) == [1, 2]
+    assert pool.contains([BlockHash(h) for h in (1, 2, 3)]) == [False, False, True]
+    pool.destroy()
+

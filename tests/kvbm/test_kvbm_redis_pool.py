@@ -1,0 +1,103 @@
+"""G4 Redis pool against a real redis-server: round trip, verification, capacity, TTL, outage and recovery."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import redis
+from kvbm_testing import RedisServer
+
+from kvbm.block_hash import BlockHash
+from kvbm.metrics import KVBMMetrics
+from kvbm.redis_link import RedisLink
+from kvbm.redis_pool import RedisPool
+
+BLOCK = 4096
+
+
+def data(count: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(count)]
+
+
+def pool_for(url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, **kwargs) -> RedisPool:
+    return RedisPool(RedisLink(url, metrics, timeout_s=0.5), fingerprint, BLOCK, metrics=metrics, **kwargs)
+
+
+def read(pool: RedisPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarray]]:
+    dests = [np.zeros(BLOCK, np.uint8) for _ in hashes]
+    return pool.get([BlockHash(h) for h in hashes], dests), dests
+
+
+def test_round_trip(redis_url: str) -> None:
+    pool = pool_for(redis_url)
+    blocks = data(3)
+    assert pool.put([BlockHash(h) for h in (1, 2, 3)], blocks) == 3
+    assert pool.contains([BlockHash(h) for h in (1, 2, 3, 4)]) == [True, True, True, False]
+    ok, dests = read(pool, [3, 4, 1])
+    assert ok == [True, False, True]
+    assert np.array_equal(dests[0], blocks[2]) and np.array_equal(dests[2], blocks[0])
+
+
+def test_corrupted_value_is_a_miss_and_a_metric(redis_url: str) -> None:
+    metrics = KVBMMetrics()
+    pool = pool_for(redis_url, metrics=metrics)
+    pool.put([BlockHash(1), BlockHash(2)], data(2))
+    client = redis.Redis.from_url(redis_url)
+    value = bytearray(client.get(pool.key(BlockHash(1))))
+    value[100] ^= 0xFF
+    client.set(pool.key(BlockHash(1)), bytes(value))
+    client.set(pool.key(BlockHash(2)), b"short")
+    ok, dests = read(pool, [1, 2])
+    assert ok == [False, False] and not dests[0].any()
+    assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G4"}) == 2
+
+
+def test_other_layout_never_reads_these_blocks(redis_url: str) -> None:
+    pool_for(redis_url, "model-a").put([BlockHash(1)], data(1))
+    other = pool_for(redis_url, "model-b")
+    assert other.contains([BlockHash(1)]) == [False]
+    assert read(other, [1])[0] == [False]
+
+
+def test_capacity_trims_least_recently_used(redis_url: str) -> None:
+    evicted: list[int] = []
+    pool = pool_for(redis_url, capacity_blocks=3, on_evict=evicted.extend)
+    pool.put([BlockHash(1), BlockHash(2), BlockHash(3)], data(3))
+    time.sleep(0.01)  # the LRU score has wall-clock resolution
+    read(pool, [1])
+    pool.put([BlockHash(4)], data(1))
+    assert evicted == [2]
+    assert pool.contains([BlockHash(h) for h in (1, 2, 3, 4)]) == [True, False, True, True]
+
+
+def test_ttl_is_set(redis_url: str) -> None:
+    pool = pool_for(redis_url, ttl_s=30)
+    pool.put([BlockHash(1)], data(1))
+    assert 0 < redis.Redis.from_url(redis_url).ttl(pool.key(BlockHash(1))) <= 30
+
+
+def test_outage_is_skipped_and_recovers() -> None:
+    server = RedisServer()
+    server.start()
+    try:
+        metrics = KVBMMetrics()
+        pool = pool_for(server.url, metrics=metrics)
+        blocks = data(2)
+        pool.put([BlockHash(1)], blocks[:1])
+        server.stop()
+        started = time.monotonic()
+        assert pool.put([BlockHash(2)], blocks[1:]) == 0
+        assert read(pool, [1])[0] == [False]
+        assert pool.contains([BlockHash(1)]) == [False]
+        assert time.monotonic() - started < 3.0  # no retry storm: down calls return at once
+        assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
+        server.start()
+        deadline = time.monotonic() + 20
+        while pool.put([BlockHash(2)], blocks[1:]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read(pool, [2])[0] == [True]
+        assert metrics.registry.get_sample_value("kvbm_redis_up") == 1
+    finally:
+        server.stop()
