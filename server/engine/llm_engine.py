@@ -1,0 +1,293 @@
+"""The in-process engine: a background thread runs scheduler steps while there is work and sleeps otherwise.
+
+Threads: callers use `submit` / `abort` (any thread); they only touch the inbox under `_cond`. Everything else
+(scheduler, block manager, pool, sinks) belongs to the engine thread, which drains the inbox between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from kvbm.block_hash import model_salt
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.engine.block_manager import BlockManager
+from server.engine.config import EngineConfig
+from server.engine.detokenizer import Detokenizer
+from server.engine.kv_connector import KVConnector, KVLayout
+from server.engine.loader import ModelFiles, load_config, load_weights, prepare_model
+from server.engine.model import LlamaModel, ModelShape
+from server.engine.model_runner import ModelRunner
+from server.engine.sampler import Sampler
+from server.engine.scheduler import ScheduledChunk, Scheduler
+from server.engine.sequence import Sequence as Seq
+from server.engine.sequence import SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """KV pool occupancy, in blocks, plus queue lengths (sequences) and preemptions so far."""
+
+    num_blocks: int
+    num_free_blocks: int  # not referenced by a request (cached ones included)
+    num_cached_blocks: int  # findable by prefix hash
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Implements `server.engine.api.Engine`. Build with `LLMEngine(EngineConfig(...))` or `LLMEngine.from_json`."""
+
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
+        self.config = config
+        if config.num_threads and config.torch_device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        started = time.monotonic()
+        self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
+        hf_config = load_config(self.files)
+        shape = ModelShape.from_config(hf_config)
+        self.model = LlamaModel(shape, load_weights(self.files), config.torch_dtype, config.torch_device)
+        self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
+        self._chat_tokenizer = None
+        self.model_name = config.model_name or self.files.name
+        self.max_model_len = min(config.max_model_len, shape.max_position_embeddings)
+        self.layout = KVLayout(
+            fingerprint=f"{self.files.name}|{config.dtype}|bs{config.block_size}"
+            f"|l{shape.num_layers}h{shape.num_kv_heads}d{shape.head_dim}",
+            num_layers=shape.num_layers, block_size=config.block_size, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, dtype=config.torch_dtype,
+        )  # fmt: skip
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // self.layout.block_bytes)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, connector)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_concurrent_requests)
+        self.eos_token_ids = _eos_ids(hf_config)
+        self.sampler = Sampler(self.eos_token_ids, self.model.device)
+        self.salt = model_salt(self.layout.fingerprint)
+        if connector is not None:
+            connector.bind(self.runner.kv_cache, self.layout)
+        self._cond = threading.Condition()
+        self._inbox: list[Seq] = []
+        self._abort_ids: list[RequestId] = []
+        self._active: dict[RequestId, Seq] = {}  # guarded by _cond: ids submitted and not yet finished
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self._thread.start()
+        log.info("engine %s ready in %.2f s: %d KV blocks of %d tokens on %s (%s)", self.model_name,
+                 time.monotonic() - started, num_blocks, config.block_size, self.model.device, config.dtype)
+
+    @classmethod
+    def from_json(cls, path: str, connector: KVConnector | None = None) -> LLMEngine:
+        """Build from a `model_repository/<model>/1/model.json`."""
+        return cls(EngineConfig.from_json(path), connector)
+
+    # ---- caller side (any thread) ----
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, ending with the assistant prompt."""
+        if self._chat_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._chat_tokenizer = AutoTokenizer.from_pretrained(self.files.folder, local_files_only=True)
+        rendered = self._chat_tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return self._chat_tokenizer.encode(rendered, add_special_tokens=False)
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self._validate(request)
+        params = request.sampling
+        seq = Seq(
+            request_id=request.request_id, token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids), sampling=params, sink=sink,
+            detokenizer=Detokenizer(self.tokenizer, params.stop), block_size=self.config.block_size,
+            salt=self.salt, generator=_generator(params.seed, self.model.device),
+        )  # fmt: skip
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine is shut down")
+            if request.request_id in self._active:
+                raise RequestError("request_id", f"{request.request_id!r} is already running")
+            self._active[request.request_id] = seq
+            self._inbox.append(seq)
+            self._cond.notify()
+
+    def _validate(self, request: GenerationRequest) -> None:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise RequestError("prompt", "must contain at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError("prompt", f"{len(prompt)} tokens; must be under max_model_len {self.max_model_len}")
+        vocab = self.model.shape.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        request.sampling.validate(self.config.max_tokens_limit)
+        pool_tokens = self.block_manager.num_blocks * self.config.block_size
+        if len(prompt) + 1 > pool_tokens:
+            raise RequestError("prompt", f"{len(prompt)} tokens do not fit the KV pool ({pool_tokens} tokens)")
+        if min(len(prompt) + request.sampling.max_tokens, self.max_model_len) > pool_tokens:
+            raise RequestError("max_tokens", f"prompt + max_tokens must fit the KV pool ({pool_tokens} tokens)")
+
+    def abort(self, request_id: RequestId) -> None:
+        with self._cond:
+            if request_id in self._active:
+                self._abort_ids.append(request_id)
+                self._cond.notify()
+
+    def stats(self) -> PoolStats:
+        """A snapshot (read without locking: counts may be one step stale)."""
+        manager = self.block_manager
+        return PoolStats(manager.num_blocks, manager.num_free_blocks, manager.num_cached_blocks,
+                         len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.num_preemptions)
+
+    def is_idle(self) -> bool:
+        """True when no request is queued, running or unfinished."""
+        with self._cond:
+            return not self._active
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; unfinished requests get finish_reason "abort"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- engine thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._abort_ids or self._stopping or self.scheduler.has_work()):
+                    self._cond.wait()
+                new, self._inbox = self._inbox, []
+                aborts, self._abort_ids = self._abort_ids, []
+                stopping = self._stopping
+            for seq in new:
+                self.scheduler.add(seq)
+            for request_id in aborts:
+                self._abort(request_id)
+            if stopping:
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(seq, "abort")
+                return
+            self._step()
+
+    def _abort(self, request_id: RequestId) -> None:
+        seq = self._active.get(request_id)
+        if seq is not None and seq.status is not SequenceStatus.FINISHED:
+            self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        chunks: list[ScheduledChunk] = []
+        try:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return
+            logits = self.runner.run(chunks)
+            self._postprocess(chunks, logits)
+        except Exception as err:
+            log.exception("engine step failed; failing its %d requests", len(chunks))
+            # a failure while scheduling names no chunk: fail every queued request rather than spin on it
+            affected = [c.seq for c in chunks] or list(self.scheduler.running) + list(self.scheduler.waiting)
+            for seq in affected:
+                if seq.status is not SequenceStatus.FINISHED:
+                    self._finish(seq, "error", error=f"internal engine error ({type(err).__name__})")
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        sampling = []
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.register_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        if not sampling:
+            return
+        for seq, token_id in zip(sampling, self.sampler(logits, sampling), strict=True):
+            seq.append_token(token_id)
+            reason = self._check_stop(seq, token_id)
+            if reason:
+                self._finish(seq, reason)
+            else:
+                self._emit(seq, finished=False)
+
+    def _check_stop(self, seq: Seq, token_id: int) -> str | None:
+        params = seq.sampling
+        if seq.num_output_tokens > params.min_tokens - 1 and (
+            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if seq.detokenizer.add_token(token_id):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, seq: Seq, finished: bool, reason: str | None = None, error: str | None = None) -> None:
+        new_ids = seq.output_token_ids[seq.num_reported_tokens :]
+        text = seq.detokenizer.take_text(finished)
+        if not (new_ids or text or finished):
+            return
+        seq.num_reported_tokens = seq.num_output_tokens
+        output = GenerationOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
+            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens, error=error,
+        )  # fmt: skip
+        try:
+            seq.sink(output)
+        except Exception:
+            log.exception("sink of request %s failed; aborting it", seq.request_id)
+            if not finished:
+                self._finish(seq, "abort")
+
+    def _finish(self, seq: Seq, reason: str, error: str | None = None) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        with self._cond:
+            self._active.pop(seq.request_id, None)
+        self._emit(seq, finished=True, reason=reason, error=error)
+
+
+def _eos_ids(hf_config: dict) -> list[int]:
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+def _path(value: str):
+    from pathlib import Path
+
+    return Path(value).expanduser()

@@ -1,0 +1,233 @@
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2) in plain torch, reading and writing a paged KV pool.
+
+Tokens of one step are flattened into one row dimension T: decode tokens first (one per sequence), then the prefill
+chunks one after another. Linear layers run on all T rows at once; attention runs once for the decode rows (batched
+over their block tables) and once per prefill chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """The numbers of a Llama-family config.json that the forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2, mistral)")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope_type not in ("default", None) else None,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or config.get("attention_bias", False),
+        )
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's prompt chunk: rows [start, start+length) of the step; `context_len` tokens already cached."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks needed for context_len + length] int64
+    mask: torch.Tensor | None  # [length, num_blocks*block_size] bool, None when context_len == 0
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything the forward needs for one step, built once per step as tensors.
+
+    Invariant: rows [0, num_decode) are decode tokens, the prefill chunks follow in order; `slot_blocks` and
+    `slot_offsets` name where row i's K/V is written; `logits_rows` are the rows whose next-token logits are wanted.
+    """
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_blocks: torch.Tensor  # [T] int64
+    slot_offsets: torch.Tensor  # [T] int64
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks*block_size] bool
+    prefills: list[PrefillChunk]
+    logits_rows: torch.Tensor  # [S] int64
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]: q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up
+    down: torch.Tensor
+
+
+def _rope_inv_freq(shape: ModelShape) -> torch.Tensor:
+    """Inverse frequencies (fp32), with llama3 / linear scaling applied when the config asks for it."""
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = shape.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (linear, llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaModel:
+    """Weights plus the forward; the KV pool is owned by the caller and passed to `forward`."""
+
+    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+        self.shape = shape
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        tied = shape.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.layers = [self._layer(get, weights, i) for i in range(shape.num_layers)]
+        positions = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, _rope_inv_freq(shape))
+        table = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = table.cos().to(device=self.device, dtype=dtype)
+        self.rope_sin = table.sin().to(device=self.device, dtype=dtype)
+        self.scale = shape.head_dim**-0.5
+
+    def _layer(self, get, weights: dict, i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        bias = None
+        if self.shape.qkv_bias:
+            bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        return LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"),
+            qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=bias,
+            o_proj=get(p + "self_attn.o_proj.weight"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down=get(p + "mlp.down_proj.weight"),
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step; write K/V of every row into `kv_cache`; return logits [S, vocab] (fp32) for logits_rows."""
+        s = self.shape
+        hidden = self.embed[batch.token_ids]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for index, layer in enumerate(self.layers):
+            x = self._rms_norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
+            k_cache[batch.slot_blocks, batch.slot_offsets] = k
+            v_cache[batch.slot_blocks, batch.slot_offsets] = v
+            attn = self._attention(batch, q, k, v, k_cache, v_cache)
+            hidden = hidden + F.linear(attn, layer.o_proj)
+            x = self._rms_norm(hidden, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = self._rms_norm(hidden[batch.logits_rows], self.norm)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, batch: StepBatch, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own."""
+        s = self.shape
+        out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
+        nd = batch.num_decode
+        if nd:
+            keys = _gather(k_cache, batch.decode_block_tables)
+            values = _gather(v_cache, batch.decode_block_tables)
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), keys, values, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+            )
+            out[:nd] = o.view(nd, -1)
+        for chunk in batch.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            query = q[rows].transpose(0, 1).unsqueeze(0)
+            if chunk.context_len == 0:
+                keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                table = chunk.block_table.unsqueeze(0)
+                keys, values = _gather(k_cache, table), _gather(v_cache, table)
+                o = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
+                )
+            out[rows] = o[0].transpose(0, 1).reshape(chunk.length, -1)
+        return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block ids -> [B, Hkv, nb*block_size, D] keys or values (a copy, in token order)."""
+    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D]
+    b, nb, bs, h, d = blocks.shape
+    return blocks.view(b, nb * bs, h, d).transpose(1, 2)

@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest first: a decoding
+sequence takes 1 token, a sequence still in its prompt takes the next chunk. If the pool cannot hold a running
+sequence's next tokens, the newest running sequence is preempted (blocks freed, recomputed later from its tokens;
+its full blocks stay in the prefix cache, so the recompute is mostly a cache hit). Waiting sequences are admitted,
+in arrival order, while the budget, `max_concurrent_requests` and the pool allow, and never in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from server.engine.block_manager import BlockManager
+from server.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at its `num_computed_tokens`, computed this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_concurrent: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_concurrent = max_concurrent
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+                preempted = True
+                self._preempt(self.running.pop())
+                if seq.status is SequenceStatus.WAITING:
+                    break
+            if seq.status is SequenceStatus.WAITING:
+                break
+            chunks.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_concurrent:
+            num_tokens = self._admit(self.waiting[0], budget)
+            if num_tokens == 0:
+                break
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+        return chunks
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take the sequence's cached prefix (G1, then lower tiers) and room for its first chunk; 0 if no room."""
+        manager, block_size = self.block_manager, self.block_manager.block_size
+        hits = manager.match_prefix(seq)
+        room = manager.num_allocatable(hits)
+        manager.take(seq, hits)
+        onboarded = manager.onboard(seq, len(hits), max_blocks=room - 1)
+        seq.num_computed_tokens = (len(hits) + onboarded) * block_size
+        if seq.num_output_tokens == 0:  # a recompute after preemption does not change what the client sees
+            seq.num_cached_tokens = seq.num_computed_tokens
+        capacity = (len(seq.block_table) + manager.num_free_blocks) * block_size
+        num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget, capacity - seq.num_computed_tokens)
+        if num_tokens <= 0 or not manager.grow(seq, seq.num_computed_tokens + num_tokens):
+            manager.free(seq)
+            seq.num_computed_tokens = 0
+            return 0
+        return num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from whichever queue holds it and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

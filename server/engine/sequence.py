@@ -1,0 +1,68 @@
+"""One request's state inside the engine: its tokens, its blocks, how far its KV is computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvbm.block_hash import BlockHash, block_hashes, hash_block
+from server.engine.api import OutputSink, RequestId, SamplingParams
+from server.engine.detokenizer import Detokenizer
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Invariants: `num_computed_tokens <= len(token_ids)`; `block_table` covers at least the computed tokens;
+    `block_hashes[i]` is the chained hash of full block i of `token_ids` (every full block has one);
+    the first `num_registered_blocks` blocks of `block_table` were offered to the prefix cache."""
+
+    request_id: RequestId
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    sink: OutputSink
+    detokenizer: Detokenizer
+    block_size: int
+    salt: BlockHash
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from a cache at the last admission
+    num_registered_blocks: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_reported_tokens: int = 0  # output tokens already sent to the sink
+
+    def __post_init__(self) -> None:
+        self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token; hash the block it completes."""
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else self.salt
+            self.block_hashes.append(hash_block(parent, self.token_ids[-self.block_size :]))
+
+    def block_tokens(self, index: int) -> tuple[int, ...]:
+        """Token ids of full block `index`."""
+        return tuple(self.token_ids[index * self.block_size : (index + 1) * self.block_size])
