@@ -163,7 +163,11 @@ class KVBMConnector:
             return
         start = time.perf_counter()
         if isinstance(tier, HostPool):
-            stored, _ = tier.put_evicting(block_hashes, blocks)
+            result = tier.put_detailed(block_hashes, blocks)
+            stored = result.stored
+            if result.rejected and self.g3 is not None:  # G2 full of pinned/new blocks: go straight to disk
+                rejected = result.rejected
+                self._offload_to(self.g3, [block_hashes[i] for i in rejected], [blocks[i] for i in rejected])
         else:
             stored = list(block_hashes[: tier.put(block_hashes, blocks)])
         elapsed = time.perf_counter() - start

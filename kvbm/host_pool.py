@@ -68,6 +68,16 @@ class EvictedBlock:
 SpillFn = Callable[[EvictedBlock], None]
 
 
+@dataclass(slots=True)
+class PutResult:
+    """Outcome of one put: hashes newly stored, indexes of blocks with no free slot (every way of their set was
+    pinned, being written, or claimed earlier in this batch), and blocks evicted to make room."""
+
+    stored: list[BlockHash]
+    rejected: list[int]
+    evicted: list[EvictedBlock]
+
+
 def segment_path(shm_dir: Path, cache_id: str, fingerprint: str) -> Path:
     return Path(shm_dir) / f"strata-kvbm-{cache_id}-{layout_tag(fingerprint)}"
 
@@ -189,10 +199,10 @@ class HostPool:
             return -1
         return first + int(idle[np.argmin(rows["last_use"][idle])])
 
-    def _claim(self, block_hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, int]], list[EvictedBlock]]:
+    def _claim(self, block_hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, int]], PutResult]:
         """Under the lock: touch present blocks, claim a WRITING slot for each absent one (first occurrence)."""
         claims: list[tuple[int, int]] = []
-        evicted: list[EvictedBlock] = []
+        result = PutResult([], [], [])
         present = self._find(block_hashes, (READY, WRITING))
         claimed: set[int] = set()
         for index, (block_hash, slot) in enumerate(zip(block_hashes, present.tolist(), strict=True)):
@@ -203,10 +213,11 @@ class HostPool:
                 continue
             victim = self._victim(block_hash)
             if victim < 0:
+                result.rejected.append(index)
                 continue
             header = self._slots[victim]
             if int(header["state"]) == READY:
-                evicted.append(EvictedBlock(
+                result.evicted.append(EvictedBlock(
                     BlockHash(int(header["hash"])), self.payload(victim), int(header["uses"]),
                     bytes(header["owner"]).decode(errors="replace"),
                 ))
@@ -214,20 +225,19 @@ class HostPool:
             header["pid"], header["owner"], header["last_use"] = self._pid, self._owner, self._tick()
             claims.append((index, victim))
             claimed.add(block_hash)
-        return claims, evicted
+            result.stored.append(block_hash)
+        return claims, result
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        return len(self.put_evicting(block_hashes, blocks)[0])
+        return len(self.put_detailed(block_hashes, blocks).stored)
 
-    def put_evicting(
-        self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]
-    ) -> tuple[list[BlockHash], list[EvictedBlock]]:
-        """`put` that also returns (hashes newly stored, blocks evicted); spill runs before slots are reused."""
+    def put_detailed(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
+        """`put` that says what happened; `spill` runs for each evicted block before its slot is reused."""
         if not block_hashes:
-            return [], []
+            return PutResult([], [], [])
         with self._locked():
-            claims, evicted = self._claim(block_hashes)
-        for block in evicted:
+            claims, result = self._claim(block_hashes)
+        for block in result.evicted:
             if self.spill is not None:
                 self.spill(block)
         for index, slot in claims:
@@ -235,7 +245,7 @@ class HostPool:
         with self._locked():
             for _, slot in claims:
                 self._slots[slot]["state"] = READY
-        return [block_hashes[index] for index, _ in claims], evicted
+        return result
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
         if not block_hashes:

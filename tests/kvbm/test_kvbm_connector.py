@@ -1,0 +1,181 @@
+"""KVBMConnector over real tiers with a KV pool of the engine's layout filled with known data."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from kvbm_testing import RedisServer, make_kv_cache, small_layout
+
+from kvbm.block_hash import BlockHash
+from kvbm.config import GIB, KVBMConfig
+from kvbm.connector import KVBMConnector
+from kvbm.index import KVIndex
+from kvbm.metrics import KVBMMetrics
+from server.engine.kv_connector import BlockRemoved, BlockStored, KVLayout
+
+NUM_BLOCKS = 64
+
+
+def gb(blocks: int, layout: KVLayout) -> float:
+    return blocks * layout.block_bytes / GIB
+
+
+def connector(layout: KVLayout, cache_id: str, seed: int = 0, **config) -> tuple[KVBMConnector, torch.Tensor]:
+    kv_cache = make_kv_cache(layout, NUM_BLOCKS, seed)
+    config.setdefault("host_cache_gb", gb(16, layout))
+    kvbm = KVBMConnector(KVBMConfig(cache_id=cache_id, **config), metrics=KVBMMetrics(), events=KVIndex())
+    kvbm.bind(kv_cache, layout)
+    return kvbm, kv_cache
+
+
+def hashes(count: int, start: int = 1) -> list[BlockHash]:
+    return [BlockHash(start + i) for i in range(count)]
+
+
+def onboarded(kvbm: KVBMConnector, kv_cache: torch.Tensor, block_hashes: list[BlockHash], original: torch.Tensor):
+    """Onboard into the upper half of the pool (zeroed first); return (count, rows equal to the originals)."""
+    rows = list(range(NUM_BLOCKS // 2, NUM_BLOCKS // 2 + len(block_hashes)))
+    kv_cache[rows] = 0
+    count = kvbm.onboard(block_hashes, rows)
+    same = [torch.equal(kv_cache[row], original[i]) for i, row in enumerate(rows)]
+    return count, same
+
+
+def sample(kvbm: KVBMConnector, name: str, **labels: str) -> float:
+    return kvbm.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_g2_round_trip_is_byte_identical(cache_id: str, dtype: torch.dtype) -> None:
+    layout = KVLayout(f"m|{dtype}", 2, 4, 2, 8, dtype)
+    kvbm, kv_cache = connector(layout, cache_id)
+    block_hashes = hashes(8)
+    original = kv_cache[:8].clone()
+    kvbm.offload(block_hashes, list(range(8)))
+    assert kvbm.lookup(block_hashes + [BlockHash(999)]) == 8
+    assert onboarded(kvbm, kv_cache, block_hashes, original) == (8, [True] * 8)
+    assert sample(kvbm, "kvbm_onboard_blocks_total", direction="G2->G1") == 8
+    kvbm.close()
+
+
+def test_g2_eviction_spills_to_g3_and_onboard_reads_both(cache_id: str, tmp_path: Path, layout) -> None:
+    kvbm, kv_cache = connector(layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path)
+    block_hashes = hashes(24)
+    original = kv_cache[:24].clone()
+    for start in range(0, 24, 4):  # evictions come a few blocks at a time
+        kvbm.offload(block_hashes[start : start + 4], list(range(start, start + 4)))
+    assert kvbm.g2.used_blocks == 16 and kvbm.g3.used_blocks == 8
+    assert kvbm.lookup(block_hashes) == 24
+    assert onboarded(kvbm, kv_cache, block_hashes, original) == (24, [True] * 24)
+    assert sample(kvbm, "kvbm_onboard_blocks_total", direction="G3->G1") == 8
+    assert sample(kvbm, "kvbm_offload_blocks_total", direction="G2->G3") == 8
+    kvbm.close()
+
+
+def test_batch_larger_than_g2_overflows_to_g3(cache_id: str, tmp_path: Path, layout) -> None:
+    kvbm, kv_cache = connector(layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path)
+    original = kv_cache[:24].clone()
+    kvbm.offload(hashes(24), list(range(24)))
+    assert kvbm.g2.used_blocks == 16 and kvbm.g3.used_blocks == 8
+    assert onboarded(kvbm, kv_cache, hashes(24), original) == (24, [True] * 24)
+    kvbm.close()
+
+
+def test_disk_min_uses_keeps_single_use_blocks_off_disk(cache_id: str, tmp_path: Path, layout) -> None:
+    kvbm, _ = connector(layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path, disk_min_uses=2)
+    kvbm.offload(hashes(16), list(range(16)))
+    kvbm.onboard(hashes(4), [40, 41, 42, 43])  # blocks 1..4 used twice
+    kvbm.offload(hashes(16, start=101), list(range(16)))
+    assert sorted(kvbm.g3.hashes()) == hashes(4)
+    kvbm.close()
+
+
+def test_g4_write_through_round_trip(cache_id: str, redis_url: str, layout) -> None:
+    writer, kv_cache = connector(layout, cache_id, redis_url=redis_url, write_through=True)
+    block_hashes = hashes(8)
+    original = kv_cache[:8].clone()
+    writer.offload(block_hashes, list(range(8)))
+    writer.close()
+    reader, reader_cache = connector(layout, cache_id + "x", seed=1, host_cache_gb=0, redis_url=redis_url)
+    assert reader.lookup(block_hashes) == 8
+    assert onboarded(reader, reader_cache, block_hashes, original) == (8, [True] * 8)
+    assert sample(reader, "kvbm_onboard_blocks_total", direction="G4->G1") == 8
+    reader.close()
+
+
+def test_onboard_takes_each_block_from_fastest_tier(cache_id: str, tmp_path: Path, redis_url: str, layout) -> None:
+    kvbm, kv_cache = connector(
+        layout, cache_id, disk_cache_gb=gb(8, layout), disk_path=tmp_path, redis_url=redis_url, write_through=True
+    )
+    block_hashes = hashes(30)
+    original = kv_cache[:30].clone()
+    kvbm.offload(block_hashes, list(range(30)))  # G2 keeps 16, G3 the 8 latest spills, G4 all 30
+    assert onboarded(kvbm, kv_cache, block_hashes, original) == (30, [True] * 30)
+    per_tier = [sample(kvbm, "kvbm_onboard_blocks_total", direction=f"G{t}->G1") for t in (2, 3, 4)]
+    assert per_tier == [16, 8, 6]
+    kvbm.close()
+
+
+def test_lookup_stops_at_first_missing_block(cache_id: str, layout) -> None:
+    kvbm, _ = connector(layout, cache_id)
+    kvbm.offload([BlockHash(1), BlockHash(2), BlockHash(4)], [0, 1, 3])
+    assert kvbm.lookup(hashes(4)) == 2
+    assert kvbm.lookup([BlockHash(9)] + hashes(2)) == 0
+    kvbm.close()
+
+
+def test_different_layout_never_reads_another_layouts_blocks(cache_id: str, tmp_path: Path, redis_url: str) -> None:
+    config = dict(disk_cache_gb=gb(8, small_layout()), disk_path=tmp_path, redis_url=redis_url, write_through=True)
+    one, _ = connector(small_layout("model-a"), cache_id, **config)
+    one.offload(hashes(20), list(range(20)))
+    one.close()
+    two, _ = connector(small_layout("model-b"), cache_id, **config)
+    assert two.lookup(hashes(20)) == 0
+    assert two.onboard(hashes(4), [40, 41, 42, 43]) == 0
+    two.close()
+
+
+def test_events_feed_the_embedded_index(cache_id: str, tmp_path: Path, layout) -> None:
+    kvbm, _ = connector(layout, cache_id, disk_cache_gb=gb(8, layout), disk_path=tmp_path)
+    index: KVIndex = kvbm.events  # type: ignore[assignment]
+    block_hashes = hashes(20)
+    for block_hash in block_hashes[:4]:
+        kvbm.on_event(BlockStored(block_hash, None, (1, 2, 3, 4)))
+    for start in range(0, 20, 4):
+        kvbm.offload(block_hashes[start : start + 4], list(range(start, start + 4)))
+    report = index.query(block_hashes)
+    assert report.workers["worker-0"].g1 == 4
+    kvbm.on_event(BlockRemoved(tuple(block_hashes[:4])))
+    report = index.query(block_hashes)
+    prefix = report.workers["worker-0"]
+    assert (prefix.g1, prefix.g3) == (0, 20)  # the 4 earliest went G2 -> G3, so G2 alone is not a prefix
+    assert index.query(block_hashes[4:]).workers["worker-0"].g2 == 16
+    kvbm.close()
+
+
+def test_redis_outage_keeps_g2_g3_working(cache_id: str, tmp_path: Path, layout) -> None:
+    server = RedisServer()
+    server.start()
+    try:
+        kvbm, kv_cache = connector(
+            layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path, redis_url=server.url,
+            write_through=True,
+        )
+        original = kv_cache[:24].clone()
+        server.stop()
+        kvbm.offload(hashes(24), list(range(24)))
+        assert kvbm.lookup(hashes(24)) == 24
+        assert onboarded(kvbm, kv_cache, hashes(24), original) == (24, [True] * 24)
+        server.start()
+        deadline = time.monotonic() + 20
+        while not kvbm.g4.contains([BlockHash(100)])[0] and time.monotonic() < deadline:
+            kvbm.offload([BlockHash(100)], [0])
+            kvbm.g2.evict(16)  # force the next offload to really write again
+            time.sleep(0.05)
+        assert kvbm.g4.contains([BlockHash(100)]) == [True]
+        kvbm.close()
+    finally:
+        server.stop()
