@@ -1,0 +1,40 @@
+"""The KV-aware cost of serving one request on one worker, in blocks of work at average worker speed.
+
+    cost = overlap_weight * blocks_to_prefill / prefill_speed + (active_blocks + request_blocks) / decode_speed
+
+where a block already in the worker's G1 costs nothing, one it can onboard from G2/G3/G4 costs that tier's
+fraction of a prefill, and the rest cost one prefill each. Speeds are relative to the mean worker, so a worker
+twice as fast sees half the cost for the same work and ends up with about twice the requests.
+"""
+
+from __future__ import annotations
+
+from kvbm.index import WorkerPrefix
+from server.router.config import RouterConfig
+from server.router.workers import WorkerLoad
+
+_NO_PREFIX = WorkerPrefix()
+
+
+def reusable_blocks(prefix: WorkerPrefix | None, g4: int) -> int:
+    """Leading blocks the worker can take from any tier instead of prefilling them."""
+    prefix = prefix or _NO_PREFIX
+    return max(prefix.g1, prefix.g2, prefix.g3, g4)
+
+
+def blocks_to_prefill(num_blocks: int, prefix: WorkerPrefix | None, g4: int, config: RouterConfig) -> float:
+    """Prefill work left on a worker, in blocks (onboarded blocks count at their tier's fraction)."""
+    prefix = prefix or _NO_PREFIX
+    g1 = min(prefix.g1, num_blocks)
+    g2 = min(max(prefix.g2, g1), num_blocks)
+    g3 = min(max(prefix.g3, g2), num_blocks)
+    g4 = min(max(g4, g3), num_blocks)
+    return ((g2 - g1) * config.onboard_cost_g2 + (g3 - g2) * config.onboard_cost_g3
+            + (g4 - g3) * config.onboard_cost_g4 + (num_blocks - g4))
+
+
+def worker_cost(worker: WorkerLoad, num_blocks: int, prefix: WorkerPrefix | None, g4: int,
+                config: RouterConfig) -> float:
+    prefill = blocks_to_prefill(num_blocks, prefix, g4, config)
+    decode = worker.active_blocks + num_blocks
+    return config.overlap_weight * prefill / worker.prefill_speed + decode / worker.decode_speed

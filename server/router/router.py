@@ -1,0 +1,216 @@
+"""Picks a worker per request: KV-aware (Dynamo's cost function) or round-robin / random / least-loaded.
+
+Thread-safety: `route`, `release`, `update_worker` and `remove_worker` may be called from any thread. The index
+lookup runs outside the router's lock; the choice and the bookkeeping run under it.
+
+Balance: the router adds each request's blocks to its worker's load at once (reports lag), breaks exact ties by
+rotation, skips workers above `busy_threshold` of their KV capacity, and at temperature > 0 samples workers
+with probability softmax(-normalized cost / temperature) -- so one hot shared prefix spreads once its holder is
+loaded by more than the prefix is worth.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbm.block_hash import BlockHash
+from kvbm.index import PrefixReport
+from server.router.config import RouterConfig, Strategy
+from server.router.cost import reusable_blocks, worker_cost
+from server.router.lookup import OverlapLookup
+from server.router.metrics import RouterMetrics
+from server.router.staleness import StalenessCheck
+from server.router.workers import WorkerId, WorkerLoad, WorkerStats, relative_speeds
+
+logger = logging.getLogger(__name__)
+
+
+class NoWorkerError(RuntimeError):
+    """No worker is registered."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    worker_id: WorkerId
+    strategy: Strategy  # the strategy that picked: the fallback's name when the lookup failed
+    reason: str  # see server.router.metrics
+    num_blocks: int  # full blocks of the request
+    reusable_blocks: int  # leading blocks the chosen worker holds in some tier (0 when unknown)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, lookup: OverlapLookup | None = None,
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if config.strategy == "kv-aware" and lookup is None:
+            raise ValueError("router: kv-aware routing needs an overlap lookup (the KVBM index)")
+        self.config = config
+        self.metrics = metrics or RouterMetrics.create()
+        self._lookup = lookup
+        self._clock = clock
+        self._rng = random.Random(config.seed)
+        self._workers: dict[WorkerId, WorkerLoad] = {}
+        self._routed: dict[str, tuple[WorkerId, int]] = {}  # request id -> (worker, blocks)
+        self._lock = threading.Lock()
+        self._turn = 0  # rotates ties and round-robin
+        self._lookup_paused_until = -math.inf
+        self.staleness = StalenessCheck(config.stale_after_s, self.metrics.index_stale)
+
+    @property
+    def workers(self) -> list[WorkerId]:
+        return list(self._workers)
+
+    def update_worker(self, stats: WorkerStats) -> None:
+        """Add a worker or refresh its report (capacity, load, measured speeds)."""
+        with self._lock:
+            load = self._workers.get(stats.worker_id)
+            if load is None:
+                self._workers[stats.worker_id] = WorkerLoad(stats)
+            else:
+                load.stats = stats
+            self._refresh_speeds()
+            self._publish_load(self._workers[stats.worker_id])
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Stop routing to a worker (dead or drained); its routed requests are forgotten."""
+        with self._lock:
+            if self._workers.pop(worker_id, None) is None:
+                return
+            self._routed = {rid: routed for rid, routed in self._routed.items() if routed[0] != worker_id}
+            self._refresh_speeds()
+            self.metrics.worker_active_blocks.remove(worker_id)
+            self.metrics.worker_in_flight.remove(worker_id)
+
+    def route(self, request_id: str, block_hashes: Sequence[BlockHash]) -> RouteDecision:
+        """Pick a worker for a request and count its blocks there until `release(request_id)`."""
+        started = time.perf_counter()
+        report, events, failure = self._query(block_hashes) if self.config.strategy == "kv-aware" \
+            else (None, 0, None)
+        with self._lock:
+            if not self._workers:
+                raise NoWorkerError("no worker is registered with the router")
+            if report is not None and block_hashes:
+                self.staleness.observe(events, self._clock(), _stores_new_blocks(report, len(block_hashes)))
+            candidates = self._candidates()
+            if report is not None:
+                worker, reason = self._pick_kv_aware(candidates, report, len(block_hashes))
+                strategy = self.config.strategy
+            else:
+                strategy = self.config.fallback if failure else self.config.strategy
+                worker, reason = self._pick_simple(strategy, candidates), failure or "configured"
+            decision = self._record(request_id, worker, strategy, reason, block_hashes, report)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision
+
+    def release(self, request_id: str) -> None:
+        """The request finished (or was aborted): its blocks no longer load its worker."""
+        with self._lock:
+            routed = self._routed.pop(request_id, None)
+            if routed is None:
+                return
+            load = self._workers.get(routed[0])
+            if load is not None:
+                load.routed_blocks -= routed[1]
+                load.routed_requests -= 1
+                self._publish_load(load)
+
+    def _query(self, block_hashes: Sequence[BlockHash]) -> tuple[PrefixReport | None, int, str | None]:
+        """(the index's answer, its event count), or the reason to fall back (failed, too slow, cooling down)."""
+        if not block_hashes:
+            return PrefixReport(0), 0, None
+        now = self._clock()
+        if now < self._lookup_paused_until:
+            return None, 0, "lookup_cooldown"
+        try:
+            report = self._lookup.query(block_hashes)  # type: ignore[union-attr]
+            events = self._lookup.events_applied  # type: ignore[union-attr]
+        except Exception:
+            logger.warning("KV index lookup failed; using %s for %.1f s", self.config.fallback,
+                           self.config.lookup_cooldown_s, exc_info=True)
+            self._lookup_paused_until = now + self.config.lookup_cooldown_s
+            return None, 0, "lookup_error"
+        elapsed = self._clock() - now
+        if elapsed > self.config.lookup_budget_s:
+            logger.warning("KV index lookup took %.1f ms (budget %.1f ms); using %s for %.1f s", elapsed * 1e3,
+                           self.config.lookup_budget_s * 1e3, self.config.fallback, self.config.lookup_cooldown_s)
+            self._lookup_paused_until = now + self.config.lookup_cooldown_s
+            return None, 0, "lookup_timeout"
+        return report, events, None
+
+    def _candidates(self) -> list[WorkerLoad]:
+        loads = list(self._workers.values())
+        free = [load for load in loads if not load.is_busy(self.config.busy_threshold)]
+        if not free:
+            self.metrics.all_busy.inc()
+        return free or loads
+
+    def _pick_kv_aware(self, candidates: list[WorkerLoad], report: PrefixReport, num_blocks: int
+                       ) -> tuple[WorkerLoad, str]:
+        prefixes = report.workers
+        costs = [worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), report.g4, self.config)
+                 for load in candidates]
+        if self.config.temperature > 0:
+            chosen = candidates[self._sample(costs)]
+        else:
+            chosen = candidates[self._argmin(costs)]
+        hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), report.g4) > 0
+        return chosen, "prefix_hit" if hit else "no_prefix"
+
+    def _pick_simple(self, strategy: Strategy, candidates: list[WorkerLoad]) -> WorkerLoad:
+        if strategy == "round-robin":
+            self._turn += 1
+            return candidates[self._turn % len(candidates)]
+        if strategy == "random":
+            return self._rng.choice(candidates)
+        return candidates[self._argmin([load.active_blocks / load.decode_speed for load in candidates])]
+
+    def _argmin(self, costs: list[float]) -> int:
+        """Index of the lowest cost; exact ties take turns, so equal workers share the traffic evenly."""
+        best = min(costs)
+        ties = [i for i, cost in enumerate(costs) if cost <= best + 1e-9 * max(1.0, abs(best))]
+        if len(ties) == 1:
+            return ties[0]
+        self._turn += 1
+        return ties[self._turn % len(ties)]
+
+    def _sample(self, costs: list[float]) -> int:
+        """Softmax over costs normalized to [0, 1], at the configured temperature."""
+        low, high = min(costs), max(costs)
+        span = high - low or 1.0
+        weights = [math.exp(-(cost - low) / span / self.config.temperature) for cost in costs]
+        return self._rng.choices(range(len(costs)), weights=weights)[0]
+
+    def _record(self, request_id: str, worker: WorkerLoad, strategy: Strategy, reason: str,
+                block_hashes: Sequence[BlockHash], report: PrefixReport | None) -> RouteDecision:
+        worker_id = worker.stats.worker_id
+        num_blocks = len(block_hashes)
+        reusable = reusable_blocks(report.workers.get(worker_id), report.g4) if report is not None else 0
+        self._routed[request_id] = (worker_id, num_blocks + 1)  # +1: the partial block and decode growth
+        worker.routed_blocks += num_blocks + 1
+        worker.routed_requests += 1
+        self._publish_load(worker)
+        self.metrics.decisions.labels(strategy, reason).inc()
+        self.metrics.request_blocks.inc(num_blocks)
+        self.metrics.reusable_blocks.inc(reusable)
+        return RouteDecision(worker_id, strategy, reason, num_blocks, reusable)
+
+    def _refresh_speeds(self) -> None:
+        loads = list(self._workers.values())
+        prefill = relative_speeds([load.stats.prefill_tok_s for load in loads])
+        decode = relative_speeds([load.stats.decode_tok_s for load in loads])
+        for load, prefill_speed, decode_speed in zip(loads, prefill, decode, strict=True):
+            load.prefill_speed, load.decode_speed = prefill_speed, decode_speed
+
+    def _publish_load(self, load: WorkerLoad) -> None:
+        self.metrics.worker_active_blocks.labels(load.stats.worker_id).set(load.active_blocks)
+        self.metrics.worker_in_flight.labels(load.stats.worker_id).set(load.in_flight)
+
+
+def _stores_new_blocks(report: PrefixReport, num_blocks: int) -> bool:
+    """True when no worker holds all the blocks in G1, so serving the request will store (and announce) some."""
+    return num_blocks > 0 and all(prefix.g1 < num_blocks for prefix in report.workers.values())

@@ -1,0 +1,53 @@
+"""What the router knows about each worker: reported stats plus its own count of what it routed there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+WorkerId = NewType("WorkerId", str)  # the same id the worker's KVBM agent publishes events under
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """A worker's self-report. Speeds are measured throughput (0 = not measured yet, treated as average)."""
+
+    worker_id: WorkerId
+    kv_capacity_blocks: int
+    active_blocks: int = 0  # KV blocks held by running requests (decode load)
+    in_flight: int = 0  # requests running or queued
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """The router's view of one worker: the latest report and what the router itself sent there since."""
+
+    stats: WorkerStats
+    routed_blocks: int = 0  # blocks of requests routed here and not released
+    routed_requests: int = 0
+    prefill_speed: float = 1.0  # relative to the mean of all workers (2.0 = twice as fast)
+    decode_speed: float = 1.0
+
+    @property
+    def active_blocks(self) -> int:
+        """The larger of the report and the router's own count: reports lag, and other routers add load."""
+        return max(self.stats.active_blocks, self.routed_blocks)
+
+    @property
+    def in_flight(self) -> int:
+        return max(self.stats.in_flight, self.routed_requests)
+
+    def is_busy(self, threshold: float) -> bool:
+        capacity = self.stats.kv_capacity_blocks
+        return capacity > 0 and self.active_blocks >= threshold * capacity
+
+
+def relative_speeds(speeds: list[float]) -> list[float]:
+    """Each speed over the mean of the measured ones; unmeasured (<= 0) workers count as average (1.0)."""
+    measured = [s for s in speeds if s > 0]
+    if not measured:
+        return [1.0] * len(speeds)
+    mean = sum(measured) / len(measured)
+    return [s / mean if s > 0 else 1.0 for s in speeds]
