@@ -87,13 +87,13 @@ def clean_stale_runs(runtime_dir: Path) -> None:
 
 
 def _remove_tree_without_following_links(root: Path) -> None:
+    """rm -r that unlinks symlinks (staged models point into operators' repositories) and never descends them."""
     for current, dirs, files in os.walk(root, topdown=False):
-        for name in files + [d for d in dirs if Path(current, d).is_symlink()]:
+        for name in files:
             Path(current, name).unlink(missing_ok=True)
         for name in dirs:
             path = Path(current, name)
-            if not path.is_symlink():
-                path.rmdir()
+            path.unlink() if path.is_symlink() else path.rmdir()
     root.rmdir()
 
 

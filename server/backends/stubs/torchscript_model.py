@@ -55,4 +55,4 @@ class TritonPythonModel:
         return [r.detach().cpu().numpy() for r in results]
 
     def _response(self, results):
-        return pb_utils.InferenceResponse([pb_utils.Tensor(n, r) for n, r in zip(self.outputs, results)])
+        return pb_utils.InferenceResponse([pb_utils.Tensor(n, r) for n, r in zip(self.outputs, results, strict=True)])

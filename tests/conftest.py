@@ -1,0 +1,121 @@
+"""Shared fixtures: free ports, and `strata serve` started as a real subprocess that is always stopped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_REPOSITORY = ROOT / "model_repository"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+    """Wait until `condition()` is true, checking every `interval` seconds; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def copy_models(destination: Path, *names: str) -> Path:
+    """A private repository holding copies of example models (tests may edit it freely)."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copytree(EXAMPLE_REPOSITORY / name, destination / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return destination
+
+
+@dataclass
+class StrataProcess:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+    runtime_dir: Path
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def is_ready(self) -> bool:
+        return "strata ready" in self.log()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def start_strata(
+    repository: Path, tmp_path: Path, *args: str, wait_ready: bool = True, ports: tuple[int, int, int] | None = None
+) -> StrataProcess:
+    http, grpc, metrics = ports or (free_port(), free_port(), free_port())
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log_path = tmp_path / f"strata-{http}.log"
+    runtime_dir = tmp_path / "runtime"
+    env = {**os.environ, "STRATA_RUNTIME_DIR": str(runtime_dir), "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--http-address", "127.0.0.1", "--exit-timeout-secs", "5", *args,
+    ]
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                   start_new_session=True)
+    server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir)
+    if wait_ready:
+        try:
+            wait_for(lambda: server.is_ready() or process.poll() is not None, 120, what="strata ready")
+        except TimeoutError:
+            server.stop(signal.SIGKILL)
+            raise
+        if process.poll() is not None:
+            raise RuntimeError(f"strata exited with {process.returncode}:\n{server.log()[-3000:]}")
+    return server
+
+
+@pytest.fixture
+def strata(tmp_path: Path) -> Iterator[Callable[..., StrataProcess]]:
+    """Factory: start `strata serve` on free ports; every server started is stopped at teardown."""
+    started: list[StrataProcess] = []
+
+    def start(repository: Path, *args: str, **kwargs) -> StrataProcess:
+        server = start_strata(repository, tmp_path, *args, **kwargs)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

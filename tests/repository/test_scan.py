@@ -1,0 +1,156 @@
+"""Repository parsing and version selection: each bad input names the file, the line and the field."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from server.repository.manager import ControlMode, RepositoryManager
+from server.repository.scan import BrokenModel, ModelSource, read_model, scan
+from tests.conftest import EXAMPLE_REPOSITORY
+
+GOOD = """name: "m"
+backend: "python"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def make_model(root: Path, config: str = GOOD, versions=(1,), name: str = "m", filename: str = "model.py") -> Path:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(config)
+    for version in versions:
+        (folder / str(version)).mkdir(exist_ok=True)
+        (folder / str(version) / filename).write_text("# model\n")
+    return folder
+
+
+def error_of(folder: Path) -> str:
+    model = read_model(folder)
+    assert isinstance(model, BrokenModel), model
+    return str(model.error)
+
+
+def test_example_repository_parses():
+    models = scan([EXAMPLE_REPOSITORY])
+    assert all(isinstance(m, ModelSource) for m in models.values()), models
+    add_sub = models["add_sub"]
+    assert add_sub.versions == [1, 2]
+    assert add_sub.config.dynamic_batching.preferred_batch_size == [8, 16]
+    assert add_sub.config.instance_group[0].count == 1
+    assert models["torch_linear"].backend == "pytorch"
+
+
+def test_syntax_error_names_file_and_line(tmp_path):
+    folder = make_model(tmp_path, GOOD.replace('output [ {', 'output [ {{'))
+    assert error_of(folder).startswith(f"{folder / 'config.pbtxt'}:5:")
+
+
+def test_unknown_field_names_line_and_field(tmp_path):
+    folder = make_model(tmp_path, GOOD + "\nmax_batch_sizes: 8\n")
+    message = error_of(folder)
+    assert f"{folder / 'config.pbtxt'}:7:1" in message and "max_batch_sizes" in message
+
+
+def test_name_mismatch(tmp_path):
+    folder = make_model(tmp_path, GOOD.replace('name: "m"', 'name: "other"'))
+    message = error_of(folder)
+    assert ":1:" in message and '"other"' in message and '"m"' in message
+
+
+def test_missing_version_folder(tmp_path):
+    folder = make_model(tmp_path, versions=())
+    assert "no version folder" in error_of(folder)
+
+
+def test_specific_version_policy_names_missing_version(tmp_path):
+    folder = make_model(tmp_path, GOOD + "version_policy: { specific: { versions: [ 1, 3 ] } }\n", versions=(1, 2))
+    assert "[3]" in error_of(folder)
+
+
+def test_missing_model_file(tmp_path):
+    folder = make_model(tmp_path, filename="other.py")
+    assert "model.py" in error_of(folder)
+
+
+def test_unsupported_backend_names_field(tmp_path):
+    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'backend: "onnxruntime"'))
+    message = error_of(folder)
+    assert ":2:" in message and "backend" in message and "onnxruntime" in message
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("", [3]), ("version_policy: { latest: { num_versions: 2 } }", [2, 3]), ("version_policy: { all: {} }", [1, 2, 3]),
+     ("version_policy: { specific: { versions: [ 1 ] } }", [1])],
+)
+def test_version_policy(tmp_path, policy, expected):
+    model = read_model(make_model(tmp_path, GOOD + policy, versions=(1, 2, 3)))
+    assert isinstance(model, ModelSource) and model.versions == expected
+
+
+def test_duplicate_name_across_repositories(tmp_path):
+    make_model(tmp_path / "a")
+    make_model(tmp_path / "b")
+    model = scan([tmp_path / "a", tmp_path / "b"])["m"]
+    assert isinstance(model, BrokenModel) and "unique" in str(model.error)
+
+
+class RecordingLoader:
+    """Stands in for Triton to test the manager's poll logic alone (the server tests use real Triton)."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.loads: list[str] = []
+        self.unloads: list[str] = []
+
+    def load(self, name: str) -> None:
+        self.loads.append(name)
+
+    def unload(self, name: str) -> None:
+        self.unloads.append(name)
+
+
+def test_poll_applies_a_change_only_once_files_are_stable(tmp_path):
+    repo = tmp_path / "repo"
+    make_model(repo)
+    loader = RecordingLoader(tmp_path / "store")
+    loader.store.mkdir()
+    manager = RepositoryManager([repo], loader, ControlMode.POLL, poll_secs=3600)
+    manager.start()
+    manager.stop()
+    assert loader.loads == ["m"]
+    (repo / "m" / "2").mkdir()
+    (repo / "m" / "2" / "model.py").write_text("# half")
+    manager.rescan()  # first sight of the change: wait
+    (repo / "m" / "2" / "model.py").write_text("# half written, then complete\n")
+    manager.rescan()  # changed again since last scan: still wait
+    assert loader.loads == ["m"]
+    manager.rescan()  # same files twice: apply
+    assert loader.loads == ["m", "m"]
+    assert (loader.store / "m" / "2").is_symlink() or (loader.store / "m" / "2").exists()
+    shutil.rmtree(repo / "m")
+    manager.rescan()
+    manager.rescan()
+    assert loader.unloads == ["m"] and not (loader.store / "m").exists()
+
+
+def test_poll_keeps_serving_version_when_config_breaks(tmp_path):
+    repo = tmp_path / "repo"
+    make_model(repo)
+    loader = RecordingLoader(tmp_path / "store")
+    loader.store.mkdir()
+    manager = RepositoryManager([repo], loader, ControlMode.POLL, poll_secs=3600)
+    manager.start()
+    manager.stop()
+    staged_config = (loader.store / "m" / "config.pbtxt").read_text()
+    (repo / "m" / "config.pbtxt").write_text(GOOD + "bogus_field: 1\n")
+    manager.rescan()
+    manager.rescan()
+    assert loader.loads == ["m"]
+    assert (loader.store / "m" / "config.pbtxt").read_text() == staged_config
+    assert "bogus_field" in manager.entries["m"].error
