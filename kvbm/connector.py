@@ -59,6 +59,7 @@ class KVBMConnector:
         self.g3: DiskPool | None = None
         self.g4: RedisPool | None = None
         self._g1: set[BlockHash] = set()
+        self._announce_due = False  # set from other threads, served on the engine thread
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -99,6 +100,15 @@ class KVBMConnector:
         event = TierEvent(worker_id or self.worker_id, kind, tier, tuple(block_hashes), from_tier, ttl)  # type: ignore[arg-type]
         self.events.publish(event)
 
+    def request_announce(self) -> None:
+        """Thread-safe: re-announce everything on the engine thread's next call (service restart, Redis back)."""
+        self._announce_due = True
+
+    def _announce_if_due(self) -> None:
+        if self._announce_due:
+            self._announce_due = False
+            self.announce()
+
     def announce(self) -> None:
         """Publish everything this worker holds (after bind, and when the KVBM service restarts)."""
         self._publish("stored", G1, sorted(self._g1))
@@ -126,6 +136,7 @@ class KVBMConnector:
         return source
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._announce_if_due()
         source = self._locate(block_hashes, count_hits=True)
         return next((i for i, tier in enumerate(source) if tier is None), len(source))
 
@@ -148,6 +159,7 @@ class KVBMConnector:
         return next((i for i, good in enumerate(valid) if not good), len(valid))
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self._announce_if_due()
         blocks = [self._rows[block_id] for block_id in block_ids]
         local = self.g2 if self.g2 is not None else self.g3
         if local is not None:
@@ -190,6 +202,7 @@ class KVBMConnector:
             self._publish("stored", G3, [evicted.block_hash][:stored])
 
     def on_event(self, event: BlockEvent) -> None:
+        self._announce_if_due()
         if isinstance(event, BlockStored):
             self._g1.add(event.block_hash)
             self._publish("stored", G1, [event.block_hash])
@@ -206,3 +219,6 @@ class KVBMConnector:
         """Release files and connections; the G2 segment stays for the node's other workers."""
         for tier in self.tiers:
             tier.close()
+        close_events = getattr(self.events, "close", None)
+        if close_events is not None:
+            close_events()

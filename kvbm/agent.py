@@ -1,0 +1,38 @@
+"""How a worker process builds its KVBM agent from config (the server calls this, then hands it to the engine):
+
+    index = KVIndex()                                   # embedded mode: the router queries this object
+    connector = build_connector(KVBMConfig(...), worker_id="w0", registry=registry, index=index)
+    engine = LLMEngine(engine_config, connector=connector)
+
+With `config.redis_url` set and `index` None, events go to the standalone service over the Redis Stream and the
+worker holds a lease there (see channel.py); otherwise they go to `index` (or nowhere if it is None too).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from kvbm.channel import RedisWorkerChannel
+from kvbm.config import KVBMConfig
+from kvbm.connector import KVBMConnector
+from kvbm.events import EventSink
+from kvbm.index import KVIndex
+from kvbm.metrics import KVBMMetrics
+from kvbm.redis_link import RedisLink
+
+
+def build_connector(
+    config: KVBMConfig, worker_id: str = "worker-0", registry: CollectorRegistry | None = None,
+    index: KVIndex | None = None, lease_ttl_s: float = 3.0,
+) -> KVBMConnector:
+    config.validate()
+    metrics = KVBMMetrics(registry)
+    events: EventSink | None = index
+    channel: RedisWorkerChannel | None = None
+    if index is None and config.redis_url:
+        channel = RedisWorkerChannel(RedisLink(config.redis_url, metrics), worker_id, lease_ttl_s)
+        events = channel
+    connector = KVBMConnector(config, worker_id, metrics, events)
+    if channel is not None:
+        channel.on_resync = connector.request_announce
+    return connector
