@@ -145,7 +145,11 @@ class OpenAIServing:
         return generation
 
     def _sampling(self, request: p.SamplingFields, engine: Engine, token_ids: list[int]) -> list[SamplingParams]:
-        """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible."""
+        """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible.
+
+        max_tokens defaults to all the room the context leaves, capped by the engine's `max_tokens_limit` when
+        it has one (an optional attribute beside the Engine Protocol's `max_model_len`).
+        """
         prompt_param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
         if not token_ids:
             self._fail(request.model, 400, "the prompt is empty", prompt_param)
@@ -153,10 +157,11 @@ class OpenAIServing:
         if room < 1:
             self._fail(request.model, 400, f"the prompt is {len(token_ids)} tokens; this model's context is "
                        f"{engine.max_model_len} tokens (prompt + output)", prompt_param)
+        limit = min(room, getattr(engine, "max_tokens_limit", room))
         raw: dict[str, Any] = {name: getattr(request, name) for name in _SAMPLING_NAMES}
-        raw["max_tokens"] = _max_tokens(request) or room
+        raw["max_tokens"] = _max_tokens(request) or limit
         try:
-            base = SamplingParams.from_dict(raw, max_tokens_limit=room)
+            base = SamplingParams.from_dict(raw, max_tokens_limit=limit)
         except RequestError as exc:
             self._fail_field(request, exc)
         if base.seed is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -96,18 +97,24 @@ def fake_engine() -> FakeEngine:
     return FakeEngine()
 
 
-@pytest.fixture
-def served(fake_engine: FakeEngine) -> Iterator[Served]:
-    """The frontend over `fake_engine` (model name "fake") served by uvicorn on a free port; always stopped."""
-    metrics = FrontendMetrics.create(CollectorRegistry())
-    app = build_app({"fake": fake_engine}, metrics)
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a free port in a thread; yields its base URL; always stops it."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         _wait_started(server, thread)
-        yield Served(fake_engine, metrics, f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def served(fake_engine: FakeEngine) -> Iterator[Served]:
+    """The frontend over `fake_engine` (model name "fake") served by uvicorn on a free port; always stopped."""
+    metrics = FrontendMetrics.create(CollectorRegistry())
+    with serve_app(build_app({"fake": fake_engine}, metrics)) as base_url:
+        yield Served(fake_engine, metrics, base_url)

@@ -1,0 +1,47 @@
+"""The frontend over the real SmolLM2 engine, through the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import serve_app
+
+from server.engine import EngineConfig, LLMEngine
+from server.openai.app import build_app
+
+MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  # shared with tests/engine
+
+
+@pytest.fixture(scope="module")
+def smollm2_client() -> Iterator[openai.OpenAI]:
+    config = EngineConfig(cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=200,
+                          max_model_len=1024, max_tokens_limit=64, num_threads=2, model_name="smollm2")
+    with LLMEngine(config) as engine, serve_app(build_app({"smollm2": engine})) as base_url:
+        yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.slow
+def test_chat_with_smollm2_reuses_the_cached_prompt(smollm2_client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly and clearly."},
+                {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    first = smollm2_client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
+                                                   temperature=0)
+    second = smollm2_client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
+                                                    temperature=0)
+    assert "Paris" in first.choices[0].message.content
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert first.usage.prompt_tokens > 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+@pytest.mark.slow
+def test_streamed_completion_with_smollm2(smollm2_client: openai.OpenAI) -> None:
+    stream = smollm2_client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
+                                               temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage.completion_tokens == 6
