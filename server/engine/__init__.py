@@ -18,6 +18,18 @@ from server.engine.llm_engine import LLMEngine, PoolStats
 from server.engine.stream import aiterate_outputs, generate, iterate_outputs
 
 __all__ = [
-    "ConfigError", "Engine", "EngineConfig", "GenerationOutput", "GenerationRequest", "LLMEngine", "OutputSink",
-    "PoolStats", "RequestError", "RequestId", "SamplingParams", "aiterate_outputs", "generate", "iterate_outputs",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "GenerationOutput",
+    "GenerationRequest",
+    "LLMEngine",
+    "OutputSink",
+    "PoolStats",
+    "RequestError",
+    "RequestId",
+    "SamplingParams",
+    "aiterate_outputs",
+    "generate",
+    "iterate_outputs",
 ]

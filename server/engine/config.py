@@ -50,8 +50,14 @@ class EngineConfig:
             raise ConfigError(f"{source}: model must be a non-empty string")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise ConfigError(f"{source}: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        positive = ["block_size", "kv_cache_bytes", "max_model_len", "max_num_batched_tokens",
-                    "max_concurrent_requests", "max_tokens_limit"]
+        positive = [
+            "block_size",
+            "kv_cache_bytes",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_concurrent_requests",
+            "max_tokens_limit",
+        ]
         for key in positive + ["num_kv_blocks", "num_threads"]:
             value = getattr(self, key)
             if value is None and key not in positive:

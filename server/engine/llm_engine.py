@@ -70,7 +70,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // self.layout.block_bytes)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, connector)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_concurrent_requests)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, config.max_concurrent_requests
+        )
         self.eos_token_ids = _eos_ids(hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.model.device)
         self.salt = model_salt(self.layout.fingerprint)
@@ -83,8 +85,15 @@ class LLMEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
-        log.info("engine %s ready in %.2f s: %d KV blocks of %d tokens on %s (%s)", self.model_name,
-                 time.monotonic() - started, num_blocks, config.block_size, self.model.device, config.dtype)
+        log.info(
+            "engine %s ready in %.2f s: %d KV blocks of %d tokens on %s (%s)",
+            self.model_name,
+            time.monotonic() - started,
+            num_blocks,
+            config.block_size,
+            self.model.device,
+            config.dtype,
+        )
 
     @classmethod
     def from_json(cls, path: str, connector: KVConnector | None = None) -> LLMEngine:
@@ -133,16 +142,22 @@ class LLMEngine:
         if not prompt:
             raise RequestError("prompt", "must contain at least one token")
         if len(prompt) >= self.max_model_len:
-            raise RequestError("prompt", f"{len(prompt)} tokens; must be under max_model_len {self.max_model_len}")
+            raise RequestError(
+                "prompt", f"{len(prompt)} tokens; must be under max_model_len {self.max_model_len}"
+            )
         vocab = self.model.shape.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
         request.sampling.validate(self.config.max_tokens_limit)
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
-            raise RequestError("prompt", f"{len(prompt)} tokens do not fit the KV pool ({pool_tokens} tokens)")
+            raise RequestError(
+                "prompt", f"{len(prompt)} tokens do not fit the KV pool ({pool_tokens} tokens)"
+            )
         if min(len(prompt) + request.sampling.max_tokens, self.max_model_len) > pool_tokens:
-            raise RequestError("max_tokens", f"prompt + max_tokens must fit the KV pool ({pool_tokens} tokens)")
+            raise RequestError(
+                "max_tokens", f"prompt + max_tokens must fit the KV pool ({pool_tokens} tokens)"
+            )
 
     def abort(self, request_id: RequestId) -> None:
         with self._cond:
@@ -153,8 +168,14 @@ class LLMEngine:
     def stats(self) -> PoolStats:
         """A snapshot (read without locking: counts may be one step stale)."""
         manager = self.block_manager
-        return PoolStats(manager.num_blocks, manager.num_free_blocks, manager.num_cached_blocks,
-                         len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.num_preemptions)
+        return PoolStats(
+            manager.num_blocks,
+            manager.num_free_blocks,
+            manager.num_cached_blocks,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.scheduler.num_preemptions,
+        )
 
     def is_idle(self) -> bool:
         """True when no request is queued, running or unfinished."""

@@ -202,7 +202,12 @@ class LlamaModel:
             keys = _gather(k_cache, batch.decode_block_tables)
             values = _gather(v_cache, batch.decode_block_tables)
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+                q[:nd].unsqueeze(2),
+                keys,
+                values,
+                attn_mask=batch.decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
             )
             out[:nd] = o.view(nd, -1)
         for chunk in batch.prefills:
@@ -210,7 +215,9 @@ class LlamaModel:
             query = q[rows].transpose(0, 1).unsqueeze(0)
             if chunk.context_len == 0:
                 keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+                )
             else:
                 table = chunk.block_table.unsqueeze(0)
                 keys, values = _gather(k_cache, table), _gather(v_cache, table)

@@ -58,14 +58,18 @@ class Sampler:
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.sampling.min_tokens:
-                stop_ids = seq.sampling.stop_token_ids + ([] if seq.sampling.ignore_eos else self.eos_token_ids)
+                stop_ids = seq.sampling.stop_token_ids + (
+                    [] if seq.sampling.ignore_eos else self.eos_token_ids
+                )
                 if stop_ids:
                     logits[row, stop_ids] = float("-inf")
 
     def _apply_top_k_top_p(self, logits: torch.Tensor, params: list) -> None:
         vocab = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+        top_k = torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device
+        )
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
         probs = sorted_logits.softmax(dim=-1)

@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 from server.engine.api import Engine, GenerationOutput, GenerationRequest
 
 
-def iterate_outputs(engine: Engine, request: GenerationRequest, timeout: float | None = None) -> Iterator[GenerationOutput]:
+def iterate_outputs(
+    engine: Engine, request: GenerationRequest, timeout: float | None = None
+) -> Iterator[GenerationOutput]:
     """Submit and yield outputs until the finished one. `timeout`: seconds to wait for each output (None: forever);
     raises TimeoutError (after aborting) if it passes. RequestError is raised by the first `next()`."""
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()

@@ -1,0 +1,109 @@
+"""One real SmolLM2 engine (fp32, CPU) and one transformers reference model shared by the engine tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams, generate
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_CACHE = ROOT / ".strata-cache" / "models"  # git-ignored; reused across runs so only the first converts
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a "
+    "screw press with movable metal type, oil-based ink and a mould for casting letters. Before that, books were "
+    "copied by hand in monasteries and workshops, which made them rare and expensive. Within fifty years printing "
+    "shops had spread to more than two hundred cities in Europe, and millions of volumes had been produced. "
+    "Pamphlets, newspapers and scientific journals followed, and the speed at which ideas travelled changed "
+    "forever. Historians still argue about how much the press caused the Reformation, the scientific revolution "
+    "and the rise of literacy, but few doubt that it mattered. Printing also standardised spelling and grammar, "
+    "because printers wanted texts that sold in many regions. Later inventions such as the steam-powered rotary "
+    "press, the linotype machine and offset lithography made printing faster and cheaper still, until the "
+    "digital age brought a new revolution of its own. "
+)
+
+PROMPTS: list[str | list[dict]] = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, in a small village by the sea,",
+    "Translate to French: I love reading books in the garden.",
+    "Le fromage est",
+    "Die Hauptstadt von Deutschland ist",
+    "東京は日本の首都で、",
+    "Emoji story: 🐶🐱🚀🌍 The dog and the cat flew to",
+    "Привет! Как дела? Сегодня",
+    "¿Dónde está la biblioteca? La biblioteca está",
+    LONG_TEXT + "In one sentence, the main effect of printing was",
+    LONG_TEXT * 2 + "To summarise the text above:",
+    "Write a haiku about autumn leaves.\n",
+    "Question: What is 12 times 12?\nAnswer:",
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Give me three tips for sleeping better."}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Color of the sky?"},
+    ],
+    [{"role": "user", "content": "Résume en une phrase: " + LONG_TEXT}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "こんにちは！元気ですか？😊"}],
+]
+MAX_TOKENS = 16
+
+
+def engine_config(**overrides) -> EngineConfig:
+    base = dict(
+        cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=400, max_model_len=2048,
+        max_num_batched_tokens=512, max_tokens_limit=256, num_threads=2,
+    )  # fmt: skip
+    return EngineConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[LLMEngine]:
+    with LLMEngine(engine_config()) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session")
+def hf_model(engine: LLMEngine):
+    """transformers' own Llama on the same dequantized weights (the safetensors cache), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(engine.files.folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(engine: LLMEngine) -> list[list[int]]:
+    return [engine.apply_chat_template(p) if isinstance(p, list) else engine.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(hf_model, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """transformers greedy continuations (do_sample=False), one prompt at a time, stopping at EOS."""
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            result = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=2,
+            )
+            outputs.append(result[0, len(ids) :].tolist())
+    return outputs
+
+
+def greedy(ids: list[int], request_id: str, max_tokens: int = MAX_TOKENS, **sampling) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return GenerationRequest(RequestId(request_id), list(ids), params)
+
+
+def run(engine: LLMEngine, request: GenerationRequest):
+    return generate(engine, request, timeout=120)
