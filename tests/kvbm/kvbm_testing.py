@@ -75,3 +75,47 @@ def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Ten
 def small_layout(fingerprint: str = "test-model|fp32|bs4") -> KVLayout:
     """1 KiB blocks: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x fp32."""
     return KVLayout(fingerprint, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def block_digests(kv_cache: torch.Tensor, rows: list[int]) -> list[int]:
+    import xxhash
+
+    return [xxhash.xxh3_64_intdigest(kv_cache[row].contiguous().view(torch.uint8).numpy()) for row in rows]
+
+
+def spawned_offload(config_fields: dict, worker_id: str, seed: int, num_blocks: int, done, stay: bool) -> None:
+    """Child process: offload blocks 1..num_blocks from a pool seeded with `seed`, report, optionally stay alive."""
+    from kvbm.agent import build_connector
+    from kvbm.block_hash import BlockHash
+    from kvbm.config import KVBMConfig
+
+    connector = build_connector(KVBMConfig(**config_fields), worker_id, lease_ttl_s=1.0)
+    connector.bind(make_kv_cache(small_layout(), 64, seed), small_layout())
+    connector.offload([BlockHash(h) for h in range(1, num_blocks + 1)], list(range(num_blocks)))
+    connector.events and connector.events.flush()  # type: ignore[union-attr]
+    done.put(worker_id)
+    if stay:
+        time.sleep(600)  # killed by the test
+    connector.close()
+
+
+def spawned_onboard(config_fields: dict, worker_id: str, num_blocks: int, results) -> None:
+    """Child process: look up and onboard blocks 1..num_blocks; report (count, digests, blocks per source tier)."""
+    from kvbm.block_hash import BlockHash
+    from kvbm.config import KVBMConfig
+    from kvbm.connector import KVBMConnector
+
+    connector = KVBMConnector(KVBMConfig(**config_fields), worker_id)
+    kv_cache = torch.zeros(make_kv_cache(small_layout(), 64).shape)
+    connector.bind(kv_cache, small_layout())
+    block_hashes = [BlockHash(h) for h in range(1, num_blocks + 1)]
+    rows = list(range(num_blocks))
+    found = connector.lookup(block_hashes)
+    count = connector.onboard(block_hashes[:found], rows[:found])
+    registry = connector.metrics.registry
+    per_tier = {
+        tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
+        for tier in ("G2", "G3", "G4")
+    }
+    results.put((count, block_digests(kv_cache, rows[:count]), per_tier))
+    connector.close()
