@@ -28,6 +28,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="ready only when every loaded model is ready (default: ready while models load)")
     p.add_argument("--exit-timeout-secs", type=int, default=30)
     p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG")
+    p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
+    p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--access-token", default=settings.access_token(),
                    help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
                         "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")

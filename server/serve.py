@@ -8,8 +8,12 @@ import os
 import signal
 import threading
 
+from prometheus_client import CollectorRegistry
+
+from server.backends.llm import LLMBackend
+from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
-from server.triton import PortInUse, TritonServer, TritonSettings
+from server.triton import PortInUse, TritonServer, TritonSettings, check_ports_free
 
 log = logging.getLogger("strata")
 
@@ -27,6 +31,8 @@ def serve(args: argparse.Namespace) -> int:
         exit_timeout_secs=args.exit_timeout_secs, log_verbose=args.log_verbose, access_token=args.access_token,
     )
     try:
+        if args.allow_openai:
+            check_ports_free(args.http_address, {"--openai-port": args.openai_port})
         triton = TritonServer(triton_settings)
     except PortInUse as exc:
         log.error("%s", exc)
@@ -34,12 +40,18 @@ def serve(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.set())
+    llm = LLMBackend(triton)
     manager = RepositoryManager(
         [r.resolve() for r in args.model_repository], triton, ControlMode(args.model_control_mode),
-        args.repository_poll_secs, args.load_model,
+        args.repository_poll_secs, args.load_model, llm,
     )
+    frontend = None
+    if args.allow_openai:
+        frontend = OpenAIFrontend(llm.engines, args.http_address, args.openai_port, CollectorRegistry())
     try:
         triton.start()
+        if frontend is not None:
+            frontend.start()
         manager.start()
         log.info("strata ready (pid %d)", os.getpid())
         while not stopping.wait(_WATCHDOG_SECS):
@@ -49,15 +61,19 @@ def serve(args: argparse.Namespace) -> int:
         log.info("signal received, shutting down (exit timeout %d s)", args.exit_timeout_secs)
         return 0
     finally:
-        _shutdown(manager, triton, args.exit_timeout_secs)
+        _shutdown(manager, frontend, llm, triton, args.exit_timeout_secs)
 
 
-def _shutdown(manager: RepositoryManager, triton: TritonServer, exit_timeout_secs: int) -> None:
+def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, llm: LLMBackend, triton: TritonServer,
+              exit_timeout_secs: int) -> None:
     """Stop within the exit timeout: a timer ends the process if a part hangs."""
     deadline = threading.Timer(exit_timeout_secs + 5, _force_exit)
     deadline.daemon = True
     deadline.start()
+    if frontend is not None:
+        frontend.stop()
     manager.stop()
+    llm.stop()
     triton.stop()
     deadline.cancel()
     log.info("stopped")

@@ -22,6 +22,7 @@ from pathlib import Path
 from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
+from tritonclient.utils import InferenceServerException
 
 from server import settings
 
@@ -166,6 +167,23 @@ class TritonServer:
     def unload(self, name: str) -> None:
         with self.client() as client:
             client.unload_model(name, headers=self.headers)
+
+    def unbind(self, name: str) -> None:
+        """Unload a PyTriton-bound model and forget its binding, so the name can be bound again (reload).
+
+        PyTriton has no public unbind; its model registry is keyed by (lower-case name, version).
+        """
+        registry = self.pytriton._model_manager._models
+        for key in [k for k in registry if k[0] == name.lower()]:
+            model = registry.pop(key)
+            try:
+                self.unload(name)
+            except InferenceServerException as exc:
+                log.warning("%s: unload during unbind failed: %s", name, exc.message())
+            model.clean()
+        staged = self.store / name
+        if staged.exists():
+            _remove_tree_without_following_links(staged)
 
     def is_alive(self) -> bool:
         return self._triton is not None and self._triton.is_alive()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,7 @@ class StrataProcess:
     metrics_port: int
     log_path: Path
     runtime_dir: Path
-    extra: dict = field(default_factory=dict)
+    openai_port: int
 
     @property
     def http_url(self) -> str:
@@ -82,6 +82,7 @@ def start_strata(
     repository: Path, tmp_path: Path, *args: str, wait_ready: bool = True, ports: tuple[int, int, int] | None = None
 ) -> StrataProcess:
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
+    openai_port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     log_path = tmp_path / f"strata-{http}.log"
     runtime_dir = tmp_path / "runtime"
@@ -89,12 +90,12 @@ def start_strata(
     command = [
         sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--http-address", "127.0.0.1", "--exit-timeout-secs", "5", *args,
+        "--http-address", "127.0.0.1", "--exit-timeout-secs", "5", "--openai-port", str(openai_port), *args,
     ]
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                    start_new_session=True)
-    server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir)
+    server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
     if wait_ready:
         try:
             wait_for(lambda: server.is_ready() or process.poll() is not None, 120, what="strata ready")

@@ -103,10 +103,6 @@ class RepositoryManager:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join()
-        if self.llm is not None:
-            for name, entry in self.entries.items():
-                if isinstance(entry.model, ModelSource) and entry.model.backend == LLM and entry.serving:
-                    self.llm.unload(name)
 
     def rescan(self) -> None:
         """One poll step: apply every change whose files were stable since the previous scan."""

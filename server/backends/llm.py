@@ -1,0 +1,182 @@
+"""LLM models (`backend: "strata_llm"`): Strata's engine, bound into Triton through PyTriton as a decoupled model.
+
+Inputs and outputs follow Triton's vLLM backend, so clients written for it work unchanged:
+
+    inputs   text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON), exclude_input_in_output (BOOL),
+             return_finish_reason, return_num_input_tokens, return_num_output_tokens, return_num_cached_tokens (BOOL)
+    outputs  text_output (BYTES), finish_reason (BYTES), num_input_tokens, num_output_tokens,
+             num_cached_tokens (UINT32: prompt tokens whose KV came from cache instead of prefill)
+
+Sampling fields may also come as request parameters (`"parameters": {...}` of the generate endpoint). One engine
+serves the model's latest chosen version; the same engine object backs the OpenAI frontend (`engines`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+from pytriton.model_config import ModelConfig, Tensor
+from pytriton.proxy.types import Request
+
+from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestError, RequestId, SamplingParams
+from server.engine.api import Engine
+from server.engine.kv_connector import KVConnector
+from server.engine.stream import aiterate_outputs
+from server.repository.scan import ModelSource
+from server.triton import TritonServer
+
+log = logging.getLogger(__name__)
+
+_FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+          "return_num_output_tokens", "return_num_cached_tokens")
+_NOT_SAMPLING = set(_FLAGS) | {"text_input", "sampling_parameters"}
+INPUTS = [Tensor(name="text_input", dtype=bytes, shape=(1,))] + [
+    Tensor(name=name, dtype=np.bool_, shape=(1,), optional=True) for name in _FLAGS
+] + [Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)]
+OUTPUTS = [
+    Tensor(name="text_output", dtype=bytes, shape=(-1,)),
+    Tensor(name="finish_reason", dtype=bytes, shape=(-1,)),
+    Tensor(name="num_input_tokens", dtype=np.uint32, shape=(-1,)),
+    Tensor(name="num_output_tokens", dtype=np.uint32, shape=(-1,)),
+    Tensor(name="num_cached_tokens", dtype=np.uint32, shape=(-1,)),
+]
+
+ConnectorFactory = Callable[[str], KVConnector | None]
+
+
+class LLMBackend:
+    """Builds an engine per LLM model and binds it into Triton; `engines` is shared with the OpenAI frontend."""
+
+    def __init__(self, triton: TritonServer, make_connector: ConnectorFactory | None = None) -> None:
+        self.triton = triton
+        self.make_connector = make_connector
+        self.engines: dict[str, Engine] = {}
+
+    def load(self, model: ModelSource) -> None:
+        version = model.versions[-1]
+        config = EngineConfig.from_json(model.path / str(version) / model.model_filename)
+        config.model_name = model.name
+        if model.name in self.engines:
+            self.unload(model.name)
+        connector = self.make_connector(model.name) if self.make_connector else None
+        engine = LLMEngine(config, connector)
+        self.triton.pytriton.bind(
+            model_name=model.name, infer_func=_infer_function(engine), inputs=INPUTS, outputs=OUTPUTS,
+            model_version=version, config=ModelConfig(batching=False, decoupled=True),
+        )
+        self.engines[model.name] = engine
+        log.info("%s: engine ready (version %d, %s, %s)", model.name, version, config.model, config.dtype)
+
+    def unload(self, name: str) -> None:
+        engine = self.engines.pop(name, None)
+        self.triton.unbind(name)
+        if isinstance(engine, LLMEngine):
+            engine.shutdown()
+
+    def stop(self) -> None:
+        for name in list(self.engines):
+            engine = self.engines.pop(name)
+            if isinstance(engine, LLMEngine):
+                engine.shutdown()
+
+
+class TritonClientError(Exception):
+    """An error sent to the Triton client as its message alone.
+
+    PyTriton formats errors with `traceback.format_exception`; with no traceback and a builtins-like module the
+    client reads "TritonClientError: temperature: must be in [0.0, inf], got -1" instead of a stack dump.
+    """
+
+    __module__ = "builtins"
+
+    @property
+    def __traceback__(self):
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, _value) -> None:
+        pass
+
+
+def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[list[dict[str, np.ndarray]]]]:
+    async def infer(requests: list[Request]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+        if len(requests) != 1:  # batching is off, so Triton hands over one request per call
+            raise TritonClientError(f"expected one request per call, got {len(requests)}")
+        try:
+            async for response in _generate(engine, requests[0]):
+                yield [response]
+        except RequestError as exc:
+            raise TritonClientError(str(exc)) from None
+        except Exception:
+            log.exception("%s: generation failed", engine.model_name)
+            raise TritonClientError("internal error while generating; see the server log") from None
+
+    return infer
+
+
+async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str, np.ndarray]]:
+    prompt, flags, sampling = _parse(request, engine)
+    prompt_ids = engine.encode(prompt)
+    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling)
+    stream = flags["stream"]
+    pieces: list[str] = [] if flags["exclude_input_in_output"] or stream else [prompt]
+    async for output in aiterate_outputs(engine, generation):
+        if output.finish_reason == "error":
+            log.error("%s: generation failed: %s", engine.model_name, output.error)
+            raise TritonClientError("internal error while generating; see the server log")
+        if stream:
+            if output.new_text or output.finished:
+                yield _response(output.new_text, output, flags)
+        else:
+            pieces.append(output.new_text)
+            if output.finished:
+                yield _response("".join(pieces), output, flags)
+
+
+def _parse(request: Request, engine: Engine) -> tuple[str, dict[str, bool], SamplingParams]:
+    """text, flags and validated sampling parameters; raises RequestError naming the field."""
+    text = _scalar(request, "text_input")
+    if text is None:
+        raise RequestError("text_input", "required")
+    prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    flags = {name: bool(_scalar(request, name) or False) for name in _FLAGS}
+    raw: dict[str, Any] = {}
+    encoded = _scalar(request, "sampling_parameters")
+    if encoded:
+        try:
+            raw = json.loads(encoded)
+        except json.JSONDecodeError as exc:
+            raise RequestError("sampling_parameters", f"not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise RequestError("sampling_parameters", "must be a JSON object")
+    for key, value in (request.parameters or {}).items():
+        if key in _FLAGS:
+            flags[key] = bool(value)
+        elif key not in _NOT_SAMPLING:
+            raw.setdefault(key, value)
+    for key in ("max_tokens", "top_k", "seed", "min_tokens"):  # request parameters arrive as strings or floats
+        if isinstance(raw.get(key), float) and raw[key].is_integer():
+            raw[key] = int(raw[key])
+    return prompt, flags, SamplingParams.from_dict(raw, engine.max_model_len)
+
+
+def _scalar(request: Request, name: str) -> Any:
+    array = request.data.get(name)
+    if array is None or array.size == 0:
+        return None
+    return array.reshape(-1)[0]
+
+
+def _response(text: str, output, flags: dict[str, bool]) -> dict[str, np.ndarray]:
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=object),
+        "finish_reason": np.array([(output.finish_reason or "").encode()], dtype=object),
+        "num_input_tokens": np.array([output.num_prompt_tokens], dtype=np.uint32),
+        "num_output_tokens": np.array([output.num_output_tokens], dtype=np.uint32),
+        "num_cached_tokens": np.array([output.num_cached_tokens], dtype=np.uint32),
+    }

@@ -1,0 +1,44 @@
+"""Runs the OpenAI-compatible FastAPI app with uvicorn in a background thread of `strata serve`."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Mapping
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from server.engine.api import Engine
+from server.openai.app import build_app
+from server.openai.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIFrontend:
+    def __init__(self, engines: Mapping[str, Engine], address: str, port: int, registry: CollectorRegistry) -> None:
+        app = build_app(engines, FrontendMetrics.create(registry))
+        config = uvicorn.Config(app, host=address, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._address = address
+        self.port = port
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind the port here (so a taken port fails now, naming it) and serve from a thread."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self._address, self.port))
+        listener.listen(1024)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [listener]}, name="openai-frontend", daemon=True
+        )
+        self._thread.start()
+        log.info("OpenAI frontend on port %d", self.port)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
