@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbm.block_hash import BlockHash
-from kvbm.tier import BlockCopier, layout_tag
+from kvbm.tier import copy_blocks, layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,6 @@ class HostPool:
         self._owner = owner.encode()[:32]
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
-        self._copier = BlockCopier()
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
@@ -241,7 +240,7 @@ class HostPool:
         for block in result.evicted:
             if self.spill is not None:
                 self.spill(block)
-        self._copier.copy([(self.payload(slot), blocks[index]) for index, slot in claims])
+        copy_blocks([(self.payload(slot), blocks[index]) for index, slot in claims])
         with self._locked():
             for _, slot in claims:
                 self._slots[slot]["state"] = READY
@@ -251,17 +250,21 @@ class HostPool:
         if not block_hashes:
             return []
         with self._locked():
-            slots = self._find(block_hashes).tolist()
-            for slot in slots:
-                if slot >= 0:
-                    self._touch(slot)
-                    self._slots[slot]["pins"] += 1
-        self._copier.copy([(dest, self.payload(slot)) for slot, dest in zip(slots, dests, strict=True) if slot >= 0])
+            slots = self._find(block_hashes)
+            held = slots[slots >= 0]
+            self._touch_many(held)
+            np.add.at(self._slots["pins"], held, 1)
+        copy_blocks([(dest, self.payload(slot)) for slot, dest in zip(slots.tolist(), dests, strict=True) if slot >= 0])
         with self._locked():
-            for slot in slots:
-                if slot >= 0:
-                    self._slots[slot]["pins"] -= 1
-        return [slot >= 0 for slot in slots]
+            np.subtract.at(self._slots["pins"], held, 1)
+        return (slots >= 0).tolist()
+
+    def _touch_many(self, slots: np.ndarray) -> None:
+        """Mark slots used now, in order (caller holds the lock)."""
+        clock = int(self._meta[5])
+        self._meta[5] = clock + len(slots)
+        self._slots["last_use"][slots] = np.arange(clock, clock + len(slots), dtype=np.uint64)
+        np.add.at(self._slots["uses"], slots, 1)
 
     def evict(self, num_blocks: int) -> list[BlockHash]:
         with self._locked():
@@ -281,7 +284,6 @@ class HostPool:
         """Unmap; the segment stays for the other workers of the node (see `destroy`)."""
         if self._fd < 0:
             return
-        self._copier.close()
         del self._meta, self._slots, self._data
         try:
             self._mm.close()
