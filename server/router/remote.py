@@ -1,0 +1,213 @@
+"""`RemoteEngine`: the Engine Protocol over a worker process (see worker.py for the wire protocol).
+
+One receiver thread per worker reads outputs, replies and heartbeats, hands each output to its request's sink,
+and watches the process: a worker that exits, is killed, or misses heartbeats for `heartbeat_timeout_s` is
+declared dead within that time (exit: within `_TICK_S`); every unfinished request then gets a final output with
+finish_reason "error", pending calls raise `WorkerDied`, and death listeners run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from kvbm.events import EventSink
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.router.transport import Channel, ChannelAddress
+from server.router.worker import WorkerInfo, WorkerSpec, worker_main
+from server.router.workers import WorkerId
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 0.1  # how often the receiver looks at the process when no message arrives
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited or stopped answering."""
+
+
+class RemoteEngine:
+    def __init__(self, worker_id: WorkerId, process: multiprocessing.process.BaseProcess, channel: Channel,
+                 info: WorkerInfo, heartbeat_timeout_s: float, call_timeout_s: float,
+                 event_sink: EventSink | None = None) -> None:
+        self.worker_id = worker_id
+        self.info = info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.stats: dict[str, Any] | None = None  # the engine's last reported pool stats
+        self._process = process
+        self._channel = channel
+        self._event_sink = event_sink
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._call_timeout_s = call_timeout_s
+        self._sinks: dict[RequestId, OutputSink] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._listeners: list[tuple[Callable[[RemoteEngine], None], Callable[[RemoteEngine], None]]] = []
+        self._last_heard = time.monotonic()
+        self._dead: str | None = None
+        self._closing = False
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"remote-{worker_id}", daemon=True)
+        self._receiver.start()
+
+    @classmethod
+    def spawn(cls, worker_id: WorkerId, spec: WorkerSpec, start_timeout_s: float = 300.0,
+              heartbeat_timeout_s: float = 5.0, call_timeout_s: float = 60.0,
+              event_sink: EventSink | None = None) -> RemoteEngine:
+        """Start a worker process (spawn) and wait until its engine is built; its forwarded KVBM events (see
+        `WorkerSpec.forward_events`) go to `event_sink` (the router's index in embedded mode)."""
+        spec = dataclasses.replace(spec, worker_id=worker_id)
+        address = ChannelAddress.fresh()
+        channel = Channel(address, server_side=True)
+        process = multiprocessing.get_context("spawn").Process(
+            target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True)
+        process.start()
+        deadline = time.monotonic() + start_timeout_s
+        while (message := channel.recv(timeout_s=_TICK_S)) is None:
+            if not process.is_alive() and (message := channel.recv(timeout_s=_TICK_S)) is not None:
+                break  # it exited right after reporting
+            if not process.is_alive() or time.monotonic() > deadline:
+                process.kill()
+                channel.close()
+                raise WorkerDied(f"worker {worker_id} did not start (exit code {process.exitcode})")
+        if message[0] != "hello":
+            process.join(10)
+            channel.close()
+            raise WorkerDied(f"worker {worker_id} failed to build its engine: {message[1]}")
+        logger.info("worker %s up: pid %d, model %s", worker_id, message[1].pid, message[1].model_name)
+        return cls(worker_id, process, channel, message[1], heartbeat_timeout_s, call_timeout_s, event_sink)
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.info.max_tokens_limit or self.max_model_len
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def add_listener(self, on_beat: Callable[[RemoteEngine], None], on_death: Callable[[RemoteEngine], None]) -> None:
+        """`on_beat` runs on each heartbeat (stats refreshed), `on_death` once; both on the receiver thread."""
+        self._listeners.append((on_beat, on_death))
+
+    def encode(self, text: str) -> list[int]:
+        return self._call("encode", text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self._call("apply_chat_template", [dict(m) for m in messages])
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        """Synchronous: a RequestError from the worker's engine is raised here (one round trip, ~0.1 ms)."""
+        with self._lock:
+            self._sinks[request.request_id] = sink
+        try:
+            self._call("submit", request)
+        except BaseException:
+            with self._lock:
+                self._sinks.pop(request.request_id, None)
+            raise
+
+    def abort(self, request_id: RequestId) -> None:
+        if self._dead is None:
+            self._channel.send("abort", request_id)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (its engine aborts what is left), then the receiver."""
+        self._closing = True
+        if self._dead is None and self._process.is_alive():
+            self._channel.send("stop")
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout_s)
+        self._die("closed")
+        self._receiver.join(timeout_s)
+        self._channel.close()
+
+    def kill(self) -> None:
+        """Kill the worker process at once (tests, and a worker that stopped answering)."""
+        self._process.kill()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._dead is not None:
+            raise WorkerDied(f"worker {self.worker_id} is dead: {self._dead}")
+        call_id = next(self._call_ids)
+        future: Future[Any] = Future()
+        with self._lock:
+            self._calls[call_id] = future
+        self._channel.send("call", call_id, method, args)
+        try:
+            return future.result(timeout=self._call_timeout_s)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def _receive_loop(self) -> None:
+        while self._dead is None:
+            message = self._channel.recv(timeout_s=_TICK_S)
+            if message is None:
+                self._check_liveness()
+                continue
+            self._last_heard = time.monotonic()
+            kind = message[0]
+            if kind == "out":
+                self._deliver(message[1])
+            elif kind == "event":
+                if self._event_sink is not None:
+                    self._event_sink.publish(message[1])
+            elif kind == "reply":
+                self._resolve(*message[1:])
+            elif kind == "beat":
+                self.stats = message[1]
+                self._check_liveness()
+                for on_beat, _ in self._listeners:
+                    on_beat(self)
+
+    def _deliver(self, output: GenerationOutput) -> None:
+        with self._lock:
+            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+        if sink is not None:
+            sink(output)
+
+    def _resolve(self, call_id: int, status: str, value: Any) -> None:
+        with self._lock:
+            future = self._calls.get(call_id)
+        if future is None:
+            return  # the caller timed out
+        if status == "ok":
+            future.set_result(value)
+        elif status == "request_error":
+            future.set_exception(RequestError(*value))
+        else:
+            future.set_exception(RuntimeError(f"worker {self.worker_id}: {value}"))
+
+    def _check_liveness(self) -> None:
+        if not self._process.is_alive():
+            self._die(f"process exited with code {self._process.exitcode}")
+        elif time.monotonic() - self._last_heard > self._heartbeat_timeout_s:
+            self._process.kill()
+            self._die(f"no heartbeat for {self._heartbeat_timeout_s:.1f} s")
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        if not self._closing:
+            logger.error("worker %s died: %s; failing %d request(s)", self.worker_id, reason, len(sinks))
+        for future in calls.values():
+            future.set_exception(WorkerDied(f"worker {self.worker_id} died: {reason}"))
+        for request_id, sink in sinks.items():
+            sink(GenerationOutput(request_id, [], "", finished=True, finish_reason="error",
+                                  error=f"worker {self.worker_id} died: {reason}"))
+        for _, on_death in self._listeners:
+            on_death(self)

@@ -1,0 +1,164 @@
+"""`RoutedEngine`: the Engine Protocol over N workers of one model; each request goes where the `Router` says.
+
+The frontend sees one engine. Per request: hash the prompt's full blocks once (`kvbm.block_hash`, the workers'
+block size and salt), route, submit to that worker, and release the router's count when the last output
+arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are measured here from the outputs
+(prefill tok/s = uncached prompt tokens / time to first token; decode tok/s = output tokens / decode time),
+smoothed per worker. A dead worker leaves the router at once; its requests end with finish_reason "error".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvbm.block_hash import BlockHash, block_hashes
+from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
+from server.router.router import Router
+from server.router.workers import WorkerId, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+class RoutableWorker(Engine, Protocol):
+    """An engine the router can balance: a `RemoteEngine`, or anything with the same members."""
+
+    worker_id: WorkerId
+    stats: dict[str, Any] | None  # pool stats: num_blocks, num_free_blocks, num_running, num_waiting
+
+    @property
+    def alive(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class SpeedMeter:
+    """Exponentially smoothed prefill and decode throughput of one worker, tokens per second."""
+
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    alpha: float = 0.2
+
+    def add_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tok_s = _smooth(self.prefill_tok_s, tokens / seconds, self.alpha)
+
+    def add_decode(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.decode_tok_s = _smooth(self.decode_tok_s, tokens / seconds, self.alpha)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    worker_id: WorkerId
+    submitted_at: float
+    first_token_at: float | None = None
+
+
+class RoutedEngine:
+    def __init__(self, workers: Sequence[RoutableWorker], router: Router, block_size: int, salt: BlockHash) -> None:
+        if not workers:
+            raise ValueError("RoutedEngine needs at least one worker")
+        self.model_name = workers[0].model_name
+        self.max_model_len = min(w.max_model_len for w in workers)
+        self.router = router
+        self.block_size = block_size
+        self.salt = salt
+        self._workers: dict[WorkerId, RoutableWorker] = {w.worker_id: w for w in workers}
+        self._speeds = {w.worker_id: SpeedMeter() for w in workers}
+        self._in_flight: dict[RequestId, _InFlight] = {}
+        self._lock = threading.Lock()
+        self._turn = 0
+        for worker in workers:
+            router.update_worker(self._stats_of(worker))
+            add_listener = getattr(worker, "add_listener", None)
+            if add_listener is not None:
+                add_listener(self.on_beat, self.on_death)
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return min(getattr(w, "max_tokens_limit", w.max_model_len) for w in self._workers.values())
+
+    def encode(self, text: str) -> list[int]:
+        return self._any_worker().encode(text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self._any_worker().apply_chat_template(messages)
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        hashes = block_hashes(request.prompt_token_ids, self.block_size, self.salt)
+        decision = self.router.route(request.request_id, hashes)
+        worker = self._workers[decision.worker_id]
+        with self._lock:
+            self._in_flight[request.request_id] = _InFlight(decision.worker_id, time.monotonic())
+        try:
+            worker.submit(request, self._sink(request.request_id, sink))
+        except BaseException:
+            self._finish(request.request_id)
+            raise
+
+    def abort(self, request_id: RequestId) -> None:
+        with self._lock:
+            flight = self._in_flight.get(request_id)
+        if flight is not None:
+            self._workers[flight.worker_id].abort(request_id)
+
+    def on_beat(self, worker: RoutableWorker) -> None:
+        """A worker reported its pool stats: refresh the router's view of it."""
+        if worker.worker_id in self._workers and worker.alive:
+            self.router.update_worker(self._stats_of(worker))
+
+    def on_death(self, worker: RoutableWorker) -> None:
+        logger.warning("worker %s left the router", worker.worker_id)
+        self.router.remove_worker(worker.worker_id)
+
+    def _sink(self, request_id: RequestId, sink: OutputSink) -> OutputSink:
+        def routed_sink(output: GenerationOutput) -> None:
+            if output.finished:
+                self._finish(request_id, output)
+            elif output.new_token_ids:
+                self._first_token(request_id, output)
+            sink(output)
+
+        return routed_sink
+
+    def _first_token(self, request_id: RequestId, output: GenerationOutput) -> None:
+        with self._lock:
+            flight = self._in_flight.get(request_id)
+            if flight is None or flight.first_token_at is not None:
+                return
+            flight.first_token_at = time.monotonic()
+            self._speeds[flight.worker_id].add_prefill(output.num_prompt_tokens - output.num_cached_tokens,
+                                                       flight.first_token_at - flight.submitted_at)
+
+    def _finish(self, request_id: RequestId, output: GenerationOutput | None = None) -> None:
+        if output is not None and output.finish_reason in ("stop", "length"):
+            self._first_token(request_id, output)
+        with self._lock:
+            flight = self._in_flight.pop(request_id, None)
+            if flight is not None and output is not None and flight.first_token_at is not None:
+                self._speeds[flight.worker_id].add_decode(output.num_output_tokens - 1,
+                                                          time.monotonic() - flight.first_token_at)
+        self.router.release(request_id)
+
+    def _any_worker(self) -> RoutableWorker:
+        """A live worker for tokenizing, in turn (all workers serve the same model)."""
+        live = [w for w in self._workers.values() if w.alive] or list(self._workers.values())
+        self._turn += 1
+        return live[self._turn % len(live)]
+
+    def _stats_of(self, worker: RoutableWorker) -> WorkerStats:
+        pool = worker.stats or {}
+        capacity = pool.get("num_blocks", 0)
+        speed = self._speeds[worker.worker_id]
+        return WorkerStats(worker.worker_id, kv_capacity_blocks=capacity,
+                           active_blocks=capacity - pool.get("num_free_blocks", capacity),
+                           in_flight=pool.get("num_running", 0) + pool.get("num_waiting", 0),
+                           prefill_tok_s=speed.prefill_tok_s, decode_tok_s=speed.decode_tok_s)
+
+
+def _smooth(previous: float, sample: float, alpha: float) -> float:
+    return sample if previous <= 0 else (1 - alpha) * previous + alpha * sample

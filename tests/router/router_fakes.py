@@ -1,0 +1,87 @@
+"""A deterministic engine for worker-process tests; importable by spawned workers (tests/router is on sys.path)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbm.block_hash import block_hashes, model_salt
+from kvbm.events import G1, EventSink, TierEvent
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+
+SALT = model_salt("step-engine")
+
+
+@dataclass(frozen=True)
+class Layout:
+    block_size: int = 4
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The shape of LLMEngine.stats() that RoutedEngine reads (blocks, sequences)."""
+
+    num_blocks: int = 100
+    num_free_blocks: int = 100
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class StepEngine:
+    """Answer token i is " t{i}" (id 1000 + i), one per `step_s`, each request on its own thread.
+
+    With `events`, a submitted prompt's full blocks are announced as stored in G1 (like a KVBM agent would).
+    """
+
+    model_name = "step"
+    max_model_len = 256
+    max_tokens_limit = 200
+    layout = Layout()
+    salt = SALT
+
+    def __init__(self, step_s: float = 0.005, *, worker_id: str = "w", events: EventSink | None = None) -> None:
+        self.step_s = step_s
+        self.worker_id = worker_id
+        self.events = events
+        self._aborts: dict[RequestId, threading.Event] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
+
+    def stats(self) -> Pool:
+        running = sum(not event.is_set() for event in self._aborts.values())
+        return Pool(num_running=running)
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise RequestError("prompt", "too long for the step engine")
+        if self.events is not None:
+            hashes = block_hashes(request.prompt_token_ids, self.layout.block_size, SALT)
+            self.events.publish(TierEvent(self.worker_id, "stored", G1, tuple(hashes)))
+        abort = self._aborts[request.request_id] = threading.Event()
+        threading.Thread(target=self._run, args=(request, sink, abort), daemon=True).start()
+
+    def abort(self, request_id: RequestId) -> None:
+        if request_id in self._aborts:
+            self._aborts[request_id].set()
+
+    def _run(self, request: GenerationRequest, sink: OutputSink, abort: threading.Event) -> None:
+        prompt = len(request.prompt_token_ids)
+        total = request.sampling.max_tokens
+        for i in range(total):
+            if abort.wait(self.step_s):
+                sink(GenerationOutput(request.request_id, [], "", True, "abort", prompt, 0, i))
+                return
+            last = i + 1 == total
+            sink(GenerationOutput(request.request_id, [1000 + i], f" t{i}", last, "length" if last else None,
+                                  prompt, 0, i + 1))
+        abort.set()  # done: no longer counted as running
+
+
+def broken_factory() -> StepEngine:
+    raise RuntimeError("no weights here")

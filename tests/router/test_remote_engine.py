@@ -1,0 +1,145 @@
+"""Worker processes behind RemoteEngine, and RoutedEngine over them with the KVBM index fed by their events."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+from router_fakes import SALT, StepEngine, broken_factory
+
+from kvbm.block_hash import block_hashes
+from kvbm.index import KVIndex
+from server.engine.api import GenerationOutput, GenerationRequest, RequestError, RequestId, SamplingParams
+from server.router.config import RouterConfig
+from server.router.lookup import CountedIndex
+from server.router.remote import RemoteEngine, WorkerDied
+from server.router.routed import RoutedEngine
+from server.router.router import Router
+from server.router.worker import WorkerSpec
+from server.router.workers import WorkerId
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 3) -> GenerationRequest:
+    return GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def collect(outputs: queue.SimpleQueue[GenerationOutput], timeout_s: float = 10.0) -> list[GenerationOutput]:
+    """Outputs until the finished one, waiting at most `timeout_s` for each."""
+    got = [outputs.get(timeout=timeout_s)]
+    while not got[-1].finished:
+        got.append(outputs.get(timeout=timeout_s))
+    return got
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[RemoteEngine]:
+    remote = RemoteEngine.spawn(WorkerId("w0"), WorkerSpec(StepEngine, (0.005,)), heartbeat_timeout_s=2.0)
+    yield remote
+    remote.close()
+
+
+def test_remote_engine_round_trip(worker: RemoteEngine) -> None:
+    assert (worker.model_name, worker.max_model_len, worker.max_tokens_limit) == ("step", 256, 200)
+    assert worker.info.block_size == 4 and worker.info.salt == SALT
+    assert worker.encode("ab") == [97, 98]
+    assert worker.apply_chat_template([{"role": "user", "content": "a"}]) == list(b"<user>a")
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    worker.submit(request("r1", [1, 2, 3]), outputs.put)
+    got = collect(outputs)
+    assert "".join(o.new_text for o in got) == " t0 t1 t2"
+    assert (got[-1].finish_reason, got[-1].num_output_tokens) == ("length", 3)
+
+
+def test_request_error_comes_back_with_its_field(worker: RemoteEngine) -> None:
+    with pytest.raises(RequestError) as raised:
+        worker.submit(request("r2", [1] * 300), lambda _: None)
+    assert raised.value.field == "prompt"
+
+
+def test_abort_reaches_the_worker(worker: RemoteEngine) -> None:
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    worker.submit(request("r3", [1, 2], max_tokens=200), outputs.put)
+    assert not outputs.get(timeout=10).finished
+    worker.abort(RequestId("r3"))
+    assert collect(outputs)[-1].finish_reason == "abort"
+
+
+def test_heartbeats_carry_pool_stats(worker: RemoteEngine) -> None:
+    deadline = time.monotonic() + 5
+    while worker.stats is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.stats is not None and worker.stats["num_blocks"] == 100
+
+
+def test_killed_worker_is_detected_and_its_requests_fail() -> None:
+    remote = RemoteEngine.spawn(WorkerId("w-kill"), WorkerSpec(StepEngine, (0.01,)))
+    deaths: list[str] = []
+    remote.add_listener(lambda _: None, lambda engine: deaths.append(engine.worker_id))
+    try:
+        outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        remote.submit(request("r1", [1], max_tokens=200), outputs.put)
+        outputs.get(timeout=10)
+        killed_at = time.monotonic()
+        remote.kill()
+        last = collect(outputs, timeout_s=5)[-1]
+        detected_s = time.monotonic() - killed_at
+        assert (last.finish_reason, deaths, remote.alive) == ("error", ["w-kill"], False)
+        assert detected_s < 1.0
+        with pytest.raises(WorkerDied):
+            remote.submit(request("r2", [1]), outputs.put)
+    finally:
+        remote.close()
+
+
+def test_hung_worker_is_declared_dead_after_missed_heartbeats() -> None:
+    remote = RemoteEngine.spawn(WorkerId("w-hang"), WorkerSpec(StepEngine, (0.01,), heartbeat_s=0.2),
+                                heartbeat_timeout_s=1.0)
+    try:
+        os.kill(remote.info.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while remote.alive and time.monotonic() - stopped_at < 5:
+            time.sleep(0.02)
+        assert not remote.alive
+        assert time.monotonic() - stopped_at < 2.0
+    finally:
+        remote.close()
+
+
+def test_engine_that_fails_to_build_is_reported() -> None:
+    with pytest.raises(WorkerDied, match="no weights here"):
+        RemoteEngine.spawn(WorkerId("w-broken"), WorkerSpec(broken_factory))
+
+
+def test_routed_engine_keeps_a_conversation_on_the_worker_that_holds_it() -> None:
+    index = CountedIndex(KVIndex())
+    router = Router(RouterConfig(), index)
+    spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
+    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(2)]
+    try:
+        routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
+        outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        turn = list(range(40))
+        routed.submit(request("c1", turn), outputs.put)
+        collect(outputs)
+        for i in range(4):
+            turn = turn + list(range(100 + 10 * i, 110 + 10 * i))
+            routed.submit(request(f"c{i + 2}", turn), outputs.put)
+            collect(outputs)
+        assert index.events_applied == 5
+        assert _decisions(router)[("kv-aware", "prefix_hit")] == 4
+        holders = index.query(block_hashes(turn, 4, SALT)).workers
+        assert len(holders) == 1  # every turn went to the worker that held the conversation
+        assert 'strata_router_worker_active_blocks{worker="w0"} 0.0' in generate_latest(router.metrics.registry).decode()
+    finally:
+        for remote in workers:
+            remote.close()
+
+
+def _decisions(router: Router) -> dict[tuple[str, str], float]:
+    samples = router.metrics.decisions.collect()[0].samples
+    return {(s.labels["strategy"], s.labels["reason"]): s.value for s in samples if s.name.endswith("_total")}
