@@ -220,6 +220,7 @@ class LLMEngine:
         if seq is not None and seq.status is not SequenceStatus.FINISHED:
             self._finish(seq, "abort")
 
+    @torch.inference_mode()
     def _step(self) -> None:
         chunks: list[ScheduledChunk] = []
         try:

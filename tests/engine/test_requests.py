@@ -1,0 +1,140 @@
+"""Request validation, cancellation, failure isolation and the iterator helpers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import collect_concurrently, engine_config, greedy, run, wait_until
+
+from server.engine import (
+    GenerationRequest,
+    LLMEngine,
+    RequestError,
+    RequestId,
+    SamplingParams,
+    aiterate_outputs,
+    iterate_outputs,
+)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"best_of": 2}, "best_of"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_bad_sampling_fields_name_the_field(engine, fields, field):
+    with pytest.raises(RequestError) as err:
+        params = SamplingParams.from_dict(fields, max_tokens_limit=engine.config.max_tokens_limit)
+        engine.submit(GenerationRequest(RequestId("bad"), [1, 2, 3], params), lambda output: None)
+    assert err.value.field == field
+
+
+def test_bad_prompts_name_the_field_and_engine_keeps_serving(engine, prompt_ids):
+    sink = lambda output: None  # noqa: E731
+    with pytest.raises(RequestError) as empty:
+        engine.submit(GenerationRequest(RequestId("empty"), [], SamplingParams()), sink)
+    assert empty.value.field == "prompt"
+    too_long = [42] * engine.max_model_len
+    with pytest.raises(RequestError) as long:
+        engine.submit(GenerationRequest(RequestId("long"), too_long, SamplingParams()), sink)
+    assert long.value.field == "prompt"
+    with pytest.raises(RequestError) as over_limit:
+        engine.submit(greedy([1, 2], "over", max_tokens=engine.config.max_tokens_limit + 1), sink)
+    assert over_limit.value.field == "max_tokens"
+    with pytest.raises(RequestError) as vocab:
+        engine.submit(GenerationRequest(RequestId("vocab"), [10**7], SamplingParams()), sink)
+    assert vocab.value.field == "prompt"
+    assert run(engine, greedy(prompt_ids[1], "after-bad")).finish_reason in ("stop", "length")
+
+
+def test_duplicate_request_id_is_refused(engine, prompt_ids):
+    outputs = iterate_outputs(engine, greedy(prompt_ids[13], "dup", max_tokens=64, ignore_eos=True))
+    next(outputs)
+    with pytest.raises(RequestError) as err:
+        engine.submit(greedy([1, 2], "dup"), lambda output: None)
+    assert err.value.field == "request_id"
+    outputs.close()  # aborts
+
+
+def test_abort_frees_blocks_at_once(engine, prompt_ids):
+    wait_until(engine.is_idle)
+    baseline = engine.stats().num_free_blocks
+    outputs = iterate_outputs(engine, greedy(prompt_ids[13], "abort-me", max_tokens=200, ignore_eos=True))
+    first = next(outputs)
+    assert not first.finished
+    assert engine.stats().num_free_blocks < baseline
+    engine.abort(RequestId("abort-me"))
+    last = list(outputs)[-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert last.num_output_tokens < 200
+    wait_until(engine.is_idle)
+    assert engine.stats().num_free_blocks == baseline == engine.stats().num_blocks
+
+
+def test_leaving_the_iterator_aborts(engine, prompt_ids):
+    for output in iterate_outputs(engine, greedy(prompt_ids[2], "leave", max_tokens=200, ignore_eos=True)):
+        if output.num_output_tokens >= 2:
+            break
+    wait_until(engine.is_idle)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_step_failure_fails_its_requests_and_engine_keeps_serving(engine, prompt_ids, monkeypatch):
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing_run(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real_run(chunks)
+
+    monkeypatch.setattr(engine.runner, "run", failing_run)
+    failed = run(engine, greedy(prompt_ids[1], "boom"))
+    assert failed.finish_reason == "error" and failed.error and "injected" not in failed.error
+    ok = run(engine, greedy(prompt_ids[1], "after-boom"))
+    assert ok.finish_reason in ("stop", "length") and ok.num_output_tokens > 0
+    wait_until(engine.is_idle)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_failing_sink_does_not_stop_the_engine(engine, prompt_ids):
+    def bad_sink(output):
+        raise OSError("client went away")
+
+    engine.submit(greedy(prompt_ids[0], "bad-sink"), bad_sink)
+    assert run(engine, greedy(prompt_ids[0], "good-sink")).num_output_tokens > 0
+    wait_until(engine.is_idle)
+
+
+def test_async_iterator(engine, prompt_ids):
+    async def consume():
+        tokens, last = [], None
+        async for output in aiterate_outputs(
+            engine, greedy(prompt_ids[1], "async", max_tokens=8, ignore_eos=True)
+        ):
+            tokens.extend(output.new_token_ids)
+            last = output
+        return tokens, last
+
+    tokens, last = asyncio.run(consume())
+    assert len(tokens) == 8 and last.finished and last.finish_reason == "length"
+
+
+def test_many_concurrent_requests_beyond_the_concurrency_limit(prompt_ids):
+    small = LLMEngine(engine_config(num_kv_blocks=128, max_concurrent_requests=3))
+    try:
+        requests = [greedy(prompt_ids[i % 8], f"q-{i}", max_tokens=4, ignore_eos=True) for i in range(12)]
+        tokens = collect_concurrently(small, requests)
+        assert all(len(t) == 4 for t in tokens.values())
+        assert small.stats().num_running == 0
+    finally:
+        small.shutdown()
