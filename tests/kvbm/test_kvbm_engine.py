@@ -1,0 +1,67 @@
+"""End to end with the real engine (SmolLM2, fp32, CPU): greedy output is identical whether a prefix is prefilled
+or onboarded from G2/G3, with a G1 pool so small that blocks are evicted to G2, spilled to G3 and come back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbm.agent import build_connector
+from kvbm.block_hash import block_hashes
+from kvbm.config import GIB, KVBMConfig
+from kvbm.index import KVIndex
+from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams, generate
+
+pytestmark = pytest.mark.slow
+MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"
+BLOCK_BYTES = 737_280  # SmolLM2-135M fp32, 16 tokens
+TOPICS = ("the printing press", "the steam engine", "the telegraph", "penicillin")
+
+
+def document(topic: str) -> str:
+    sentences = [f"Paragraph {i} is about {topic} and how it changed daily life in town number {i}." for i in range(20)]
+    return " ".join(sentences) + " In one sentence, the main effect was"
+
+
+def engine(num_kv_blocks: int, connector=None) -> LLMEngine:
+    config = EngineConfig(
+        cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks, max_model_len=1024,
+        max_num_batched_tokens=512, max_tokens_limit=64, num_threads=2, max_concurrent_requests=1,
+    )  # fmt: skip
+    return LLMEngine(config, connector)
+
+
+def greedy(engine: LLMEngine, prompt: list[int], request_id: str):
+    request = GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    return generate(engine, request, timeout=300)
+
+
+def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path) -> None:
+    with engine(400) as reference:
+        prompts = [reference.encode(document(topic)) for topic in TOPICS]
+        prompts.append(prompts[0][:-8] + reference.encode(" To summarise, the inventors"))
+        expected = [greedy(reference, ids, f"ref-{i}").new_token_ids for i, ids in enumerate(prompts)]
+    assert all(len(ids) > 200 for ids in prompts)
+    config = KVBMConfig(
+        cache_id=cache_id, host_cache_gb=24 * BLOCK_BYTES / GIB, disk_cache_gb=256 * BLOCK_BYTES / GIB,
+        disk_path=tmp_path,
+    )
+    index = KVIndex()
+    connector = build_connector(config, "engine-worker", index=index)
+    with engine(40, connector) as tiny:  # 40 blocks: one prompt and a half fit in G1
+        cold = [greedy(tiny, ids, f"cold-{i}") for i, ids in enumerate(prompts)]
+        # newest first: the latest evictions are still in G2, the older ones were spilled to G3
+        warm = [greedy(tiny, ids, f"warm-{i}") for i, ids in reversed(list(enumerate(prompts)))][::-1]
+        registry = connector.metrics.registry
+        onboarded = {
+            tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
+            for tier in ("G2", "G3")
+        }
+        report = index.query(block_hashes(prompts[0], 16, tiny.salt))
+    connector.close()
+    assert [out.new_token_ids for out in cold] == expected
+    assert [out.new_token_ids for out in warm] == expected
+    assert all(out.num_cached_tokens >= 160 for out in warm[:4]), [out.num_cached_tokens for out in warm]
+    assert onboarded["G2"] > 0 and onboarded["G3"] > 0, onboarded
+    assert report.workers["engine-worker"].g3 == report.num_blocks  # the index saw every tier move
