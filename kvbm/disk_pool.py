@@ -213,7 +213,7 @@ class DiskPool:
         return evicted
 
     def hashes(self) -> list[BlockHash]:
-        return list(self._lru._slots)
+        return self._lru.hashes()
 
     def close(self) -> None:
         if self._lock_fd < 0:

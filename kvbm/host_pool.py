@@ -21,7 +21,9 @@ header access holds `flock` on the segment file plus a thread lock; payload copi
     get: lock, pins += 1, unlock, copy out, lock, pins -= 1, unlock
 
 Invariants: a reader sees only READY slots; a slot with pins > 0 or state WRITING is never chosen as a victim
-(a WRITING slot whose writer pid has died is reclaimed). On CUDA this segment would be registered as pinned host
+(a WRITING slot whose writer pid has died is reclaimed; a pin left by a process killed mid-copy keeps its one
+slot until the segment is recreated). The segment outlives its processes on purpose (a restarted worker finds
+its node's blocks); `destroy` removes it. On CUDA this segment would be registered as pinned host
 memory (cudaHostRegister) so G2<->G1 copies run as DMA; here G1 is host memory too and a copy is a memcpy.
 """
 

@@ -24,6 +24,10 @@ class SlotLRU:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slots
 
+    def hashes(self) -> list[BlockHash]:
+        """Every hash, least recently used first."""
+        return list(self._slots)
+
     def slot(self, block_hash: BlockHash) -> int | None:
         return self._slots.get(block_hash)
 

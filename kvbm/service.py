@@ -28,6 +28,7 @@ from kvbm.wire import encode_report, read_query
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7410
+SWEEP_INTERVAL_S = 60.0
 
 
 class KVBMService:
@@ -105,8 +106,12 @@ class KVBMService:
         return dead
 
     def _lease_loop(self) -> None:
+        last_sweep = time.monotonic()
         while not self._stop.wait(self.lease_check_s):
-            self.check_leases()
+            if self.check_leases() or time.monotonic() - last_sweep < SWEEP_INTERVAL_S:
+                continue
+            self.index.sweep()  # reclaim dead workers' bits (O(indexed blocks); queries ignore them already)
+            last_sweep = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()

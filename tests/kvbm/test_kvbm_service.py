@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -105,3 +106,31 @@ def test_workers_reannounce_when_the_stream_was_lost(redis_url: str, worker: KVB
         wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "re-announced blocks")
     finally:
         service.stop()
+
+
+def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) -> None:
+    """`python -m kvbm` (what `strata kvbm` runs) as a real process, queried with KVIndexClient, stopped by SIGTERM."""
+    import subprocess
+    import sys
+
+    from kvbm_testing import free_port
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root)
+    client = KVIndexClient(f"127.0.0.1:{port}")
+
+    def answered() -> bool:
+        try:
+            return client.query(BLOCKS).workers.get("worker-a") == WorkerPrefix(4, 8, 8)
+        except OSError:
+            return False
+
+    try:
+        wait_until(answered, 30, "the kvbm process to answer")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+    finally:
+        client.close()
+        process.kill()
+        process.wait(timeout=10)
