@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvbm.events import TierEvent
 from kvbm.redis_link import RedisLink
@@ -30,6 +31,22 @@ STREAM_MAXLEN = 1_000_000  # events (each carries a batch of hashes)
 
 def lease_key(worker_id: str) -> bytes:
     return LEASE_PREFIX + worker_id.encode()
+
+
+def coalesce(events: list[TierEvent]) -> list[TierEvent]:
+    """Merge runs of events that differ only in their hashes (e.g. one BlockStored per block) into one event."""
+    merged: list[TierEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if last is not None and _same_kind(last, event):
+            merged[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes)
+        else:
+            merged.append(event)
+    return merged
+
+
+def _same_kind(a: TierEvent, b: TierEvent) -> bool:
+    return (a.worker_id, a.kind, a.tier, a.from_tier, a.ttl_s) == (b.worker_id, b.kind, b.tier, b.from_tier, b.ttl_s)
 
 
 class RedisWorkerChannel:
@@ -68,7 +85,7 @@ class RedisWorkerChannel:
     def flush(self) -> int:
         """Send pending events now; return how many were sent (0 if Redis is down: they are dropped)."""
         with self._lock:
-            events, self._pending = self._pending, []
+            events, self._pending = coalesce(self._pending), []
         if not events:
             return 0
 

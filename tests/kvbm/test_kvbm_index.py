@@ -82,3 +82,12 @@ def test_g4_prefix_is_for_anyone_and_expires() -> None:
 def test_report_round_trips_through_dict() -> None:
     report = PrefixReport(4, {"w": WorkerPrefix(1, 2, 3)}, 4)
     assert PrefixReport.from_dict(report.to_dict()) == report
+
+
+def test_channel_coalesces_runs_of_similar_events() -> None:
+    from kvbm.channel import coalesce
+
+    events = [TierEvent("w", "stored", G1, (BlockHash(h),), timestamp=1.0) for h in (1, 2, 3)]
+    events.append(TierEvent("w", "removed", G1, (BlockHash(1),)))
+    merged = coalesce(events)
+    assert [(e.kind, e.block_hashes) for e in merged] == [("stored", (1, 2, 3)), ("removed", (1,))]
