@@ -1,34 +1,53 @@
 """KV-aware routing benchmarks.
 
     python bench/routing.py decision [--index-blocks 1000000] [--workers 8] [--decisions 5000]
+    python bench/routing.py replay [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 4]
+    python bench/routing.py transport [--round-trips 5000]
 
 `decision`: the time `Router.route` takes (index lookup included) with a KVBM index (`kvbm.index.KVIndex`)
 holding `--index-blocks` block hashes spread over the workers and tiers; each request has 128 full blocks
 (2,048 tokens at 16 tokens per block), most sharing a leading run with an indexed prompt. The baseline measured in
-the same run is round-robin (no lookup). Prints a table and one JSON line.
+the same run is round-robin (no lookup).
+
+`replay`: the Mooncake conversation trace (bench/data/mooncake) replayed through the real `Router` and the real
+KVBM index, against simulated workers (`ReplayConfig` states the model and the scale). Every strategy
+sees the same requests; round-robin is the baseline, the oracle hit rate (unlimited cache, same subset) the bound.
+
+`transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
+and over multiprocessing.Pipe, the alternative it was chosen over.
+
+Each command prints a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.index import KVIndex  # noqa: E402
+from server.engine.api import GenerationOutput, RequestId  # noqa: E402
 from server.router.config import RouterConfig  # noqa: E402
 from server.router.lookup import CountedIndex  # noqa: E402
 from server.router.router import Router  # noqa: E402
+from server.router.transport import Channel, ChannelAddress  # noqa: E402
 from server.router.workers import WorkerId, WorkerStats  # noqa: E402
 
 PROMPT_BLOCKS = 128
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
 def build_index(num_blocks: int, num_workers: int, rng: random.Random) -> tuple[CountedIndex, list[list[BlockHash]]]:
@@ -116,6 +135,287 @@ def print_decision_table(report: dict) -> None:
         print(f"{name:<14}{row['p50_us']:>10}{row['p90_us']:>10}{row['p99_us']:>10}{row['mean_us']:>10}")
 
 
+# ---- replay: the Mooncake trace through the router, against simulated workers ----
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    arrival_s: float  # trace time
+    hash_ids: list[int]  # one per block; equal leading ids = equal prefix
+    output_tokens: int
+
+
+def _conversation(row: dict) -> int:
+    """The second hash id names a conversation (the first, 0, is the shared system prompt); -1: none."""
+    return row["hash_ids"][1] if len(row["hash_ids"]) > 1 else -1
+
+
+def load_conversations(path: Path, conversations: int, min_turns: int, max_output: int) -> list[TraceRequest]:
+    """All requests of the first `conversations` conversations having >= `min_turns` requests, in trace order."""
+    rows = [json.loads(line) for line in path.open()]
+    turns = Counter(_conversation(row) for row in rows)
+    chosen: set[int] = set()
+    for row in rows:
+        conversation = _conversation(row)
+        if conversation >= 0 and turns[conversation] >= min_turns and len(chosen) < conversations:
+            chosen.add(conversation)
+    return [TraceRequest(row["timestamp"] / 1000, row["hash_ids"], min(row["output_length"], max_output))
+            for row in rows if _conversation(row) in chosen]
+
+
+def oracle_hit_rate(requests: list[TraceRequest]) -> float:
+    """Share of blocks that are prefix hits with one unlimited cache (the bound for any router)."""
+    seen: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        for block_id in request.hash_ids:
+            if block_id not in seen:
+                break
+            hits += 1
+        total += len(request.hash_ids)
+        seen.update(request.hash_ids)
+    return hits / total
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """The simulated cluster. Each worker prefills one request at a time (FIFO) at `prefill_tok_s`; blocks it
+    holds in its G1 prefix cache (LRU, `g1_blocks`) restore `restore_speedup` times faster; decoding overlaps
+    prefill and holds the request's blocks for output_tokens * `decode_s_per_token`. Defaults: SmolLM2-135M
+    fp32 on these CPUs (brief: 2,048-token prefill 4.1 s, decode 42 ms/token, cached prefix 24x faster).
+    Workers publish stored/removed events to the KVBM index at once; the router sees only the index."""
+
+    workers: int = 4
+    block_tokens: int = 64
+    speedup: float = 8.0
+    g1_blocks: int = 512
+    prefill_tok_s: float = 500.0
+    restore_speedup: float = 24.0
+    decode_s_per_token: float = 0.042
+
+    def describe(self, num_requests: int, conversations: int) -> str:
+        return (f"{num_requests} requests of {conversations} conversations, 1 hash id = {self.block_tokens} "
+                f"tokens, time / {self.speedup:g}, {self.workers} workers x {self.g1_blocks} G1 blocks, "
+                f"prefill {self.prefill_tok_s:g} tok/s, decode {self.decode_s_per_token * 1e3:g} ms/token")
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, capacity: int, index: CountedIndex) -> None:
+        self.worker_id = worker_id
+        self.capacity = capacity
+        self.index = index
+        self.cache: OrderedDict[BlockHash, None] = OrderedDict()
+        self.queue: deque[tuple[str, TraceRequest, list[BlockHash], float]] = deque()
+        self.busy = False
+        self.requests = 0
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> int:
+        for position, block_hash in enumerate(hashes):
+            if block_hash not in self.cache:
+                return position
+        return len(hashes)
+
+    def store(self, hashes: list[BlockHash]) -> None:
+        """Touch or insert the request's blocks; evict least recently used ones beyond capacity."""
+        new = [h for h in hashes if h not in self.cache]
+        for block_hash in hashes:
+            self.cache[block_hash] = None
+            self.cache.move_to_end(block_hash)
+        evicted = []
+        while len(self.cache) > self.capacity:
+            evicted.append(self.cache.popitem(last=False)[0])
+        if evicted:
+            self.index.publish(TierEvent(self.worker_id, "removed", G1, tuple(evicted)))
+        if new:
+            self.index.publish(TierEvent(self.worker_id, "stored", G1, tuple(h for h in new if h in self.cache)))
+
+
+class _Simulation:
+    def __init__(self, config: ReplayConfig, router_config: RouterConfig) -> None:
+        self.config = config
+        self.index = CountedIndex(KVIndex())
+        self.router = Router(router_config, self.index)
+        self.workers = {WorkerId(f"w{i}"): SimWorker(f"w{i}", config.g1_blocks, self.index)
+                        for i in range(config.workers)}
+        for worker_id in self.workers:
+            self.router.update_worker(WorkerStats(worker_id, kv_capacity_blocks=config.g1_blocks))
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.sequence = 0
+        self.ttfts: list[float] = []
+        self.route_s: list[float] = []
+        self.hit_blocks = self.total_blocks = 0
+
+    def push(self, at: float, kind: str, payload: Any) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (at, self.sequence, kind, payload))
+
+    def run(self, requests: list[TraceRequest]) -> None:
+        for i, request in enumerate(requests):
+            self.push(request.arrival_s / self.config.speedup, "arrive", (f"r{i}", request))
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, f"_{kind}")(now, payload)
+
+    def _arrive(self, now: float, payload: tuple[str, TraceRequest]) -> None:
+        request_id, request = payload
+        hashes = [BlockHash(block_id + 1) for block_id in request.hash_ids]
+        started = time.perf_counter()
+        worker = self.workers[self.router.route(request_id, hashes).worker_id]
+        self.route_s.append(time.perf_counter() - started)
+        worker.queue.append((request_id, request, hashes, now))
+        if not worker.busy:
+            self._start_prefill(now, worker)
+
+    def _start_prefill(self, now: float, worker: SimWorker) -> None:
+        request_id, request, hashes, arrived = worker.queue.popleft()
+        cached = worker.cached_prefix(hashes)
+        tokens = self.config.block_tokens
+        seconds = ((len(hashes) - cached) * tokens + cached * tokens / self.config.restore_speedup) \
+            / self.config.prefill_tok_s
+        worker.busy = True
+        worker.requests += 1
+        self.hit_blocks += cached
+        self.total_blocks += len(hashes)
+        self.push(now + seconds, "prefilled", (worker, request_id, request, hashes, arrived))
+
+    def _prefilled(self, now: float, payload: tuple[SimWorker, str, TraceRequest, list[BlockHash], float]) -> None:
+        worker, request_id, request, hashes, arrived = payload
+        self.ttfts.append(now - arrived)
+        self.router.prefill_done(request_id)
+        worker.store(hashes)
+        worker.busy = False
+        self.push(now + request.output_tokens * self.config.decode_s_per_token, "finish", request_id)
+        if worker.queue:
+            self._start_prefill(now, worker)
+
+    def _finish(self, now: float, request_id: str) -> None:
+        self.router.release(request_id)
+
+    def summary(self) -> dict[str, float]:
+        shares = [w.requests / len(self.ttfts) for w in self.workers.values()]
+        ttft = sorted(self.ttfts)
+        pick = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))]  # noqa: E731
+        return {"hit_rate": round(self.hit_blocks / self.total_blocks, 4), "ttft_p50_s": round(pick(0.5), 3),
+                "ttft_p90_s": round(pick(0.9), 3), "ttft_p99_s": round(pick(0.99), 3),
+                "share_max": round(max(shares), 3), "share_min": round(min(shares), 3),
+                "route_p50_us": round(sorted(self.route_s)[len(self.route_s) // 2] * 1e6, 1)}
+
+
+def simulate(requests: list[TraceRequest], config: ReplayConfig, router_config: RouterConfig) -> dict[str, float]:
+    simulation = _Simulation(config, router_config)
+    simulation.run(requests)
+    return simulation.summary()
+
+
+def replay_command(args: argparse.Namespace) -> dict:
+    requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
+    config = ReplayConfig(workers=args.workers, block_tokens=args.block_tokens, speedup=args.speedup,
+                          g1_blocks=args.g1_blocks)
+    results = {}
+    for name, router_config in {
+        "kv-aware": RouterConfig(strategy="kv-aware"),
+        "kv-aware-t0.3": RouterConfig(strategy="kv-aware", temperature=0.3, seed=1),
+        "least-loaded": RouterConfig(strategy="least-loaded"),
+        "round-robin": RouterConfig(strategy="round-robin"),
+        "random": RouterConfig(strategy="random", seed=1),
+    }.items():
+        results[name] = simulate(requests, config, router_config)
+    return {"bench": "routing.replay", "scale": config.describe(len(requests), args.conversations),
+            "oracle_hit_rate": round(oracle_hit_rate(requests), 3), "results": results}
+
+
+def print_replay_table(report: dict) -> None:
+    print(f"Mooncake replay: {report['scale']}")
+    print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
+    print(f"{'strategy':<15}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'p99 s':>8}"
+          f"{'share max/min':>15}{'route p50 us':>14}")
+    for name, row in report["results"].items():
+        print(f"{name:<15}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+              f"{row['ttft_p99_s']:>8.2f}{row['share_max']:>8.1%}/{row['share_min']:<6.1%}"
+              f"{row['route_p50_us']:>14.1f}")
+
+
+# ---- transport: the worker channel against multiprocessing.Pipe ----
+
+_SAMPLE_OUTPUT = GenerationOutput(RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None,
+                                  2048, 1024, 17)
+
+
+def _echo_channel(address: ChannelAddress, stream: int) -> None:
+    """Echo every message; on ("stream",) send `stream` outputs back to back and report the time spent sending."""
+    channel = Channel(address, server_side=False)
+    while (message := channel.recv())[0] != "stop":
+        if message[0] == "stream":
+            started = time.perf_counter()
+            for _ in range(stream):
+                channel.send("out", _SAMPLE_OUTPUT)
+            channel.send("sent", time.perf_counter() - started)
+        else:
+            channel.send(*message)
+    channel.close()
+
+
+def _echo_pipe(connection: Any, stream: int) -> None:
+    while (message := connection.recv())[0] != "stop":
+        if message[0] == "stream":
+            started = time.perf_counter()
+            for _ in range(stream):
+                connection.send(("out", _SAMPLE_OUTPUT))
+            connection.send(("sent", time.perf_counter() - started))
+        else:
+            connection.send(message)
+
+
+def _measure(send: Any, recv: Any, count: int) -> dict[str, float]:
+    """Round trips, then a one-way stream of `count` outputs (the engine -> server direction)."""
+    for _ in range(200):
+        send("out", _SAMPLE_OUTPUT)
+        recv()
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter()
+        send("out", _SAMPLE_OUTPUT)
+        recv()
+        samples.append(time.perf_counter() - started)
+    send("stream")
+    started = time.perf_counter()
+    while (message := recv())[0] != "sent":
+        pass
+    elapsed = time.perf_counter() - started
+    return {**summary(samples), "stream_msgs_per_s": round(count / elapsed),
+            "sender_us_per_msg": round(message[1] / count * 1e6, 1)}
+
+
+def transport_command(args: argparse.Namespace) -> dict:
+    context = multiprocessing.get_context("spawn")
+    address = ChannelAddress.fresh()
+    channel = Channel(address, server_side=True)
+    child = context.Process(target=_echo_channel, args=(address, args.round_trips))
+    child.start()
+    zmq_result = _measure(channel.send, channel.recv, args.round_trips)
+    channel.send("stop")
+    child.join()
+    channel.close()
+    parent_end, child_end = context.Pipe()
+    child = context.Process(target=_echo_pipe, args=(child_end, args.round_trips))
+    child.start()
+    child_end.close()
+    pipe_result = _measure(lambda *m: parent_end.send(m), parent_end.recv, args.round_trips)
+    parent_end.send(("stop",))
+    child.join()
+    return {"bench": "routing.transport", "message": "pickled GenerationOutput", "count": args.round_trips,
+            "results": {"zmq-ipc (Channel)": zmq_result, "multiprocessing.Pipe": pipe_result}}
+
+
+def print_transport_table(report: dict) -> None:
+    print(f"one {report['message']} between two processes: {report['count']} round trips, then a stream of "
+          f"{report['count']} (worker -> server)")
+    print(f"{'transport':<22}{'RTT p50 us':>11}{'p99 us':>9}{'stream msg/s':>14}{'sender us/msg':>15}")
+    for name, row in report["results"].items():
+        print(f"{name:<22}{row['p50_us']:>11}{row['p99_us']:>9}{row['stream_msgs_per_s']:>14,}"
+              f"{row['sender_us_per_msg']:>15}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,11 +424,23 @@ def main() -> None:
     decision.add_argument("--workers", type=int, default=8)
     decision.add_argument("--decisions", type=int, default=5000)
     decision.add_argument("--seed", type=int, default=0)
+    replay = sub.add_parser("replay", help="Mooncake trace through the router, simulated workers")
+    replay.add_argument("--conversations", type=int, default=48, help="whole conversations, in trace order")
+    replay.add_argument("--min-turns", type=int, default=2, help="only conversations with this many requests")
+    replay.add_argument("--max-output", type=int, default=64, help="output tokens cap")
+    replay.add_argument("--workers", type=int, default=4)
+    replay.add_argument("--block-tokens", type=int, default=64, help="tokens per trace hash id (512 originally)")
+    replay.add_argument("--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks")
+    replay.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
+    transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
+    transport.add_argument("--round-trips", type=int, default=5000)
     args = parser.parse_args()
-    if args.command == "decision":
-        report = decision_bench(args)
-        print_decision_table(report)
-        print(json.dumps(report))
+    commands = {"decision": (decision_bench, print_decision_table), "replay": (replay_command, print_replay_table),
+                "transport": (transport_command, print_transport_table)}
+    run, show = commands[args.command]
+    report = run(args)
+    show(report)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

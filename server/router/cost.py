@@ -1,9 +1,11 @@
 """The KV-aware cost of serving one request on one worker, in blocks of work at average worker speed.
 
-    cost = overlap_weight * blocks_to_prefill / prefill_speed + (active_blocks + request_blocks) / decode_speed
+    cost = overlap_weight * (pending_prefill + blocks_to_prefill) / prefill_speed
+           + (active_blocks + request_blocks) / decode_speed
 
 where a block already in the worker's G1 costs nothing, one it can onboard from G2/G3/G4 costs that tier's
-fraction of a prefill, and the rest cost one prefill each. Speeds are relative to the mean worker, so a worker
+fraction of a prefill, and the rest cost one prefill each; `pending_prefill` is the prefill work of requests
+already routed to the worker that have not produced their first token (the queue a new request waits behind). Speeds are relative to the mean worker, so a worker
 twice as fast sees half the cost for the same work and ends up with about twice the requests.
 """
 
@@ -35,6 +37,6 @@ def blocks_to_prefill(num_blocks: int, prefix: WorkerPrefix | None, g4: int, con
 
 def worker_cost(worker: WorkerLoad, num_blocks: int, prefix: WorkerPrefix | None, g4: int,
                 config: RouterConfig) -> float:
-    prefill = blocks_to_prefill(num_blocks, prefix, g4, config)
+    prefill = worker.pending_prefill + blocks_to_prefill(num_blocks, prefix, g4, config)
     decode = worker.active_blocks + num_blocks
     return config.overlap_weight * prefill / worker.prefill_speed + decode / worker.decode_speed

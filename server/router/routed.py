@@ -131,6 +131,7 @@ class RoutedEngine:
             if flight is None or flight.first_token_at is not None:
                 return
             flight.first_token_at = time.monotonic()
+            self.router.prefill_done(request_id)
             self._speeds[flight.worker_id].add_prefill(output.num_prompt_tokens - output.num_cached_tokens,
                                                        flight.first_token_at - flight.submitted_at)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport
 from server.router.config import RouterConfig, Strategy
-from server.router.cost import reusable_blocks, worker_cost
+from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
 from server.router.lookup import OverlapLookup
 from server.router.metrics import RouterMetrics
 from server.router.staleness import StalenessCheck
@@ -44,6 +44,15 @@ class RouteDecision:
     reusable_blocks: int  # leading blocks the chosen worker holds in some tier (0 when unknown)
 
 
+@dataclass(slots=True)
+class _Routed:
+    """A routed request not yet released; its blocks and pending prefill load its worker."""
+
+    worker_id: WorkerId
+    blocks: int
+    pending_prefill: float  # blocks of prefill work until its first token
+
+
 class Router:
     def __init__(self, config: RouterConfig, lookup: OverlapLookup | None = None,
                  metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -55,7 +64,7 @@ class Router:
         self._clock = clock
         self._rng = random.Random(config.seed)
         self._workers: dict[WorkerId, WorkerLoad] = {}
-        self._routed: dict[str, tuple[WorkerId, int]] = {}  # request id -> (worker, blocks)
+        self._routed: dict[str, _Routed] = {}
         self._lock = threading.Lock()
         self._turn = 0  # rotates ties and round-robin
         self._lookup_paused_until = -math.inf
@@ -81,13 +90,14 @@ class Router:
         with self._lock:
             if self._workers.pop(worker_id, None) is None:
                 return
-            self._routed = {rid: routed for rid, routed in self._routed.items() if routed[0] != worker_id}
+            self._routed = {rid: routed for rid, routed in self._routed.items() if routed.worker_id != worker_id}
             self._refresh_speeds()
             self.metrics.worker_active_blocks.remove(worker_id)
             self.metrics.worker_in_flight.remove(worker_id)
 
     def route(self, request_id: str, block_hashes: Sequence[BlockHash]) -> RouteDecision:
-        """Pick a worker for a request and count its blocks there until `release(request_id)`."""
+        """Pick a worker for a request and count its blocks there until `release(request_id)` (and its prefill
+        work until `prefill_done(request_id)` or release)."""
         started = time.perf_counter()
         report, events, failure = self._query(block_hashes) if self.config.strategy == "kv-aware" \
             else (None, 0, None)
@@ -107,15 +117,24 @@ class Router:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
 
+    def prefill_done(self, request_id: str) -> None:
+        """The request produced its first token: its prefill no longer queues ahead of new requests."""
+        with self._lock:
+            routed = self._routed.get(request_id)
+            load = self._workers.get(routed.worker_id) if routed is not None else None
+            if load is not None:
+                load.pending_prefill = max(0.0, load.pending_prefill - routed.pending_prefill)
+            if routed is not None:
+                routed.pending_prefill = 0.0
+
     def release(self, request_id: str) -> None:
         """The request finished (or was aborted): its blocks no longer load its worker."""
+        self.prefill_done(request_id)
         with self._lock:
             routed = self._routed.pop(request_id, None)
-            if routed is None:
-                return
-            load = self._workers.get(routed[0])
+            load = self._workers.get(routed.worker_id) if routed is not None else None
             if load is not None:
-                load.routed_blocks -= routed[1]
+                load.routed_blocks -= routed.blocks
                 load.routed_requests -= 1
                 self._publish_load(load)
 
@@ -189,10 +208,14 @@ class Router:
                 block_hashes: Sequence[BlockHash], report: PrefixReport | None) -> RouteDecision:
         worker_id = worker.stats.worker_id
         num_blocks = len(block_hashes)
-        reusable = reusable_blocks(report.workers.get(worker_id), report.g4) if report is not None else 0
-        self._routed[request_id] = (worker_id, num_blocks + 1)  # +1: the partial block and decode growth
+        prefix = report.workers.get(worker_id) if report is not None else None
+        g4 = report.g4 if report is not None else 0
+        reusable = reusable_blocks(prefix, g4)
+        prefill = blocks_to_prefill(num_blocks, prefix, g4, self.config)
+        self._routed[request_id] = _Routed(worker_id, num_blocks + 1, prefill)  # +1: partial block, decode growth
         worker.routed_blocks += num_blocks + 1
         worker.routed_requests += 1
+        worker.pending_prefill += prefill
         self._publish_load(worker)
         self.metrics.decisions.labels(strategy, reason).inc()
         self.metrics.request_blocks.inc(num_blocks)

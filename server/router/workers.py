@@ -27,6 +27,7 @@ class WorkerLoad:
     stats: WorkerStats
     routed_blocks: int = 0  # blocks of requests routed here and not released
     routed_requests: int = 0
+    pending_prefill: float = 0.0  # prefill work (blocks) of requests routed here that have no first token yet
     prefill_speed: float = 1.0  # relative to the mean of all workers (2.0 = twice as fast)
     decode_speed: float = 1.0
 

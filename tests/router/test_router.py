@@ -78,10 +78,22 @@ def test_hot_shared_prefix_spreads_over_all_workers() -> None:
     router, index = make_router()
     system_prompt = hashes((7, 20))
     store(index, "w0", system_prompt)
-    routed = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id for i in range(200))
+    routed: Counter[str] = Counter()
+    for i in range(200):  # all in flight at once, each past its prefill (decoding)
+        routed[router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id] += 1
+        router.prefill_done(f"r{i}")
     assert set(routed) == {"w0", "w1", "w2", "w3"}
     assert routed["w0"] == max(routed.values())
     assert max(routed.values()) - min(routed.values()) <= 2, routed
+
+
+def test_queued_prefill_work_counts_as_load() -> None:
+    """Requests still waiting for prefill load their worker by the prefill they need, not only their blocks."""
+    router, index = make_router(workers=2)
+    system_prompt = hashes((7, 20))
+    store(index, "w0", system_prompt)
+    routed = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id for i in range(100))
+    assert routed["w0"] > routed["w1"] > 20  # w0's queue is 5 blocks a request, w1's 25: w0 takes more
 
 
 def test_busy_worker_is_skipped_even_with_the_best_prefix() -> None:
