@@ -21,7 +21,8 @@ class KVBMConfig:
     """Sizes are GiB of block payload; a tier sized 0 (or a Redis url of None) is off.
 
     host_cache_gb      G2: POSIX shared-memory pool shared by every worker on the node (--kvbm-host-cache-gb)
-    disk_cache_gb      G3: preallocated block file under `disk_path` (--kvbm-disk-cache-gb, --kvbm-disk-path)
+    disk_cache_gb      G3: preallocated block file under `disk_path`/<worker id>/<layout tag>/, per worker
+                       (--kvbm-disk-cache-gb, --kvbm-disk-path); survives restarts of the same worker id
     redis_url          G4: Redis holding blocks for every node (--redis-url); None = no G4
     redis_cache_gb     G4 capacity bound kept by our own LRU sorted set; 0 = unbounded (server maxmemory rules)
     redis_ttl_s        G4 expiry of a block in seconds; 0 = none

@@ -14,6 +14,7 @@ published to `events` (the embedded `KVIndex` or a Redis Stream publisher) as `T
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,11 @@ def block_rows(kv_cache: torch.Tensor, num_blocks: int) -> np.ndarray:
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         raise ValueError("KVBMConnector.bind: kv_cache must be a contiguous CPU tensor (block-major layout)")
     return kv_cache.view(torch.uint8).reshape(num_blocks, -1).numpy()
+
+
+def _file_name(worker_id: str) -> str:
+    """A worker's G3 directory name: each worker owns its disk cache (G2 is the node-shared tier)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", worker_id) or "worker"
 
 
 class KVBMConnector:
@@ -78,7 +84,7 @@ class KVBMConnector:
             )
         if cfg.disk_cache_gb > 0:
             self.g3 = DiskPool(
-                cfg.disk_path, layout.fingerprint, bb, cfg.capacity_blocks(cfg.disk_cache_gb, bb),
+                cfg.disk_path / _file_name(self.worker_id), layout.fingerprint, bb, cfg.capacity_blocks(cfg.disk_cache_gb, bb),
                 metrics=self.metrics, fsync=cfg.disk_fsync, on_evict=lambda hs: self._publish("removed", G3, hs),
             )
         if cfg.redis_url:
