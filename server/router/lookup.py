@@ -1,14 +1,14 @@
 """The router's window onto the KVBM index: who holds a request's leading blocks, on which tier.
 
-`kvbm.index.KVIndex` answers `query` already; `CountedIndex` adds the event counter the staleness check reads.
-A remote KVBM service client plugs in by having the same two members.
+`kvbm.index.KVIndex` and the KVBM service's `kvbm.client.KVIndexClient` answer `query` already; `CountedIndex`
+adds the event counter (`EventCounted`) that lets the staleness check see a frozen index, not only an empty one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvbm.block_hash import BlockHash
 from kvbm.events import TierEvent
@@ -16,14 +16,18 @@ from kvbm.index import KVIndex, PrefixReport
 
 
 class OverlapLookup(Protocol):
-    @property
-    def events_applied(self) -> int:
-        """Block events the index has applied since it started (never decreases)."""
-        ...
-
     def query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
         """Per worker the leading blocks held in G1, G1..G2, G1..G3 (cumulative), and the leading run in G4."""
         ...
+
+
+@runtime_checkable
+class EventCounted(Protocol):
+    """A lookup that also says how many block events its index has applied (never decreases); the router's
+    staleness check reads it. Without it the check can only notice an index that answers nothing at all."""
+
+    @property
+    def events_applied(self) -> int: ...
 
 
 class CountedIndex:

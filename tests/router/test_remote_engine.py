@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
-from prometheus_client import generate_latest
+import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
 from router_fakes import SALT, StepEngine, broken_factory
 
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestError, RequestId, SamplingParams
+from server.openai.app import build_app
+from server.openai.metrics import FrontendMetrics
 from server.router.config import RouterConfig
 from server.router.lookup import CountedIndex
+from server.router.metrics import RouterMetrics
 from server.router.remote import RemoteEngine, WorkerDied
 from server.router.routed import RoutedEngine
 from server.router.router import Router
@@ -143,3 +152,50 @@ def test_routed_engine_keeps_a_conversation_on_the_worker_that_holds_it() -> Non
 def _decisions(router: Router) -> dict[tuple[str, str], float]:
     samples = router.metrics.decisions.collect()[0].samples
     return {(s.labels["strategy"], s.labels["reason"]): s.value for s in samples if s.name.endswith("_total")}
+
+
+@contextlib.contextmanager
+def _serve(app: object) -> Iterator[str]:
+    """uvicorn on a free port in a thread; always stopped."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.started
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_openai_frontend_over_routed_worker_processes() -> None:
+    registry = CollectorRegistry()
+    index = CountedIndex(KVIndex())
+    router = Router(RouterConfig(), index, RouterMetrics.create(registry))
+    spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
+    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(2)]
+    try:
+        routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
+        app = build_app({"step": routed}, FrontendMetrics.create(registry))
+        with _serve(app) as base_url:
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+            messages = [{"role": "system", "content": "You are a routing test."}, {"role": "user", "content": "hi"}]
+            first = client.chat.completions.create(model="step", messages=messages, max_tokens=3)
+            assert first.choices[0].message.content == " t0 t1 t2"
+            messages += [{"role": "assistant", "content": "t0 t1 t2"}, {"role": "user", "content": "more"}]
+            chunks = list(client.chat.completions.create(model="step", messages=messages, max_tokens=2, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t0 t1"
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(model="step", prompt="x", max_tokens=500)
+            metrics = httpx.get(f"{base_url}/metrics").text
+        assert 'strata_router_decisions_total{reason="prefix_hit",strategy="kv-aware"} 1.0' in metrics
+        assert 'strata_requests_total{model="step",status="success"} 2.0' in metrics
+    finally:
+        for remote in workers:
+            remote.close()

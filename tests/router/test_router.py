@@ -219,6 +219,20 @@ def test_stale_index_sets_the_metric_and_warns_once(caplog: pytest.LogCaptureFix
     assert "strata_router_index_stale 0.0" in _metric_lines(router)
 
 
+def test_an_index_without_an_event_counter_is_stale_only_while_it_answers_nothing() -> None:
+    clock = FakeClock()
+    index = KVIndex()  # the bare index (or the service client): no events_applied
+    router = Router(RouterConfig(stale_after_s=30), index, clock=clock)
+    router.update_worker(WorkerStats(WorkerId("w0"), 1000))
+    for step in range(5):
+        router.route(f"r{step}", hashes((step, 4)))
+        clock.now += 10
+    assert router.staleness.stale
+    index.apply(TierEvent("w0", "stored", G1, tuple(hashes((0, 4)))))
+    router.route("r9", hashes((0, 4), (9, 1)))
+    assert not router.staleness.stale
+
+
 def test_fully_cached_requests_do_not_make_the_index_look_stale() -> None:
     clock = FakeClock()
     index = CountedIndex(KVIndex())
