@@ -193,6 +193,70 @@ def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: in
     }
 
 
+SYSTEM = "You are a patient history tutor. Answer in short, plain sentences and stay on the topic. "
+TOPICS = ("the printing press", "the steam engine", "the telegraph", "penicillin", "the compass", "paper money")
+
+
+def user_turn(conversation: int, turn: int) -> str:
+    topic = TOPICS[conversation % len(TOPICS)]
+    facts = " ".join(f"Note {turn}.{i}: {topic} changed trade, work and schooling in region {i}." for i in range(4))
+    return f"\nUser: {facts} What happened next with {topic}?\nAssistant:"
+
+
+def bench_ttft(args: argparse.Namespace) -> dict:
+    """Multi-turn TTFT through the real engine with a G1 pool too small for all conversations, per KVBM mode."""
+    bb, results = LAYOUT.block_bytes, {}
+    with tempfile.TemporaryDirectory() as disk:
+        modes = {
+            "G1 only": None,
+            "G1+G2 host": KVBMConfig(host_cache_gb=512 * bb / GIB, cache_id=f"bench-{uuid.uuid4().hex[:8]}"),
+            "G1+G3 disk": KVBMConfig(host_cache_gb=0, disk_cache_gb=512 * bb / GIB, disk_path=Path(disk)),
+        }
+        for mode, config in modes.items():
+            results[mode] = _run_conversations(args, config)
+    reference = results["G1 only"]["outputs"]
+    for row in results.values():
+        row["identical_outputs"] = row.pop("outputs") == reference
+    return results
+
+
+def _run_conversations(args: argparse.Namespace, config: KVBMConfig | None) -> dict:
+    from server.engine import EngineConfig, LLMEngine
+
+    connector = KVBMConnector(config) if config is not None else None
+    engine_config = EngineConfig(
+        cache_dir=str(args.model_cache), dtype="float32", device="cpu", num_kv_blocks=args.g1_blocks,
+        max_model_len=2048, max_num_batched_tokens=2048, max_concurrent_requests=1, num_threads=2,
+    )  # fmt: skip
+    with LLMEngine(engine_config, connector) as engine:
+        history = [engine.encode(SYSTEM) for _ in range(args.conversations)]
+        first_turn, later_turns, cached, outputs = [], [], 0, []
+        for turn in range(args.turns):
+            for conversation in range(args.conversations):
+                history[conversation] += engine.encode(user_turn(conversation, turn))
+                ttft, answer, hit = _first_token_time(engine, history[conversation], f"c{conversation}t{turn}")
+                (first_turn if turn == 0 else later_turns).append(ttft)
+                cached += hit if turn else 0
+                history[conversation] += answer
+                outputs.append(answer)
+    if config is not None and config.host_cache_gb > 0:
+        connector.g2.destroy()
+    return {"ttft_turn1_p50_s": statistics.median(first_turn), "ttft_later_p50_s": statistics.median(later_turns),
+            "ttft_later_mean_s": statistics.mean(later_turns), "cached_tokens_later": cached, "outputs": outputs}
+
+
+def _first_token_time(engine, prompt: list[int], request_id: str) -> tuple[float, list[int], int]:
+    """(seconds to the first output, all generated token ids, prompt tokens served from cache)."""
+    from server.engine import GenerationRequest, RequestId, SamplingParams, iterate_outputs
+
+    request = GenerationRequest(RequestId(request_id), list(prompt), SamplingParams(max_tokens=8, temperature=0.0))
+    started, first, tokens = time.perf_counter(), None, []
+    for output in iterate_outputs(engine, request, timeout=600):
+        first = first if first is not None else time.perf_counter() - started
+        tokens += output.new_token_ids
+    return first, tokens, output.num_cached_tokens
+
+
 def _latency(query, hashes) -> float:
     start = time.perf_counter()
     query(hashes)
@@ -209,6 +273,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--index-blocks", type=int, default=1_000_000)
     parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--ttft", action="store_true", help="also run the multi-turn TTFT benchmark (real model)")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--g1-blocks", type=int, default=48, help="engine KV pool in blocks of 16 tokens")
+    parser.add_argument("--model-cache", type=Path, default=Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
     args = parser.parse_args()
     torch.set_num_threads(2)
     rng = random.Random(1)
@@ -217,14 +286,15 @@ def main() -> None:
         rows = [*bench_g2(args.blocks, args.reps, rng), bench_g3(args.blocks, args.reps, rng, warm=False),
                 bench_g3(args.blocks, args.reps, rng, warm=True), bench_g4(args.blocks, args.reps, rng, redis_url)]
         index = bench_index(args.index_blocks, redis_url, rng)
+        ttft = bench_ttft(args) if args.ttft else None
     finally:
         if redis_process is not None:
             redis_process.kill()
             redis_process.wait()
-    report(rows, index, args)
+    report(rows, index, ttft, args)
 
 
-def report(rows: list[dict], index: dict, args: argparse.Namespace) -> None:
+def report(rows: list[dict], index: dict, ttft: dict | None, args: argparse.Namespace) -> None:
     print(f"KVBM onboard, {args.blocks} blocks x {LAYOUT.block_bytes} B per transfer, median of {args.reps}")
     print(f"{'path':<14} {'ours GB/s':>10} {'floor GB/s':>11} {'ratio':>6}  floor")
     for row in rows:
@@ -237,8 +307,16 @@ def report(rows: list[dict], index: dict, args: argparse.Namespace) -> None:
           f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
           f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
           f"built in {index['index_build_s']:.1f} s")
+    if ttft is not None:
+        print(f"multi-turn TTFT: SmolLM2-135M fp32, {args.conversations} conversations x {args.turns} turns "
+              f"round-robin, ~{len(user_turn(0, 0)) // 4} tokens per user turn, 8 output tokens, G1 {args.g1_blocks} "
+              "blocks of 16 tokens")
+        print(f"{'mode':<12} {'turn-1 p50 s':>13} {'later p50 s':>12} {'later mean s':>13} {'cached tok':>11}  same output")
+        for mode, row in ttft.items():
+            print(f"{mode:<12} {row['ttft_turn1_p50_s']:>13.3f} {row['ttft_later_p50_s']:>12.3f} "
+                  f"{row['ttft_later_mean_s']:>13.3f} {row['cached_tokens_later']:>11}  {row['identical_outputs']}")
     print(json.dumps({"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes,
-                      "onboard": rows, "index": index}))
+                      "onboard": rows, "index": index, "ttft": ttft}))
 
 
 if __name__ == "__main__":
