@@ -115,7 +115,9 @@ def timed_onboard(
 
 def bench_g2(n: int, reps: int, rng: random.Random) -> dict:
     bb = LAYOUT.block_bytes
-    kvbm, kv_cache = connector_for(n, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=4 * n * bb / GIB)
+    kvbm, kv_cache = connector_for(
+        n, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=4 * n * bb / GIB
+    )
     hashes = random_hashes(n, rng)
     kvbm.offload(hashes, list(range(n)))
     src, dst = np.random.default_rng(0).integers(0, 255, n * bb, dtype=np.uint8), np.ones(n * bb, np.uint8)
@@ -124,7 +126,13 @@ def bench_g2(n: int, reps: int, rng: random.Random) -> dict:
     kvbm.g2.destroy()
     return [
         {"tier": "G2->G1", "floor": "numpy memcpy", "bytes": n * bb, "ours_s": ours, "floor_s": numpy_s},
-        {"tier": "G2->G1", "floor": "torch copy_ (2 threads)", "bytes": n * bb, "ours_s": ours, "floor_s": torch_s},
+        {
+            "tier": "G2->G1",
+            "floor": "torch copy_ (2 threads)",
+            "bytes": n * bb,
+            "ours_s": ours,
+            "floor_s": torch_s,
+        },
     ]
 
 
@@ -142,8 +150,13 @@ def bench_g3(n: int, reps: int, rng: random.Random, warm: bool) -> dict:
         os.close(fd)
         kvbm.close()
     label = "page-cache read" if warm else "cold sequential read"
-    return {"tier": "G3->G1 " + ("warm" if warm else "cold"), "floor": label, "bytes": n * bb, "ours_s": ours,
-            "floor_s": floor}
+    return {
+        "tier": "G3->G1 " + ("warm" if warm else "cold"),
+        "floor": label,
+        "bytes": n * bb,
+        "ours_s": ours,
+        "floor_s": floor,
+    }
 
 
 def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> dict:
@@ -157,7 +170,9 @@ def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> dict:
     return {"tier": "G4->G1", "floor": "raw redis MGET", "bytes": n * bb, "ours_s": ours, "floor_s": floor}
 
 
-def build_index(service: KVBMService, num_blocks: int, rng: random.Random, chain: int = 64) -> list[list[BlockHash]]:
+def build_index(
+    service: KVBMService, num_blocks: int, rng: random.Random, chain: int = 64
+) -> list[list[BlockHash]]:
     """`num_blocks` hashes in chains of `chain`; each chain held by 1-3 of 16 workers, each holder keeping a
     G1 head, a G2 middle and a G3 tail of its own random lengths; half the chains also in G4."""
     chains = []
@@ -187,19 +202,32 @@ def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: in
     client.close()
     service.stop()
     return {
-        "index_blocks": len(service.index), "index_build_s": build_s, "query_blocks": len(picks[0]),
-        "query_p50_us": _percentile(in_process, 50), "query_p99_us": _percentile(in_process, 99),
-        "tcp_query_p50_us": _percentile(over_tcp, 50), "tcp_query_p99_us": _percentile(over_tcp, 99),
+        "index_blocks": len(service.index),
+        "index_build_s": build_s,
+        "query_blocks": len(picks[0]),
+        "query_p50_us": _percentile(in_process, 50),
+        "query_p99_us": _percentile(in_process, 99),
+        "tcp_query_p50_us": _percentile(over_tcp, 50),
+        "tcp_query_p99_us": _percentile(over_tcp, 99),
     }
 
 
 SYSTEM = "You are a patient history tutor. Answer in short, plain sentences and stay on the topic. "
-TOPICS = ("the printing press", "the steam engine", "the telegraph", "penicillin", "the compass", "paper money")
+TOPICS = (
+    "the printing press",
+    "the steam engine",
+    "the telegraph",
+    "penicillin",
+    "the compass",
+    "paper money",
+)
 
 
 def user_turn(conversation: int, turn: int) -> str:
     topic = TOPICS[conversation % len(TOPICS)]
-    facts = " ".join(f"Note {turn}.{i}: {topic} changed trade, work and schooling in region {i}." for i in range(4))
+    facts = " ".join(
+        f"Note {turn}.{i}: {topic} changed trade, work and schooling in region {i}." for i in range(4)
+    )
     return f"\nUser: {facts} What happened next with {topic}?\nAssistant:"
 
 
@@ -234,22 +262,31 @@ def _run_conversations(args: argparse.Namespace, config: KVBMConfig | None) -> d
         for turn in range(args.turns):
             for conversation in range(args.conversations):
                 history[conversation] += engine.encode(user_turn(conversation, turn))
-                ttft, answer, hit = _first_token_time(engine, history[conversation], f"c{conversation}t{turn}")
+                ttft, answer, hit = _first_token_time(
+                    engine, history[conversation], f"c{conversation}t{turn}"
+                )
                 (first_turn if turn == 0 else later_turns).append(ttft)
                 cached += hit if turn else 0
                 history[conversation] += answer
                 outputs.append(answer)
     if config is not None and config.host_cache_gb > 0:
         connector.g2.destroy()
-    return {"ttft_turn1_p50_s": statistics.median(first_turn), "ttft_later_p50_s": statistics.median(later_turns),
-            "ttft_later_mean_s": statistics.mean(later_turns), "cached_tokens_later": cached, "outputs": outputs}
+    return {
+        "ttft_turn1_p50_s": statistics.median(first_turn),
+        "ttft_later_p50_s": statistics.median(later_turns),
+        "ttft_later_mean_s": statistics.mean(later_turns),
+        "cached_tokens_later": cached,
+        "outputs": outputs,
+    }
 
 
 def _first_token_time(engine, prompt: list[int], request_id: str) -> tuple[float, list[int], int]:
     """(seconds to the first output, all generated token ids, prompt tokens served from cache)."""
     from server.engine import GenerationRequest, RequestId, SamplingParams, iterate_outputs
 
-    request = GenerationRequest(RequestId(request_id), list(prompt), SamplingParams(max_tokens=8, temperature=0.0))
+    request = GenerationRequest(
+        RequestId(request_id), list(prompt), SamplingParams(max_tokens=8, temperature=0.0)
+    )
     started, first, tokens = time.perf_counter(), None, []
     for output in iterate_outputs(engine, request, timeout=600):
         first = first if first is not None else time.perf_counter() - started
@@ -268,23 +305,35 @@ def _percentile(values: list[float], pct: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--blocks", type=int, default=64, help="blocks per onboard (737,280 B each)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--index-blocks", type=int, default=1_000_000)
     parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--ttft", action="store_true", help="also run the multi-turn TTFT benchmark (real model)")
+    parser.add_argument(
+        "--ttft", action="store_true", help="also run the multi-turn TTFT benchmark (real model)"
+    )
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--g1-blocks", type=int, default=48, help="engine KV pool in blocks of 16 tokens")
-    parser.add_argument("--model-cache", type=Path, default=Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
+    parser.add_argument(
+        "--model-cache",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent / ".strata-cache" / "models",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     rng = random.Random(1)
     redis_process, redis_url = (None, args.redis_url) if args.redis_url else start_redis()
     try:
-        rows = [*bench_g2(args.blocks, args.reps, rng), bench_g3(args.blocks, args.reps, rng, warm=False),
-                bench_g3(args.blocks, args.reps, rng, warm=True), bench_g4(args.blocks, args.reps, rng, redis_url)]
+        rows = [
+            *bench_g2(args.blocks, args.reps, rng),
+            bench_g3(args.blocks, args.reps, rng, warm=False),
+            bench_g3(args.blocks, args.reps, rng, warm=True),
+            bench_g4(args.blocks, args.reps, rng, redis_url),
+        ]
         index = bench_index(args.index_blocks, redis_url, rng)
         ttft = bench_ttft(args) if args.ttft else None
     finally:
@@ -295,28 +344,45 @@ def main() -> None:
 
 
 def report(rows: list[dict], index: dict, ttft: dict | None, args: argparse.Namespace) -> None:
+    print_onboard(rows, args)
+    print(
+        f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
+        f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
+        f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
+        f"built in {index['index_build_s']:.1f} s"
+    )
+    if ttft is not None:
+        print_ttft(ttft, args)
+    summary = {"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes}
+    print(json.dumps({**summary, "onboard": rows, "index": index, "ttft": ttft}))
+
+
+def print_onboard(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"KVBM onboard, {args.blocks} blocks x {LAYOUT.block_bytes} B per transfer, median of {args.reps}")
     print(f"{'path':<14} {'ours GB/s':>10} {'floor GB/s':>11} {'ratio':>6}  floor")
     for row in rows:
         row["ours_gbps"] = row["bytes"] / row["ours_s"] / 1e9
         row["floor_gbps"] = row["bytes"] / row["floor_s"] / 1e9
         row["ratio"] = row["ours_gbps"] / row["floor_gbps"]
-        print(f"{row['tier']:<14} {row['ours_gbps']:>10.2f} {row['floor_gbps']:>11.2f} {row['ratio']:>6.0%}  "
-              f"{row['floor']}")
-    print(f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
-          f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
-          f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
-          f"built in {index['index_build_s']:.1f} s")
-    if ttft is not None:
-        print(f"multi-turn TTFT: SmolLM2-135M fp32, {args.conversations} conversations x {args.turns} turns "
-              f"round-robin, ~{len(user_turn(0, 0)) // 4} tokens per user turn, 8 output tokens, G1 {args.g1_blocks} "
-              "blocks of 16 tokens")
-        print(f"{'mode':<12} {'turn-1 p50 s':>13} {'later p50 s':>12} {'later mean s':>13} {'cached tok':>11}  same output")
-        for mode, row in ttft.items():
-            print(f"{mode:<12} {row['ttft_turn1_p50_s']:>13.3f} {row['ttft_later_p50_s']:>12.3f} "
-                  f"{row['ttft_later_mean_s']:>13.3f} {row['cached_tokens_later']:>11}  {row['identical_outputs']}")
-    print(json.dumps({"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes,
-                      "onboard": rows, "index": index, "ttft": ttft}))
+        ratio = f"{row['ratio']:.0%}"
+        print(
+            f"{row['tier']:<14} {row['ours_gbps']:>10.2f} {row['floor_gbps']:>11.2f} {ratio:>6}  {row['floor']}"
+        )
+
+
+def print_ttft(ttft: dict, args: argparse.Namespace) -> None:
+    print(
+        f"multi-turn TTFT: SmolLM2-135M fp32, {args.conversations} conversations x {args.turns} turns "
+        f"round-robin, 8 output tokens per turn, G1 {args.g1_blocks} blocks of 16 tokens"
+    )
+    print(
+        f"{'mode':<12} {'turn-1 p50 s':>13} {'later p50 s':>12} {'later mean s':>13} {'cached tok':>11}  same output"
+    )
+    for mode, row in ttft.items():
+        print(
+            f"{mode:<12} {row['ttft_turn1_p50_s']:>13.3f} {row['ttft_later_p50_s']:>12.3f} "
+            f"{row['ttft_later_mean_s']:>13.3f} {row['cached_tokens_later']:>11}  {row['identical_outputs']}"
+        )
 
 
 if __name__ == "__main__":

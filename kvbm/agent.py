@@ -22,8 +22,11 @@ from kvbm.redis_link import RedisLink
 
 
 def build_connector(
-    config: KVBMConfig, worker_id: str = "worker-0", registry: CollectorRegistry | None = None,
-    index: KVIndex | None = None, lease_ttl_s: float = 3.0,
+    config: KVBMConfig,
+    worker_id: str = "worker-0",
+    registry: CollectorRegistry | None = None,
+    index: KVIndex | None = None,
+    lease_ttl_s: float = 3.0,
 ) -> KVBMConnector:
     config.validate()
     metrics = KVBMMetrics(registry)

@@ -46,7 +46,13 @@ def coalesce(events: list[TierEvent]) -> list[TierEvent]:
 
 
 def _same_kind(a: TierEvent, b: TierEvent) -> bool:
-    return (a.worker_id, a.kind, a.tier, a.from_tier, a.ttl_s) == (b.worker_id, b.kind, b.tier, b.from_tier, b.ttl_s)
+    return (a.worker_id, a.kind, a.tier, a.from_tier, a.ttl_s) == (
+        b.worker_id,
+        b.kind,
+        b.tier,
+        b.from_tier,
+        b.ttl_s,
+    )
 
 
 class RedisWorkerChannel:
@@ -57,7 +63,9 @@ class RedisWorkerChannel:
     announces everything it holds again. Redis down: events are dropped (counted in the log), never raised.
     """
 
-    def __init__(self, link: RedisLink, worker_id: str, lease_ttl_s: float = 3.0, flush_s: float = 0.01) -> None:
+    def __init__(
+        self, link: RedisLink, worker_id: str, lease_ttl_s: float = 3.0, flush_s: float = 0.01
+    ) -> None:
         self.link = link
         self.worker_id = worker_id
         self.lease_ttl_ms = int(lease_ttl_s * 1000)

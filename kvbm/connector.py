@@ -52,8 +52,12 @@ class KVBMConnector:
     """Implements `server.engine.kv_connector.KVConnector`. All calls come from the engine thread."""
 
     def __init__(
-        self, config: KVBMConfig, worker_id: str = "worker-0", metrics: KVBMMetrics | None = None,
-        events: EventSink | None = None, shm_dir: Path = Path("/dev/shm"),
+        self,
+        config: KVBMConfig,
+        worker_id: str = "worker-0",
+        metrics: KVBMMetrics | None = None,
+        events: EventSink | None = None,
+        shm_dir: Path = Path("/dev/shm"),
     ) -> None:
         config.validate()
         self.config = config
@@ -76,30 +80,50 @@ class KVBMConnector:
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self._rows = block_rows(kv_cache, kv_cache.shape[0])
-        cfg, bb = self.config, self.block_bytes
-        if cfg.host_cache_gb > 0:
-            self.g2 = HostPool(
-                cfg.cache_id, layout.fingerprint, bb, cfg.capacity_blocks(cfg.host_cache_gb, bb),
-                owner=self.worker_id, spill=self._spill, shm_dir=self.shm_dir,
-            )
-        if cfg.disk_cache_gb > 0:
-            self.g3 = DiskPool(
-                cfg.disk_path / _file_name(self.worker_id), layout.fingerprint, bb, cfg.capacity_blocks(cfg.disk_cache_gb, bb),
-                metrics=self.metrics, fsync=cfg.disk_fsync, on_evict=lambda hs: self._publish("removed", G3, hs),
-            )
-        if cfg.redis_url:
-            link = RedisLink(cfg.redis_url, self.metrics)
-            self.g4 = RedisPool(
-                link, layout.fingerprint, bb, cfg.capacity_blocks(cfg.redis_cache_gb, bb), cfg.redis_ttl_s,
-                metrics=self.metrics, on_evict=lambda hs: self._publish("removed", G4, hs),
-            )
+        cfg = self.config
+        self.g2 = self._open_host_pool() if cfg.host_cache_gb > 0 else None
+        self.g3 = self._open_disk_pool() if cfg.disk_cache_gb > 0 else None
+        self.g4 = self._open_redis_pool() if cfg.redis_url else None
         for tier in self.tiers:
-            self.metrics.set_capacity(tier.name, tier.capacity_blocks, bb)
-        log.info("kvbm %s bound: block %d bytes, tiers %s", self.worker_id, bb, [t.name for t in self.tiers])
+            self.metrics.set_capacity(tier.name, tier.capacity_blocks, self.block_bytes)
+        log.info(
+            "kvbm %s: %d-byte blocks, tiers %s",
+            self.worker_id,
+            self.block_bytes,
+            [t.name for t in self.tiers],
+        )
         self.announce()
 
-    def _publish(self, kind: str, tier: int, block_hashes: Sequence[BlockHash], from_tier: int = 0,
-                 worker_id: str | None = None) -> None:
+    def _open_host_pool(self) -> HostPool:
+        cfg, fingerprint = self.config, self.layout.fingerprint
+        slots = cfg.capacity_blocks(cfg.host_cache_gb, self.block_bytes)
+        return HostPool(
+            cfg.cache_id, fingerprint, self.block_bytes, slots, self.worker_id, self._spill, self.shm_dir
+        )
+
+    def _open_disk_pool(self) -> DiskPool:
+        cfg, path = self.config, self.config.disk_path / _file_name(self.worker_id)
+        slots = cfg.capacity_blocks(cfg.disk_cache_gb, self.block_bytes)
+        removed = lambda hashes: self._publish("removed", G3, hashes)  # noqa: E731
+        return DiskPool(
+            path, self.layout.fingerprint, self.block_bytes, slots, self.metrics, cfg.disk_fsync, removed
+        )
+
+    def _open_redis_pool(self) -> RedisPool:
+        cfg, link = self.config, RedisLink(self.config.redis_url, self.metrics)
+        slots = cfg.capacity_blocks(cfg.redis_cache_gb, self.block_bytes)
+        removed = lambda hashes: self._publish("removed", G4, hashes)  # noqa: E731
+        fingerprint = self.layout.fingerprint
+        return RedisPool(link, fingerprint, self.block_bytes, slots, cfg.redis_ttl_s, self.metrics, removed)
+
+    def _publish(
+        self,
+        kind: str,
+        tier: int,
+        block_hashes: Sequence[BlockHash],
+        from_tier: int = 0,
+        worker_id: str | None = None,
+    ) -> None:
         if self.events is None or not block_hashes:
             return
         ttl = self.config.redis_ttl_s if tier == G4 else 0
@@ -176,7 +200,9 @@ class KVBMConnector:
             self._offload_to(self.g4, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
         self._update_used()
 
-    def _offload_to(self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]) -> None:
+    def _offload_to(
+        self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]
+    ) -> None:
         if not block_hashes:
             return
         start = time.perf_counter()

@@ -48,8 +48,13 @@ class DiskPool:
     name = "G3"
 
     def __init__(
-        self, disk_path: Path, fingerprint: str, block_bytes: int, num_slots: int,
-        metrics: KVBMMetrics | None = None, fsync: bool = False,
+        self,
+        disk_path: Path,
+        fingerprint: str,
+        block_bytes: int,
+        num_slots: int,
+        metrics: KVBMMetrics | None = None,
+        fsync: bool = False,
         on_evict: Callable[[list[BlockHash]], None] | None = None,
     ) -> None:
         if num_slots < 1:
@@ -123,7 +128,12 @@ class DiskPool:
 
     def _write_record(self, slot: int, block_hash: int, checksum: int, seq: int) -> None:
         record = self._records[slot]
-        record["hash"], record["checksum"], record["seq"], record["length"] = block_hash, checksum, seq, self.block_bytes
+        record["hash"], record["checksum"], record["seq"], record["length"] = (
+            block_hash,
+            checksum,
+            seq,
+            self.block_bytes,
+        )
         os.pwrite(self._index_fd, self._records[slot : slot + 1].tobytes(), PAGE + slot * RECORD.itemsize)
 
     def _take_slot(self) -> int | None:
@@ -157,7 +167,9 @@ class DiskPool:
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
         """Read runs of consecutive slots with one preadv each straight into `dests`, then verify checksums."""
-        wanted = [(slot, index) for index, h in enumerate(block_hashes) if (slot := self._lru.slot(h)) is not None]
+        wanted = [
+            (slot, index) for index, h in enumerate(block_hashes) if (slot := self._lru.slot(h)) is not None
+        ]
         for _, index in wanted:
             self._lru.pin(block_hashes[index])
         try:

@@ -34,8 +34,12 @@ class TierEvent:
     def to_fields(self) -> dict[bytes, bytes]:
         """Flat field map for XADD; hashes travel as packed little-endian u64."""
         return {
-            b"w": self.worker_id.encode(), b"k": self.kind.encode(), b"t": b"%d" % self.tier,
-            b"f": b"%d" % self.from_tier, b"ttl": b"%d" % self.ttl_s, b"ts": repr(self.timestamp).encode(),
+            b"w": self.worker_id.encode(),
+            b"k": self.kind.encode(),
+            b"t": b"%d" % self.tier,
+            b"f": b"%d" % self.from_tier,
+            b"ttl": b"%d" % self.ttl_s,
+            b"ts": repr(self.timestamp).encode(),
             b"h": np.array(self.block_hashes, dtype="<u8").tobytes(),
         }
 
@@ -43,9 +47,13 @@ class TierEvent:
     def from_fields(cls, fields: dict[bytes, bytes]) -> TierEvent:
         hashes = np.frombuffer(fields[b"h"], dtype="<u8").tolist()
         return cls(
-            worker_id=fields[b"w"].decode(), kind=fields[b"k"].decode(), tier=int(fields[b"t"]),  # type: ignore[arg-type]
-            block_hashes=tuple(BlockHash(h) for h in hashes), from_tier=int(fields[b"f"]),
-            ttl_s=int(fields[b"ttl"]), timestamp=float(fields[b"ts"]),
+            worker_id=fields[b"w"].decode(),
+            kind=fields[b"k"].decode(),
+            tier=int(fields[b"t"]),  # type: ignore[arg-type]
+            block_hashes=tuple(BlockHash(h) for h in hashes),
+            from_tier=int(fields[b"f"]),
+            ttl_s=int(fields[b"ttl"]),
+            timestamp=float(fields[b"ts"]),
         )
 
 

@@ -51,8 +51,15 @@ VERSION = 1
 PAGE = 4096
 EMPTY, WRITING, READY = 0, 1, 2
 SLOT_HEADER = np.dtype(
-    [("hash", "<u8"), ("last_use", "<u8"), ("state", "<u4"), ("pins", "<u4"), ("uses", "<u4"), ("pid", "<u4"),
-     ("owner", "S32")]
+    [
+        ("hash", "<u8"),
+        ("last_use", "<u8"),
+        ("state", "<u4"),
+        ("pins", "<u4"),
+        ("uses", "<u4"),
+        ("pid", "<u4"),
+        ("owner", "S32"),
+    ]
 )
 _META_FIELDS = ("magic", "version", "block_bytes", "num_slots", "ways", "clock", "slot_stride", "data_offset")
 
@@ -94,8 +101,14 @@ class HostPool:
     name = "G2"
 
     def __init__(
-        self, cache_id: str, fingerprint: str, block_bytes: int, num_slots: int, owner: str = "",
-        spill: SpillFn | None = None, shm_dir: Path = Path("/dev/shm"),
+        self,
+        cache_id: str,
+        fingerprint: str,
+        block_bytes: int,
+        num_slots: int,
+        owner: str = "",
+        spill: SpillFn | None = None,
+        shm_dir: Path = Path("/dev/shm"),
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"G2 host pool needs at least one slot (got {num_slots}); raise host_cache_gb")
@@ -128,7 +141,9 @@ class HostPool:
         head = np.frombuffer(os.pread(self._fd, 8 * len(_META_FIELDS), 0), dtype="<u8")
         meta = dict(zip(_META_FIELDS, (int(v) for v in head), strict=True))
         if meta["magic"] != MAGIC or meta["version"] != VERSION or meta["block_bytes"] != self.block_bytes:
-            raise ValueError(f"G2 segment {self.path} has another format or block size; remove it to reformat")
+            raise ValueError(
+                f"G2 segment {self.path} has another format or block size; remove it to reformat"
+            )
         size = meta["data_offset"] + meta["num_slots"] * meta["slot_stride"]
         self._mm = mmap.mmap(self._fd, size)
         self.num_slots, self.ways = meta["num_slots"], meta["ways"]
@@ -219,10 +234,14 @@ class HostPool:
                 continue
             header = self._slots[victim]
             if int(header["state"]) == READY:
-                result.evicted.append(EvictedBlock(
-                    BlockHash(int(header["hash"])), self.payload(victim), int(header["uses"]),
-                    bytes(header["owner"]).decode(errors="replace"),
-                ))
+                result.evicted.append(
+                    EvictedBlock(
+                        BlockHash(int(header["hash"])),
+                        self.payload(victim),
+                        int(header["uses"]),
+                        bytes(header["owner"]).decode(errors="replace"),
+                    )
+                )
             header["hash"], header["state"], header["pins"], header["uses"] = block_hash, WRITING, 0, 1
             header["pid"], header["owner"], header["last_use"] = self._pid, self._owner, self._tick()
             claims.append((index, victim))
@@ -256,7 +275,13 @@ class HostPool:
             held = slots[slots >= 0]
             self._touch_many(held)
             np.add.at(self._slots["pins"], held, 1)
-        copy_blocks([(dest, self.payload(slot)) for slot, dest in zip(slots.tolist(), dests, strict=True) if slot >= 0])
+        copy_blocks(
+            [
+                (dest, self.payload(slot))
+                for slot, dest in zip(slots.tolist(), dests, strict=True)
+                if slot >= 0
+            ]
+        )
         with self._locked():
             np.subtract.at(self._slots["pins"], held, 1)
         return (slots >= 0).tolist()

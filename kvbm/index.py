@@ -46,7 +46,8 @@ class PrefixReport:
 
     def to_dict(self) -> dict:
         return {
-            "num_blocks": self.num_blocks, "g4": self.g4,
+            "num_blocks": self.num_blocks,
+            "g4": self.g4,
             "workers": {w: [p.g1, p.g2, p.g3] for w, p in self.workers.items()},
         }
 

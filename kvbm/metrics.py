@@ -14,25 +14,43 @@ class KVBMMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
         self.blocks_used = Gauge("kvbm_tier_blocks_used", "Blocks held per tier", ["tier"], registry=reg)
-        self.blocks_capacity = Gauge("kvbm_tier_blocks_capacity", "Block slots per tier", ["tier"], registry=reg)
+        self.blocks_capacity = Gauge(
+            "kvbm_tier_blocks_capacity", "Block slots per tier", ["tier"], registry=reg
+        )
         self.bytes_used = Gauge("kvbm_tier_bytes_used", "Payload bytes held per tier", ["tier"], registry=reg)
-        self.bytes_capacity = Gauge("kvbm_tier_bytes_capacity", "Payload bytes per tier", ["tier"], registry=reg)
+        self.bytes_capacity = Gauge(
+            "kvbm_tier_bytes_capacity", "Payload bytes per tier", ["tier"], registry=reg
+        )
         self.hits = Counter("kvbm_hits", "Blocks found per tier on lookup/onboard", ["tier"], registry=reg)
         self.misses = Counter("kvbm_misses", "Blocks asked of a tier and not found", ["tier"], registry=reg)
-        self.offload_blocks = Counter("kvbm_offload_blocks", "Blocks copied down", ["direction"], registry=reg)
+        self.offload_blocks = Counter(
+            "kvbm_offload_blocks", "Blocks copied down", ["direction"], registry=reg
+        )
         self.onboard_blocks = Counter("kvbm_onboard_blocks", "Blocks copied up", ["direction"], registry=reg)
         self.transfer_bytes = Counter("kvbm_transfer_bytes", "Bytes moved", ["direction"], registry=reg)
         self.transfer_seconds = Histogram(
-            "kvbm_transfer_seconds", "One batched transfer", ["direction"], buckets=_LATENCY_BUCKETS, registry=reg
+            "kvbm_transfer_seconds",
+            "One batched transfer",
+            ["direction"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
         )
         self.checksum_failures = Counter(
-            "kvbm_checksum_failures", "Blocks whose bytes failed verification (served as a miss)", ["tier"], registry=reg
+            "kvbm_checksum_failures",
+            "Blocks whose bytes failed verification (served as a miss)",
+            ["tier"],
+            registry=reg,
         )
         self.redis_up = Gauge("kvbm_redis_up", "1 while the last Redis call succeeded", registry=reg)
         self.index_blocks = Gauge("kvbm_index_blocks", "Block hashes in the KVBM service index", registry=reg)
-        self.index_workers = Gauge("kvbm_index_workers", "Live workers in the KVBM service index", registry=reg)
+        self.index_workers = Gauge(
+            "kvbm_index_workers", "Live workers in the KVBM service index", registry=reg
+        )
         self.event_lag = Histogram(
-            "kvbm_event_lag_seconds", "Publish-to-apply delay of block events", buckets=_LATENCY_BUCKETS, registry=reg
+            "kvbm_event_lag_seconds",
+            "Publish-to-apply delay of block events",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
         )
 
     def set_capacity(self, tier: str, blocks: int, block_bytes: int) -> None:

@@ -36,8 +36,14 @@ class RedisPool:
     name = "G4"
 
     def __init__(
-        self, link: RedisLink, fingerprint: str, block_bytes: int, capacity_blocks: int = 0, ttl_s: int = 0,
-        metrics: KVBMMetrics | None = None, on_evict: Callable[[list[BlockHash]], None] | None = None,
+        self,
+        link: RedisLink,
+        fingerprint: str,
+        block_bytes: int,
+        capacity_blocks: int = 0,
+        ttl_s: int = 0,
+        metrics: KVBMMetrics | None = None,
+        on_evict: Callable[[list[BlockHash]], None] | None = None,
     ) -> None:
         self.link = link
         self.block_bytes = block_bytes
@@ -74,7 +80,9 @@ class RedisPool:
         return self.link.call(query, [False] * len(block_hashes))
 
     def encode(self, block: np.ndarray) -> bytes:
-        header = np.array([(MAGIC, self._layout, xxhash.xxh3_64_intdigest(block), block.nbytes)], dtype=HEADER)
+        header = np.array(
+            [(MAGIC, self._layout, xxhash.xxh3_64_intdigest(block), block.nbytes)], dtype=HEADER
+        )
         return header.tobytes() + block.tobytes()
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
@@ -126,8 +134,11 @@ class RedisPool:
         header = np.frombuffer(value, dtype=HEADER, count=1)[0] if len(value) >= HEADER.itemsize else None
         payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER.itemsize) if len(value) == size else None
         if (
-            header is None or payload is None or int(header["magic"]) != MAGIC
-            or int(header["layout"]) != self._layout or int(header["length"]) != self.block_bytes
+            header is None
+            or payload is None
+            or int(header["magic"]) != MAGIC
+            or int(header["layout"]) != self._layout
+            or int(header["length"]) != self.block_bytes
             or xxhash.xxh3_64_intdigest(payload) != int(header["checksum"])
         ):
             log.warning("G4 value failed verification (%d bytes); treating it as a miss", len(value))

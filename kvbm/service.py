@@ -35,8 +35,13 @@ class KVBMService:
     """Owns the index, a stream-follower thread, a lease-checker thread and (if `port` is set) a TCP server."""
 
     def __init__(
-        self, redis_url: str, host: str = "127.0.0.1", port: int | None = DEFAULT_PORT,
-        metrics: KVBMMetrics | None = None, lease_check_s: float = 0.5, max_workers: int = 64,
+        self,
+        redis_url: str,
+        host: str = "127.0.0.1",
+        port: int | None = DEFAULT_PORT,
+        metrics: KVBMMetrics | None = None,
+        lease_check_s: float = 0.5,
+        max_workers: int = 64,
     ) -> None:
         self.metrics = metrics if metrics is not None else KVBMMetrics()
         self.link = RedisLink(redis_url, self.metrics)
@@ -57,7 +62,9 @@ class KVBMService:
         if self.address[1] is not None:
             self._server = _QueryServer(self.address, self.index)
             self.address = self._server.server_address[:2]
-            self._threads.append(threading.Thread(target=self._server.serve_forever, name="kvbm-query", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._server.serve_forever, name="kvbm-query", daemon=True)
+            )
         for thread in self._threads:
             thread.start()
         log.info("kvbm service: following %s, queries on %s", self.link.url, self.address)
@@ -148,8 +155,12 @@ class _QueryServer(socketserver.ThreadingTCPServer):
 
 
 def run_service(
-    redis_url: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, metrics_port: int | None = None,
-    registry: CollectorRegistry | None = None, lease_check_s: float = 0.5,
+    redis_url: str,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    metrics_port: int | None = None,
+    registry: CollectorRegistry | None = None,
+    lease_check_s: float = 0.5,
 ) -> None:
     """Run the KVBM service until SIGINT/SIGTERM (the `strata kvbm` command). Metrics on `metrics_port` if set."""
     metrics = KVBMMetrics(registry)

@@ -1,7 +1,7 @@
 """The KVBM service's query protocol over TCP (one persistent connection per client, requests in order).
 
-    request   u32 little-endian block count n, then n x u64 little-endian block hashes
-    response  u32 little-endian length m, then m bytes of JSON: PrefixReport.to_dict()
+request   u32 little-endian block count n, then n x u64 little-endian block hashes
+response  u32 little-endian length m, then m bytes of JSON: PrefixReport.to_dict()
 """
 
 from __future__ import annotations

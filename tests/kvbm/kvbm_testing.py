@@ -42,8 +42,17 @@ class RedisServer:
         self._process: subprocess.Popen | None = None
 
     def start(self, deadline_s: float = 10.0) -> None:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no"]
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + deadline_s
@@ -83,7 +92,9 @@ def block_digests(kv_cache: torch.Tensor, rows: list[int]) -> list[int]:
     return [xxhash.xxh3_64_intdigest(kv_cache[row].contiguous().view(torch.uint8).numpy()) for row in rows]
 
 
-def spawned_offload(config_fields: dict, worker_id: str, seed: int, num_blocks: int, done, stay: bool) -> None:
+def spawned_offload(
+    config_fields: dict, worker_id: str, seed: int, num_blocks: int, done, stay: bool
+) -> None:
     """Child process: offload blocks 1..num_blocks from a pool seeded with `seed`, report, optionally stay alive."""
     from kvbm.agent import build_connector
     from kvbm.block_hash import BlockHash

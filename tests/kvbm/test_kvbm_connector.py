@@ -35,7 +35,9 @@ def hashes(count: int, start: int = 1) -> list[BlockHash]:
     return [BlockHash(start + i) for i in range(count)]
 
 
-def onboarded(kvbm: KVBMConnector, kv_cache: torch.Tensor, block_hashes: list[BlockHash], original: torch.Tensor):
+def onboarded(
+    kvbm: KVBMConnector, kv_cache: torch.Tensor, block_hashes: list[BlockHash], original: torch.Tensor
+):
     """Onboard into the upper half of the pool (zeroed first); return (count, rows equal to the originals)."""
     rows = list(range(NUM_BLOCKS // 2, NUM_BLOCKS // 2 + len(block_hashes)))
     kv_cache[rows] = 0
@@ -106,9 +108,16 @@ def test_g4_write_through_round_trip(cache_id: str, redis_url: str, layout) -> N
     reader.close()
 
 
-def test_onboard_takes_each_block_from_fastest_tier(cache_id: str, tmp_path: Path, redis_url: str, layout) -> None:
+def test_onboard_takes_each_block_from_fastest_tier(
+    cache_id: str, tmp_path: Path, redis_url: str, layout
+) -> None:
     kvbm, kv_cache = connector(
-        layout, cache_id, disk_cache_gb=gb(8, layout), disk_path=tmp_path, redis_url=redis_url, write_through=True
+        layout,
+        cache_id,
+        disk_cache_gb=gb(8, layout),
+        disk_path=tmp_path,
+        redis_url=redis_url,
+        write_through=True,
     )
     block_hashes = hashes(30)
     original = kv_cache[:30].clone()
@@ -127,8 +136,12 @@ def test_lookup_stops_at_first_missing_block(cache_id: str, layout) -> None:
     kvbm.close()
 
 
-def test_different_layout_never_reads_another_layouts_blocks(cache_id: str, tmp_path: Path, redis_url: str) -> None:
-    config = dict(disk_cache_gb=gb(8, small_layout()), disk_path=tmp_path, redis_url=redis_url, write_through=True)
+def test_different_layout_never_reads_another_layouts_blocks(
+    cache_id: str, tmp_path: Path, redis_url: str
+) -> None:
+    config = dict(
+        disk_cache_gb=gb(8, small_layout()), disk_path=tmp_path, redis_url=redis_url, write_through=True
+    )
     one, _ = connector(small_layout("model-a"), cache_id, **config)
     one.offload(hashes(20), list(range(20)))
     one.close()
@@ -161,7 +174,11 @@ def test_redis_outage_keeps_g2_g3_working(cache_id: str, tmp_path: Path, layout)
     server.start()
     try:
         kvbm, kv_cache = connector(
-            layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path, redis_url=server.url,
+            layout,
+            cache_id,
+            disk_cache_gb=gb(32, layout),
+            disk_path=tmp_path,
+            redis_url=server.url,
             write_through=True,
         )
         original = kv_cache[:24].clone()

@@ -20,7 +20,9 @@ TOPICS = ("the printing press", "the steam engine", "the telegraph", "penicillin
 
 
 def document(topic: str) -> str:
-    sentences = [f"Paragraph {i} is about {topic} and how it changed daily life in town number {i}." for i in range(20)]
+    sentences = [
+        f"Paragraph {i} is about {topic} and how it changed daily life in town number {i}." for i in range(20)
+    ]
     return " ".join(sentences) + " In one sentence, the main effect was"
 
 
@@ -44,7 +46,9 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path)
         expected = [greedy(reference, ids, f"ref-{i}").new_token_ids for i, ids in enumerate(prompts)]
     assert all(len(ids) > 200 for ids in prompts)
     config = KVBMConfig(
-        cache_id=cache_id, host_cache_gb=24 * BLOCK_BYTES / GIB, disk_cache_gb=256 * BLOCK_BYTES / GIB,
+        cache_id=cache_id,
+        host_cache_gb=24 * BLOCK_BYTES / GIB,
+        disk_cache_gb=256 * BLOCK_BYTES / GIB,
         disk_path=tmp_path,
     )
     index = KVIndex()

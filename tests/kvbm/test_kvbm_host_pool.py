@@ -76,4 +76,3 @@ def test_evict_returns_oldest(cache_id: str) -> None:
     assert pool.evict(2) == [1, 2]
     assert pool.contains([BlockHash(h) for h in (1, 2, 3)]) == [False, False, True]
     pool.destroy()
-

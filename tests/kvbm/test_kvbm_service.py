@@ -117,7 +117,9 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
 
     port = free_port()
     root = Path(__file__).resolve().parents[2]
-    process = subprocess.Popen([sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root
+    )
     client = KVIndexClient(f"127.0.0.1:{port}")
 
     def answered() -> bool:
