@@ -80,10 +80,13 @@ class KVBMConnector:
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self._rows = block_rows(kv_cache, kv_cache.shape[0])
-        cfg = self.config
-        self.g2 = self._open_host_pool() if cfg.host_cache_gb > 0 else None
-        self.g3 = self._open_disk_pool() if cfg.disk_cache_gb > 0 else None
+        cfg, bb = self.config, self.block_bytes
+        self.g2 = self._open_host_pool() if cfg.capacity_blocks(cfg.host_cache_gb, bb) > 0 else None
+        self.g3 = self._open_disk_pool() if cfg.capacity_blocks(cfg.disk_cache_gb, bb) > 0 else None
         self.g4 = self._open_redis_pool() if cfg.redis_url else None
+        if (cfg.host_cache_gb > 0 and self.g2 is None) or (cfg.disk_cache_gb > 0 and self.g3 is None):
+            log.warning("kvbm: a G2/G3 size below one %d-byte block turns that tier off", bb)
+        self.metrics.set_capacity("G1", len(self._rows), bb)
         for tier in self.tiers:
             self.metrics.set_capacity(tier.name, tier.capacity_blocks, self.block_bytes)
         log.info(
@@ -241,11 +244,14 @@ class KVBMConnector:
         elif isinstance(event, BlockRemoved):
             self._g1.difference_update(event.block_hashes)
             self._publish("removed", G1, event.block_hashes)
+        self.metrics.set_used("G1", len(self._g1), self.block_bytes)  # G1 blocks held by the prefix cache
 
     def _update_used(self) -> None:
         for tier in (self.g2, self.g3):
             if tier is not None:
                 self.metrics.set_used(tier.name, tier.used_blocks, self.block_bytes)
+        if self.g4 is not None:
+            self.metrics.set_used("G4", self.g4.last_size, self.block_bytes)
 
     def close(self) -> None:
         """Release files and connections; the G2 segment stays for the node's other workers."""

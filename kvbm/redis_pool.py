@@ -51,6 +51,7 @@ class RedisPool:
         self.metrics = metrics
         self.on_evict = on_evict  # told about blocks our LRU bound deletes
         self._capacity = capacity_blocks
+        self.last_size = 0  # blocks in the LRU set after our last put (a cheap `used_blocks` for metrics)
         tag = layout_tag(fingerprint)
         self._layout = int(tag, 16)
         self._prefix = f"kvbm:blk:{tag}:".encode()
@@ -96,7 +97,7 @@ class RedisPool:
                 pipe.set(self.key(block_hash), self.encode(block), ex=self.ttl_s)
             pipe.zadd(self._lru_key, {b"%016x" % h: now for h in block_hashes})
             pipe.zcard(self._lru_key)
-            size = pipe.execute()[-1]
+            size = self.last_size = pipe.execute()[-1]
             if self._capacity and size > self._capacity:
                 self._trim(r, size - self._capacity)
             return len(block_hashes)

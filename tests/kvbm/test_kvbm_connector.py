@@ -196,3 +196,21 @@ def test_redis_outage_keeps_g2_g3_working(cache_id: str, tmp_path: Path, layout)
         kvbm.close()
     finally:
         server.stop()
+
+
+def test_metrics_cover_tiers_transfers_and_hits(cache_id: str, tmp_path: Path, layout) -> None:
+    kvbm, _ = connector(layout, cache_id, disk_cache_gb=gb(8, layout), disk_path=tmp_path)
+    kvbm.on_event(BlockStored(BlockHash(1), None, (1, 2, 3, 4)))
+    kvbm.offload(hashes(4), [0, 1, 2, 3])
+    kvbm.lookup(hashes(5))
+    kvbm.onboard(hashes(4), [40, 41, 42, 43])
+    bb = layout.block_bytes
+    assert sample(kvbm, "kvbm_tier_blocks_capacity", tier="G2") == 16
+    assert sample(kvbm, "kvbm_tier_bytes_capacity", tier="G3") == 8 * bb
+    assert sample(kvbm, "kvbm_tier_blocks_used", tier="G2") == 4
+    assert sample(kvbm, "kvbm_tier_blocks_used", tier="G1") == 1
+    assert sample(kvbm, "kvbm_hits_total", tier="G2") == 4
+    assert sample(kvbm, "kvbm_misses_total", tier="G3") == 1
+    assert sample(kvbm, "kvbm_transfer_bytes_total", direction="G1->G2") == 4 * bb
+    assert sample(kvbm, "kvbm_transfer_seconds_count", direction="G2->G1") == 1
+    kvbm.close()
