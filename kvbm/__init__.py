@@ -1,1 +1,15 @@
-"""KV Block Manager: tiered KV block storage (G1 device .. G4 Redis) and the index of who holds which block."""
+"""KV Block Manager: tiered KV block storage (G1 device .. G4 Redis) and the index of who holds which block.
+
+Public API (the rest is internal):
+
+    kvbm.config.KVBMConfig            sizes, disk path, Redis url, write-through, TTL (--kvbm-* flags map onto it)
+    kvbm.agent.build_connector(...)   -> KVBMConnector, the engine's KVConnector (pass it to LLMEngine)
+    kvbm.index.KVIndex                embedded index; .query(block_hashes) -> PrefixReport
+    kvbm.service.run_service(...)     the standalone service (`strata kvbm`, `python -m kvbm`)
+    kvbm.client.KVIndexClient         the standalone service's index over TCP, same .query
+    kvbm.metrics.KVBMMetrics          Prometheus metrics on a registry the caller passes in
+
+Tiers, one module each behind `kvbm.tier.BlockTier`: host_pool (G2, POSIX shared memory), disk_pool (G3),
+redis_pool (G4). Events: events.TierEvent, over channel.RedisWorkerChannel (Redis Stream + lease) when the
+service is standalone.
+"""

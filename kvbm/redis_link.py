@@ -23,11 +23,19 @@ MAX_BACKOFF_S = 8.0
 class RedisLink:
     """Invariant: `call` returns `fn(client)` or `default`; Redis and socket errors are logged, never raised."""
 
-    def __init__(self, url: str, metrics: KVBMMetrics | None = None, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        metrics: KVBMMetrics | None = None,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.25,
+    ) -> None:
+        """`timeout_s` bounds one socket read (a large MGET reply streams in many); `connect_timeout_s` bounds how
+        long the engine thread can stall on an unreachable host once per backoff period."""
         self.url = url
         self.metrics = metrics
         self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0
+            url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, health_check_interval=0
         )
         self._lock = threading.Lock()
         self._retry_at = 0.0
