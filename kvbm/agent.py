@@ -4,8 +4,9 @@
     connector = build_connector(KVBMConfig(...), worker_id="w0", registry=registry, index=index)
     engine = LLMEngine(engine_config, connector=connector)
 
-With `config.redis_url` set and `index` None, events go to the standalone service over the Redis Stream and the
-worker holds a lease there (see channel.py); otherwise they go to `index` (or nowhere if it is None too).
+`index` is any EventSink: the embedded `KVIndex`, or a transport that forwards events to the server's index. With
+`config.redis_url` set and `index` None, events go to the standalone service over the Redis Stream and the worker
+holds a lease there (see channel.py); with neither, events go nowhere.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from kvbm.channel import RedisWorkerChannel
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.events import EventSink
-from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
 
@@ -25,7 +25,7 @@ def build_connector(
     config: KVBMConfig,
     worker_id: str = "worker-0",
     registry: CollectorRegistry | None = None,
-    index: KVIndex | None = None,
+    index: EventSink | None = None,
     lease_ttl_s: float = 3.0,
 ) -> KVBMConnector:
     config.validate()

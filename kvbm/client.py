@@ -20,6 +20,12 @@ class KVIndexClient:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._events_applied = 0
+
+    @property
+    def events_applied(self) -> int:
+        """The service index's event count as of the last answered query (0 before the first)."""
+        return self._events_applied
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=self.timeout_s)
@@ -40,7 +46,8 @@ class KVIndexClient:
             self._sock = self._connect()
         try:
             self._sock.sendall(encode_query(block_hashes))
-            return read_report(self._sock)
+            report, self._events_applied = read_report(self._sock)
+            return report
         except OSError:
             self.close_locked()
             raise

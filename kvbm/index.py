@@ -73,9 +73,15 @@ class KVIndex:
         self._plane = (1 << max_workers) - 1
         self._g4_bit = 1 << (3 * max_workers)
         self._lock = threading.RLock()
+        self._events_applied = 0
 
     def __len__(self) -> int:
         return len(self._masks)
+
+    @property
+    def events_applied(self) -> int:
+        """Events applied so far (never decreases): a router's staleness check sees a frozen index with it."""
+        return self._events_applied
 
     @property
     def workers(self) -> list[str]:
@@ -144,6 +150,7 @@ class KVIndex:
 
     def apply(self, event: TierEvent) -> None:
         with self._lock:
+            self._events_applied += 1
             self._apply(event)
 
     def _apply(self, event: TierEvent) -> None:

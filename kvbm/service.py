@@ -142,7 +142,7 @@ class _QueryHandler(socketserver.BaseRequestHandler):
             except ValueError as err:
                 log.warning("kvbm service: bad query from %s: %s", self.client_address, err)
                 return
-            self.request.sendall(encode_report(index.query(block_hashes)))
+            self.request.sendall(encode_report(index.query(block_hashes), index.events_applied))
 
 
 class _QueryServer(socketserver.ThreadingTCPServer):

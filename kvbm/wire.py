@@ -42,11 +42,13 @@ def read_query(sock: socket.socket) -> list[BlockHash]:
     return np.frombuffer(recv_exact(sock, 8 * count), dtype="<u8").tolist()
 
 
-def encode_report(report: PrefixReport) -> bytes:
-    body = json.dumps(report.to_dict(), separators=(",", ":")).encode()
+def encode_report(report: PrefixReport, events_applied: int) -> bytes:
+    body = json.dumps({**report.to_dict(), "events_applied": events_applied}, separators=(",", ":")).encode()
     return _U32.pack(len(body)) + body
 
 
-def read_report(sock: socket.socket) -> PrefixReport:
+def read_report(sock: socket.socket) -> tuple[PrefixReport, int]:
+    """(the report, how many events the service's index had applied when it answered)."""
     (size,) = _U32.unpack(recv_exact(sock, 4))
-    return PrefixReport.from_dict(json.loads(recv_exact(sock, size)))
+    raw = json.loads(recv_exact(sock, size))
+    return PrefixReport.from_dict(raw), int(raw.get("events_applied", 0))

@@ -136,3 +136,12 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
         client.close()
         process.kill()
         process.wait(timeout=10)
+
+
+def test_client_reports_the_service_event_count(service: KVBMService, worker: KVBMConnector) -> None:
+    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}")
+    assert client.events_applied == 0
+    client.query(BLOCKS)
+    assert client.events_applied == service.index.events_applied > 0
+    client.close()
