@@ -182,10 +182,11 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[:, index, 0], kv_cache[:, index, 1]
-            k_cache[batch.slot_blocks, batch.slot_offsets] = k
-            v_cache[batch.slot_blocks, batch.slot_offsets] = v
-            attn = self._attention(batch, q, k, v, k_cache, v_cache)
+            kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
+            kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
+            attn = self._attention(
+                batch, q, k, v, kv_cache.view(kv_cache.shape[0], s.num_layers, -1)[:, index]
+            )
             hidden = hidden + F.linear(attn, layer.o_proj)
             x = self._rms_norm(hidden, layer.post_norm)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -193,14 +194,14 @@ class LlamaModel:
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
         return F.linear(last, self.lm_head).float()
 
-    def _attention(self, batch: StepBatch, q, k, v, k_cache, v_cache) -> torch.Tensor:
-        """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own."""
+    def _attention(self, batch: StepBatch, q, k, v, layer_cache: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own.
+        `layer_cache` is [num_blocks, 2*block_size*Hkv*D]: this layer's K and V of each block, one row per block."""
         s = self.shape
         out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         nd = batch.num_decode
         if nd:
-            keys = _gather(k_cache, batch.decode_block_tables)
-            values = _gather(v_cache, batch.decode_block_tables)
+            keys, values = self._gather(layer_cache, batch.decode_block_tables)
             o = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2),
                 keys,
@@ -219,22 +220,26 @@ class LlamaModel:
                     query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                table = chunk.block_table.unsqueeze(0)
-                keys, values = _gather(k_cache, table), _gather(v_cache, table)
+                keys, values = self._gather(layer_cache, chunk.block_table.unsqueeze(0))
                 o = F.scaled_dot_product_attention(
                     query, keys, values, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
                 )
             out[rows] = o[0].transpose(0, 1).reshape(chunk.length, -1)
         return out
 
+    def _gather(
+        self, layer_cache: torch.Tensor, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, nb] block ids -> keys and values, each [B, Hkv, nb*block_size, D] contiguous, in token order.
+        One index_select of whole block rows, then one copy into the layout SDPA reads fastest."""
+        s = self.shape
+        b, nb = block_tables.shape
+        rows = layer_cache.index_select(0, block_tables.reshape(-1))
+        kv = rows.view(b, nb, 2, -1, s.num_kv_heads, s.head_dim).permute(2, 0, 4, 1, 3, 5).contiguous()
+        kv = kv.view(2, b, s.num_kv_heads, -1, s.head_dim)
+        return kv[0], kv[1]
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, nb] block ids -> [B, Hkv, nb*block_size, D] keys or values (a copy, in token order)."""
-    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D]
-    b, nb, bs, h, d = blocks.shape
-    return blocks.view(b, nb * bs, h, d).transpose(1, 2)
