@@ -2,6 +2,7 @@
 
     python bench/routing.py decision [--index-blocks 1000000] [--workers 8] [--decisions 5000]
     python bench/routing.py replay [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 4]
+    python bench/routing.py replay-real [--conversations 10] [--workers 2] [--duration-s 60]
     python bench/routing.py transport [--round-trips 5000]
 
 `decision`: the time `Router.route` takes (index lookup included) with a KVBM index (`kvbm.index.KVIndex`)
@@ -12,6 +13,9 @@ the same run is round-robin (no lookup).
 `replay`: the Mooncake conversation trace (bench/data/mooncake) replayed through the real `Router` and the real
 KVBM index, against simulated workers (`ReplayConfig` states the model and the scale). Every strategy
 sees the same requests; round-robin is the baseline, the oracle hit rate (unlimited cache, same subset) the bound.
+
+`replay-real`: a slice of the trace through `RoutedEngine` over real SmolLM2 worker processes (their KVBM events
+feed the router's index), kv-aware against round-robin, fresh workers for each; minutes of CPU.
 
 `transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
 and over multiprocessing.Pipe, the alternative it was chosen over.
@@ -29,6 +33,7 @@ import multiprocessing
 import random
 import statistics
 import sys
+import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
@@ -39,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.index import KVIndex  # noqa: E402
-from server.engine.api import GenerationOutput, RequestId  # noqa: E402
+from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams  # noqa: E402
 from server.router.config import RouterConfig  # noqa: E402
 from server.router.lookup import CountedIndex  # noqa: E402
 from server.router.router import Router  # noqa: E402
@@ -335,6 +340,110 @@ def print_replay_table(report: dict) -> None:
               f"{row['route_p50_us']:>14.1f}")
 
 
+# ---- replay-real: a small slice of the trace through RoutedEngine over real SmolLM2 worker processes ----
+
+
+def _block_tokens(block_id: int, block_tokens: int) -> list[int]:
+    """Deterministic token ids of one trace block (equal ids give equal tokens, so prefixes match)."""
+    return [1000 + (block_id * 7919 + j * 104_729) % 40_000 for j in range(block_tokens)]
+
+
+@dataclass(slots=True)
+class _Timing:
+    submitted: float
+    first_token: float | None = None
+    output: GenerationOutput | None = None
+
+
+def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+    from server.engine.config import EngineConfig
+    from server.router.remote import RemoteEngine
+    from server.router.routed import RoutedEngine
+    from server.router.worker import WorkerSpec, build_llm_engine
+
+    engine_config = EngineConfig(cache_dir=args.model_cache, dtype="float32", device="cpu", block_size=args.block_tokens,
+                                 num_kv_blocks=args.kv_blocks, max_model_len=4096, max_tokens_limit=64,
+                                 num_threads=args.threads_per_worker, model_name="smollm2")
+    index = CountedIndex(KVIndex())
+    router = Router(RouterConfig(strategy=strategy), index)  # type: ignore[arg-type]
+    spec = WorkerSpec(build_llm_engine, (engine_config, None), forward_events=True)
+    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(args.workers)]
+    try:
+        routed = RoutedEngine(workers, router, workers[0].info.block_size or args.block_tokens,
+                              BlockHash(workers[0].info.salt or 0))
+        timings = _drive(routed, requests, args)
+    finally:
+        for worker in workers:
+            worker.close()
+    return _real_summary(timings, router)
+
+
+def _drive(routed: Any, requests: list[TraceRequest], args: argparse.Namespace) -> dict[str, _Timing]:
+    """Submit each request at its compressed arrival time; wait until every one has finished."""
+    speedup = max(1.0, requests[-1].arrival_s / args.duration_s)
+    timings: dict[str, _Timing] = {}
+    done = threading.Semaphore(0)
+
+    def sink_for(request_id: str) -> Any:
+        def sink(output: GenerationOutput) -> None:
+            timing = timings[request_id]
+            if timing.first_token is None and (output.new_token_ids or output.finished):
+                timing.first_token = time.perf_counter()
+            if output.finished:
+                timing.output = output
+                done.release()
+        return sink
+
+    started = time.perf_counter()
+    for i, request in enumerate(requests):
+        delay = started + request.arrival_s / speedup - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        prompt = [t for block_id in request.hash_ids[: args.max_blocks]
+                  for t in _block_tokens(block_id, args.block_tokens)]
+        request_id = f"r{i}"
+        timings[request_id] = _Timing(time.perf_counter())
+        sampling = SamplingParams(max_tokens=max(1, request.output_tokens), temperature=0.0, ignore_eos=True)
+        routed.submit(GenerationRequest(RequestId(request_id), prompt, sampling), sink_for(request_id))
+    for _ in requests:
+        if not done.acquire(timeout=600):
+            raise TimeoutError("replay-real: a request did not finish within 600 s")
+    return timings
+
+
+def _real_summary(timings: dict[str, _Timing], router: Router) -> dict[str, Any]:
+    outputs = [t.output for t in timings.values() if t.output is not None]
+    ttft = sorted(t.first_token - t.submitted for t in timings.values() if t.first_token is not None)
+    pick = lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)  # noqa: E731
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    decisions = {f"{s.labels['strategy']}/{s.labels['reason']}": int(s.value)
+                 for s in router.metrics.decisions.collect()[0].samples if s.name.endswith("_total")}
+    return {"hit_rate": round(sum(o.num_cached_tokens for o in outputs) / max(1, prompt), 4),
+            "ttft_p50_s": pick(0.5), "ttft_p90_s": pick(0.9), "ttft_mean_s": round(statistics.fmean(ttft), 3),
+            "errors": sum(o.finish_reason == "error" for o in outputs), "decisions": decisions}
+
+
+def replay_real_command(args: argparse.Namespace) -> dict:
+    requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
+    oracle = oracle_hit_rate([TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens)
+                              for r in requests])
+    results = {strategy: _replay_real_once(requests, strategy, args) for strategy in ("kv-aware", "round-robin")}
+    scale = (f"{len(requests)} requests of {args.conversations} conversations, 1 hash id = {args.block_tokens} "
+             f"tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= {args.max_output} tokens, "
+             f"trace compressed to {args.duration_s:g} s, {args.workers} SmolLM2 fp32 workers x "
+             f"{args.threads_per_worker} thread, {args.kv_blocks} KV blocks each")
+    return {"bench": "routing.replay_real", "scale": scale, "oracle_hit_rate": round(oracle, 3), "results": results}
+
+
+def print_replay_real_table(report: dict) -> None:
+    print(f"real replay: {report['scale']}")
+    print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
+    print(f"{'strategy':<14}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'mean s':>8}{'errors':>8}")
+    for name, row in report["results"].items():
+        print(f"{name:<14}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+              f"{row['ttft_mean_s']:>8.2f}{row['errors']:>8}")
+
+
 # ---- transport: the worker channel against multiprocessing.Pipe ----
 
 _SAMPLE_OUTPUT = GenerationOutput(RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None,
@@ -432,11 +541,23 @@ def main() -> None:
     replay.add_argument("--block-tokens", type=int, default=64, help="tokens per trace hash id (512 originally)")
     replay.add_argument("--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks")
     replay.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
+    real = sub.add_parser("replay-real", help="a small slice through RoutedEngine over real SmolLM2 workers")
+    real.add_argument("--conversations", type=int, default=10)
+    real.add_argument("--min-turns", type=int, default=3)
+    real.add_argument("--max-output", type=int, default=8)
+    real.add_argument("--max-blocks", type=int, default=48, help="prompt blocks kept (a prefix of the ids)")
+    real.add_argument("--block-tokens", type=int, default=16)
+    real.add_argument("--kv-blocks", type=int, default=600, help="G1 pool per worker, blocks")
+    real.add_argument("--workers", type=int, default=2)
+    real.add_argument("--threads-per-worker", type=int, default=1)
+    real.add_argument("--duration-s", type=float, default=60.0, help="the slice's arrivals span this long")
+    real.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
     transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)
     args = parser.parse_args()
     commands = {"decision": (decision_bench, print_decision_table), "replay": (replay_command, print_replay_table),
-                "transport": (transport_command, print_transport_table)}
+                "transport": (transport_command, print_transport_table),
+                "replay-real": (replay_real_command, print_replay_real_table)}
     run, show = commands[args.command]
     report = run(args)
     show(report)

@@ -47,16 +47,16 @@ def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = No
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body, lambda: _client_gone(request)))
+        return await _respond(serving.chat(body, lambda: _client_gone(request)))
 
     @app.post("/v1/completions", response_model=p.CompletionResponse)
     async def completion(body: p.CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completion(body, lambda: _client_gone(request)))
+        return await _respond(serving.completion(body, lambda: _client_gone(request)))
 
     return app
 
 
-async def _respond(request: Request, result: Awaitable[Any]) -> Response:
+async def _respond(result: Awaitable[Any]) -> Response:
     answer = await result
     if isinstance(answer, AsyncIterator):
         return StreamingResponse(answer, media_type="text/event-stream")

@@ -141,6 +141,7 @@ class OpenAIServing:
             self._fail_field(request, exc)
         except BaseException:
             generation.close()
+            self._metrics.requests.labels(request.model, "error").inc()
             raise
         return generation
 
@@ -186,7 +187,7 @@ class OpenAIServing:
             self._metrics.requests.labels(request.model, status).inc()
 
     def _stream(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-                      client_gone: WaitForDisconnect, chunks: _Chunks) -> AsyncIterator[str]:
+                client_gone: WaitForDisconnect, chunks: _Chunks) -> AsyncIterator[str]:
         """Validation and submission happen before the first byte, so their errors still get a 4xx status."""
         generation = self._start(request, engine, prompts, client_gone)
         return self._sse(request, generation, len(prompts) * request.n, chunks)

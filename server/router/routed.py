@@ -3,8 +3,8 @@
 The frontend sees one engine. Per request: hash the prompt's full blocks once (`kvbm.block_hash`, the workers'
 block size and salt), route, submit to that worker, and release the router's count when the last output
 arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are measured here from the outputs
-(prefill tok/s = uncached prompt tokens / time to first token; decode tok/s = output tokens / decode time),
-smoothed per worker. A dead worker leaves the router at once; its requests end with finish_reason "error".
+(prefill tok/s = uncached prompt tokens / time to first token, only for requests that found the worker idle, so
+queueing is not mistaken for slowness; decode tok/s = output tokens / decode time), smoothed per worker. A dead worker leaves the router at once; its requests end with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class SpeedMeter:
 class _InFlight:
     worker_id: WorkerId
     submitted_at: float
+    alone: bool  # nothing else was running on the worker at submit: its TTFT measures prefill speed
     first_token_at: float | None = None
 
 
@@ -93,7 +94,8 @@ class RoutedEngine:
         decision = self.router.route(request.request_id, hashes)
         worker = self._workers[decision.worker_id]
         with self._lock:
-            self._in_flight[request.request_id] = _InFlight(decision.worker_id, time.monotonic())
+            alone = all(flight.worker_id != decision.worker_id for flight in self._in_flight.values())
+            self._in_flight[request.request_id] = _InFlight(decision.worker_id, time.monotonic(), alone)
         try:
             worker.submit(request, self._sink(request.request_id, sink))
         except BaseException:
@@ -132,8 +134,9 @@ class RoutedEngine:
                 return
             flight.first_token_at = time.monotonic()
             self.router.prefill_done(request_id)
-            self._speeds[flight.worker_id].add_prefill(output.num_prompt_tokens - output.num_cached_tokens,
-                                                       flight.first_token_at - flight.submitted_at)
+            if flight.alone:
+                self._speeds[flight.worker_id].add_prefill(output.num_prompt_tokens - output.num_cached_tokens,
+                                                           flight.first_token_at - flight.submitted_at)
 
     def _finish(self, request_id: RequestId, output: GenerationOutput | None = None) -> None:
         if output is not None and output.finish_reason in ("stop", "length"):

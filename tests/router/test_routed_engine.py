@@ -1,0 +1,112 @@
+"""RoutedEngine over in-process workers: routing, release, abort, dead workers, speed measurement."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from router_fakes import SALT, StepEngine
+
+from kvbm.index import KVIndex
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
+from server.router.config import RouterConfig
+from server.router.lookup import CountedIndex
+from server.router.routed import RoutedEngine
+from server.router.router import Router
+from server.router.workers import WorkerId
+
+
+class LocalWorker:
+    """A StepEngine with the members RoutedEngine reads from a RemoteEngine."""
+
+    def __init__(self, worker_id: str, index: CountedIndex) -> None:
+        self.worker_id = WorkerId(worker_id)
+        self.engine = StepEngine(0.002, worker_id=worker_id, events=index)
+        self.model_name, self.max_model_len = self.engine.model_name, self.engine.max_model_len
+        self.stats: dict[str, Any] | None = {"num_blocks": 100, "num_free_blocks": 100}
+        self.alive = True
+        self.submitted: list[RequestId] = []
+        self.aborted: list[RequestId] = []
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.engine.apply_chat_template(messages)
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self.submitted.append(request.request_id)
+        self.engine.submit(request, sink)
+
+    def abort(self, request_id: RequestId) -> None:
+        self.aborted.append(request_id)
+        self.engine.abort(request_id)
+
+
+def _setup(workers: int = 2) -> tuple[RoutedEngine, Router, list[LocalWorker]]:
+    index = CountedIndex(KVIndex())
+    router = Router(RouterConfig(), index)
+    local = [LocalWorker(f"w{i}", index) for i in range(workers)]
+    return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
+
+
+def _request(request_id: str, prompt: list[int], max_tokens: int = 2) -> GenerationRequest:
+    return GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def _finish(outputs: queue.SimpleQueue[GenerationOutput]) -> GenerationOutput:
+    while not (output := outputs.get(timeout=10)).finished:
+        pass
+    return output
+
+
+def test_follow_up_goes_to_the_holder_and_load_is_released() -> None:
+    routed, router, workers = _setup()
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("a", list(range(40))), outputs.put)
+    _finish(outputs)
+    routed.submit(_request("b", list(range(48))), outputs.put)
+    _finish(outputs)
+    holder = next(w for w in workers if "a" in w.submitted)
+    assert "b" in holder.submitted
+    assert all(load.routed_blocks == 0 and load.pending_prefill == 0 for load in router._workers.values())
+
+
+def test_abort_reaches_the_worker_that_runs_the_request() -> None:
+    routed, router, workers = _setup()
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("long", [1, 2, 3], max_tokens=200), outputs.put)
+    outputs.get(timeout=10)
+    routed.abort(RequestId("long"))
+    assert _finish(outputs).finish_reason == "abort"
+    assert [w.aborted for w in workers if w.submitted] == [[RequestId("long")]]
+    assert all(load.routed_requests == 0 for load in router._workers.values())
+
+
+def test_a_dead_worker_leaves_the_router() -> None:
+    routed, router, workers = _setup()
+    workers[0].alive = False
+    routed.on_death(workers[0])
+    assert router.workers == ["w1"]
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("x", [5] * 8), outputs.put)
+    _finish(outputs)
+    assert workers[1].submitted == ["x"]
+    assert routed.encode("a") == [97]  # tokenizes on a live worker
+
+
+def test_prefill_speed_is_measured_only_on_an_idle_worker() -> None:
+    routed, _, _ = _setup(workers=1)
+    first: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("first", list(range(40)), max_tokens=50), first.put)
+    first.get(timeout=10)
+    speed = routed._speeds[WorkerId("w0")]
+    measured = speed.prefill_tok_s
+    assert measured > 0
+    queued: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("queued", list(range(100, 140))), queued.put)
+    _finish(queued)
+    assert speed.prefill_tok_s == measured  # it found the worker busy: its TTFT is not a prefill speed
+    _finish(first)
+    assert speed.decode_tok_s > 0
