@@ -148,22 +148,33 @@ class DiskPool:
         return victim[1]
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        stored = 0
+        held = 0
         for block_hash, block in zip(block_hashes, blocks, strict=True):
             if block_hash in self._lru:
                 self._lru.touch(block_hash)
-                continue
-            slot = self._take_slot()
-            if slot is None:
+            elif not self._store(block_hash, block):
                 break
+            held += 1
+        return held
+
+    def _store(self, block_hash: BlockHash, block: np.ndarray) -> bool:
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        try:
             os.pwrite(self._data_fd, block, slot * self.slot_stride)
             if self.fsync:
                 os.fdatasync(self._data_fd)
             self._write_record(slot, block_hash, xxhash.xxh3_64_intdigest(block), self._seq)
-            self._seq += 1
-            self._lru.insert(block_hash, slot)
-            stored += 1
-        return stored
+        except (
+            OSError
+        ) as err:  # disk full, I/O error: the slot's record stays cleared, so nothing torn is served
+            log.warning("G3 write to %s failed: %s", self.dir, err)
+            self._free.append(slot)
+            return False
+        self._seq += 1
+        self._lru.insert(block_hash, slot)
+        return True
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
         """Read runs of consecutive slots with one preadv each straight into `dests`, then verify checksums."""

@@ -250,7 +250,8 @@ class HostPool:
         return claims, result
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        return len(self.put_detailed(block_hashes, blocks).stored)
+        rejected = self.put_detailed(block_hashes, blocks).rejected
+        return rejected[0] if rejected else len(block_hashes)
 
     def put_detailed(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
         """`put` that says what happened; `spill` runs for each evicted block before its slot is reused."""
@@ -258,13 +259,17 @@ class HostPool:
             return PutResult([], [], [])
         with self._locked():
             claims, result = self._claim(block_hashes)
-        for block in result.evicted:
-            if self.spill is not None:
-                self.spill(block)
-        copy_blocks([(self.payload(slot), blocks[index]) for index, slot in claims])
-        with self._locked():
-            for _, slot in claims:
-                self._slots[slot]["state"] = READY
+        copied = False
+        try:
+            for block in result.evicted:
+                if self.spill is not None:
+                    self.spill(block)
+            copy_blocks([(self.payload(slot), blocks[index]) for index, slot in claims])
+            copied = True
+        finally:  # never leave a slot WRITING behind a live pid: it would be lost until the segment is recreated
+            with self._locked():
+                for _, slot in claims:
+                    self._slots[slot]["state"] = READY if copied else EMPTY
         return result
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:

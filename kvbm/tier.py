@@ -51,7 +51,8 @@ class BlockTier(Protocol):
         ...
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        """Store blocks (already-present ones are only touched), evicting LRU blocks; return how many stored."""
+        """Store blocks (already-present ones are only touched), evicting LRU blocks; return how many leading
+        blocks are now held here (a block that found no room ends the run)."""
         ...
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:

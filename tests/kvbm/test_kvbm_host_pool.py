@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvbm.block_hash import BlockHash
 from kvbm.host_pool import HostPool
@@ -75,4 +76,20 @@ def test_evict_returns_oldest(cache_id: str) -> None:
     pool.put([BlockHash(h) for h in (1, 2, 3)], blocks(range(3)))
     assert pool.evict(2) == [1, 2]
     assert pool.contains([BlockHash(h) for h in (1, 2, 3)]) == [False, False, True]
+    pool.destroy()
+
+
+def test_failed_spill_leaves_no_slot_stuck(cache_id: str) -> None:
+    pool = HostPool(cache_id, "fp", BLOCK, 1)
+    pool.put([BlockHash(1)], blocks(range(1)))
+
+    def broken_spill(_evicted) -> None:
+        raise OSError("disk gone")
+
+    pool.spill = broken_spill
+    with pytest.raises(OSError):
+        pool.put([BlockHash(2)], blocks(range(1)))
+    pool.spill = None
+    assert pool.contains([BlockHash(2)]) == [False]
+    assert pool.put([BlockHash(3)], blocks(range(1))) == 1
     pool.destroy()
