@@ -357,7 +357,7 @@ class _Timing:
 
 def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     from server.engine.config import EngineConfig
-    from server.router.remote import RemoteEngine
+    from server.router.remote import spawn_workers
     from server.router.routed import RoutedEngine
     from server.router.worker import WorkerSpec, build_llm_engine
 
@@ -367,7 +367,7 @@ def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argpars
     index = CountedIndex(KVIndex())
     router = Router(RouterConfig(strategy=strategy), index)  # type: ignore[arg-type]
     spec = WorkerSpec(build_llm_engine, (engine_config, None), forward_events=True)
-    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(args.workers)]
+    workers = spawn_workers([WorkerId(f"w{i}") for i in range(args.workers)], spec, event_sink=index)
     try:
         routed = RoutedEngine(workers, router, workers[0].info.block_size or args.block_tokens,
                               BlockHash(workers[0].info.salt or 0))

@@ -15,7 +15,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvbm.events import EventSink
@@ -211,3 +211,17 @@ class RemoteEngine:
                                   error=f"worker {self.worker_id} died: {reason}"))
         for _, on_death in self._listeners:
             on_death(self)
+
+
+def spawn_workers(worker_ids: Sequence[WorkerId], spec: WorkerSpec, **options: Any) -> list[RemoteEngine]:
+    """Start several workers at once (engine loads overlap); if one fails, stop the others and raise."""
+    with ThreadPoolExecutor(max_workers=len(worker_ids)) as pool:
+        futures = [pool.submit(RemoteEngine.spawn, worker_id, spec, **options) for worker_id in worker_ids]
+        wait(futures)
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    if failures:
+        for future in futures:
+            if future.exception() is None:
+                future.result().close()
+        raise failures[0]  # type: ignore[misc]
+    return [future.result() for future in futures]

@@ -26,7 +26,7 @@ from server.openai.metrics import FrontendMetrics
 from server.router.config import RouterConfig
 from server.router.lookup import CountedIndex
 from server.router.metrics import RouterMetrics
-from server.router.remote import RemoteEngine, WorkerDied
+from server.router.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.router.worker import WorkerSpec
@@ -128,7 +128,7 @@ def test_routed_engine_keeps_a_conversation_on_the_worker_that_holds_it() -> Non
     index = CountedIndex(KVIndex())
     router = Router(RouterConfig(), index)
     spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
-    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(2)]
+    workers = spawn_workers([WorkerId("w0"), WorkerId("w1")], spec, event_sink=index)
     try:
         routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
@@ -179,7 +179,7 @@ def test_openai_frontend_over_routed_worker_processes() -> None:
     index = CountedIndex(KVIndex())
     router = Router(RouterConfig(), index, RouterMetrics.create(registry))
     spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
-    workers = [RemoteEngine.spawn(WorkerId(f"w{i}"), spec, event_sink=index) for i in range(2)]
+    workers = spawn_workers([WorkerId("w0"), WorkerId("w1")], spec, event_sink=index)
     try:
         routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
         app = build_app({"step": routed}, FrontendMetrics.create(registry))
