@@ -150,8 +150,9 @@ class KVBMConnector:
         if self.g3 is not None:
             self._publish("stored", G3, self.g3.hashes())
 
-    def _locate(self, block_hashes: Sequence[BlockHash], count_hits: bool) -> list[BlockTier | None]:
-        """Fastest tier holding each block (None: nowhere). Each tier is asked only about blocks not found above."""
+    def _locate(self, block_hashes: Sequence[BlockHash]) -> list[BlockTier | None]:
+        """Fastest tier holding each block (None: nowhere). Each tier is asked only about blocks not found above;
+        counts a hit or a miss per tier asked."""
         source: list[BlockTier | None] = [None] * len(block_hashes)
         remaining = list(range(len(block_hashes)))
         for tier in self.tiers:
@@ -159,9 +160,8 @@ class KVBMConnector:
                 break
             found = tier.contains([block_hashes[i] for i in remaining])
             hits = sum(found)
-            if count_hits:
-                self.metrics.hits.labels(tier.name).inc(hits)
-                self.metrics.misses.labels(tier.name).inc(len(found) - hits)
+            self.metrics.hits.labels(tier.name).inc(hits)
+            self.metrics.misses.labels(tier.name).inc(len(found) - hits)
             for i, hit in zip(remaining, found, strict=True):
                 if hit:
                     source[i] = tier
@@ -170,26 +170,24 @@ class KVBMConnector:
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         self._announce_if_due()
-        source = self._locate(block_hashes, count_hits=True)
+        source = self._locate(block_hashes)
         return next((i for i, tier in enumerate(source) if tier is None), len(source))
 
     def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
-        source = self._locate(block_hashes, count_hits=False)
-        valid = [False] * len(block_hashes)
+        """Each tier, fastest first, gets the blocks no faster tier delivered: one batched get per tier, and a
+        block that is missing or fails its checksum in one tier is still taken from a slower one."""
+        remaining = list(range(len(block_hashes)))
         for tier in self.tiers:
-            picked = [i for i, s in enumerate(source) if s is tier]
-            if not picked:
-                continue
+            if not remaining:
+                break
             start = time.perf_counter()
-            ok = tier.get([block_hashes[i] for i in picked], [self._rows[block_ids[i]] for i in picked])
+            ok = tier.get([block_hashes[i] for i in remaining], [self._rows[block_ids[i]] for i in remaining])
+            got = sum(ok)
             self.metrics.record_transfer(
-                f"{tier.name}->G1", sum(ok), sum(ok) * self.block_bytes, time.perf_counter() - start
+                f"{tier.name}->G1", got, got * self.block_bytes, time.perf_counter() - start
             )
-            for i, good in zip(picked, ok, strict=True):
-                valid[i] = good
-            if not all(ok):
-                self.metrics.misses.labels(tier.name).inc(len(ok) - sum(ok))
-        return next((i for i, good in enumerate(valid) if not good), len(valid))
+            remaining = [i for i, good in zip(remaining, ok, strict=True) if not good]
+        return remaining[0] if remaining else len(block_hashes)
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         self._announce_if_due()

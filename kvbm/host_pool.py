@@ -62,6 +62,7 @@ SLOT_HEADER = np.dtype(
     ]
 )
 _META_FIELDS = ("magic", "version", "block_bytes", "num_slots", "ways", "clock", "slot_stride", "data_offset")
+CLOCK = _META_FIELDS.index("clock")  # LRU clock: bumped by every use, under the lock
 
 
 @dataclass(slots=True)
@@ -121,8 +122,8 @@ class HostPool:
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            if os.fstat(self._fd).st_size == 0:
-                self._format(block_bytes, num_slots)
+            if os.fstat(self._fd).st_size == 0 or os.pread(self._fd, 8, 0) != MAGIC.to_bytes(8, "little"):
+                self._format(block_bytes, num_slots)  # new, or its creator died before writing the header
             self._map()
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -145,6 +146,7 @@ class HostPool:
                 f"G2 segment {self.path} has another format or block size; remove it to reformat"
             )
         size = meta["data_offset"] + meta["num_slots"] * meta["slot_stride"]
+        log.debug("mapped G2 segment %s: %d slots", self.path, meta["num_slots"])
         self._mm = mmap.mmap(self._fd, size)
         self.num_slots, self.ways = meta["num_slots"], meta["ways"]
         self.num_sets = self.num_slots // self.ways
@@ -164,8 +166,8 @@ class HostPool:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _tick(self) -> int:
-        clock = int(self._meta[5])
-        self._meta[5] = clock + 1
+        clock = int(self._meta[CLOCK])
+        self._meta[CLOCK] = clock + 1
         return clock
 
     @property
@@ -293,8 +295,8 @@ class HostPool:
 
     def _touch_many(self, slots: np.ndarray) -> None:
         """Mark slots used now, in order (caller holds the lock)."""
-        clock = int(self._meta[5])
-        self._meta[5] = clock + len(slots)
+        clock = int(self._meta[CLOCK])
+        self._meta[CLOCK] = clock + len(slots)
         self._slots["last_use"][slots] = np.arange(clock, clock + len(slots), dtype=np.uint64)
         np.add.at(self._slots["uses"], slots, 1)
 

@@ -214,3 +214,22 @@ def test_metrics_cover_tiers_transfers_and_hits(cache_id: str, tmp_path: Path, l
     assert sample(kvbm, "kvbm_transfer_bytes_total", direction="G1->G2") == 4 * bb
     assert sample(kvbm, "kvbm_transfer_seconds_count", direction="G2->G1") == 1
     kvbm.close()
+
+
+def test_corrupt_g3_block_is_taken_from_g4_instead(
+    cache_id: str, tmp_path: Path, redis_url: str, layout
+) -> None:
+    kvbm, kv_cache = connector(
+        layout, cache_id, host_cache_gb=0, disk_cache_gb=gb(8, layout), disk_path=tmp_path, redis_url=redis_url,
+        write_through=True,
+    )  # fmt: skip
+    original = kv_cache[:4].clone()
+    kvbm.offload(hashes(4), [0, 1, 2, 3])
+    slot = kvbm.g3._lru.slot(BlockHash(2))
+    with open(kvbm.g3.dir / "blocks.dat", "r+b") as blocks_file:
+        blocks_file.seek(slot * kvbm.g3.slot_stride + 8)
+        blocks_file.write(b"\x00\x01\x02\x03")
+    assert onboarded(kvbm, kv_cache, hashes(4), original) == (4, [True] * 4)
+    assert sample(kvbm, "kvbm_checksum_failures_total", tier="G3") == 1
+    assert sample(kvbm, "kvbm_onboard_blocks_total", direction="G4->G1") == 1
+    kvbm.close()
