@@ -38,8 +38,15 @@ log = logging.getLogger(__name__)
 
 def block_rows(kv_cache: torch.Tensor, num_blocks: int) -> np.ndarray:
     """[num_blocks, block_bytes] uint8 numpy view sharing memory with the engine's KV pool."""
-    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        raise ValueError("KVBMConnector.bind: kv_cache must be a contiguous CPU tensor (block-major layout)")
+    if kv_cache.device.type != "cpu":
+        raise ValueError(
+            f"KVBMConnector supports CPU KV pools only (got {kv_cache.device}); a device pool needs a pinned host"
+            " staging buffer, not built yet: run the engine without --kvbm-* flags on GPUs"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError(
+            "KVBMConnector.bind: kv_cache must be contiguous (block-major layout, see kv_connector.py)"
+        )
     return kv_cache.view(torch.uint8).reshape(num_blocks, -1).numpy()
 
 
@@ -150,28 +157,20 @@ class KVBMConnector:
         if self.g3 is not None:
             self._publish("stored", G3, self.g3.hashes())
 
-    def _locate(self, block_hashes: Sequence[BlockHash]) -> list[BlockTier | None]:
-        """Fastest tier holding each block (None: nowhere). Each tier is asked only about blocks not found above;
-        counts a hit or a miss per tier asked."""
-        source: list[BlockTier | None] = [None] * len(block_hashes)
-        remaining = list(range(len(block_hashes)))
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks some tier holds. Each tier, fastest first, is asked only about blocks no faster tier
+        holds, and counts a hit or a miss for each block it was asked about."""
+        self._announce_if_due()
+        missing = list(range(len(block_hashes)))
         for tier in self.tiers:
-            if not remaining:
+            if not missing:
                 break
-            found = tier.contains([block_hashes[i] for i in remaining])
+            found = tier.contains([block_hashes[i] for i in missing])
             hits = sum(found)
             self.metrics.hits.labels(tier.name).inc(hits)
             self.metrics.misses.labels(tier.name).inc(len(found) - hits)
-            for i, hit in zip(remaining, found, strict=True):
-                if hit:
-                    source[i] = tier
-            remaining = [i for i, hit in zip(remaining, found, strict=True) if not hit]
-        return source
-
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
-        self._announce_if_due()
-        source = self._locate(block_hashes)
-        return next((i for i, tier in enumerate(source) if tier is None), len(source))
+            missing = [i for i, hit in zip(missing, found, strict=True) if not hit]
+        return missing[0] if missing else len(block_hashes)
 
     def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         """Each tier, fastest first, gets the blocks no faster tier delivered: one batched get per tier, and a
