@@ -233,3 +233,17 @@ def test_corrupt_g3_block_is_taken_from_g4_instead(
     assert sample(kvbm, "kvbm_checksum_failures_total", tier="G3") == 1
     assert sample(kvbm, "kvbm_onboard_blocks_total", direction="G4->G1") == 1
     kvbm.close()
+
+
+def test_restarted_worker_finds_its_disk_blocks_and_announces_them(
+    cache_id: str, tmp_path: Path, layout
+) -> None:
+    config = dict(host_cache_gb=0, disk_cache_gb=gb(8, layout), disk_path=tmp_path)
+    first, kv_cache = connector(layout, cache_id, **config)
+    original = kv_cache[:4].clone()
+    first.offload(hashes(4), [0, 1, 2, 3])
+    first.close()
+    restarted, restarted_cache = connector(layout, cache_id, seed=5, **config)
+    assert restarted.events.query(hashes(4)).workers["worker-0"].g3 == 4  # announced at bind
+    assert onboarded(restarted, restarted_cache, hashes(4), original) == (4, [True] * 4)
+    restarted.close()
