@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend: protocol.py (wire models), serving.py (logic), app.py (FastAPI routes)."""

@@ -3,8 +3,9 @@
 The frontend sees one engine. Per request: hash the prompt's full blocks once (`kvbm.block_hash`, the workers'
 block size and salt), route, submit to that worker, and release the router's count when the last output
 arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are measured here from the outputs
-(prefill tok/s = uncached prompt tokens / time to first token, only for requests that found the worker idle, so
-queueing is not mistaken for slowness; decode tok/s = output tokens / decode time), smoothed per worker. A dead worker leaves the router at once; its requests end with finish_reason "error".
+(prefill tok/s = uncached prompt tokens / time to first token; decode tok/s = output tokens / decode time), only
+from requests that had their worker to themselves, so that queueing and batching are not mistaken for a slow
+worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). A dead worker leaves the router at once; its requests end with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class SpeedMeter:
 class _InFlight:
     worker_id: WorkerId
     submitted_at: float
-    alone: bool  # nothing else was running on the worker at submit: its TTFT measures prefill speed
+    alone: bool  # the only request on its worker so far: its timings measure the worker's speed
     first_token_at: float | None = None
 
 
@@ -94,7 +95,10 @@ class RoutedEngine:
         decision = self.router.route(request.request_id, hashes)
         worker = self._workers[decision.worker_id]
         with self._lock:
-            alone = all(flight.worker_id != decision.worker_id for flight in self._in_flight.values())
+            alone = True
+            for flight in self._in_flight.values():
+                if flight.worker_id == decision.worker_id:
+                    flight.alone = alone = False
             self._in_flight[request.request_id] = _InFlight(decision.worker_id, time.monotonic(), alone)
         try:
             worker.submit(request, self._sink(request.request_id, sink))
@@ -143,7 +147,7 @@ class RoutedEngine:
             self._first_token(request_id, output)
         with self._lock:
             flight = self._in_flight.pop(request_id, None)
-            if flight is not None and output is not None and flight.first_token_at is not None:
+            if flight is not None and output is not None and flight.first_token_at is not None and flight.alone:
                 self._speeds[flight.worker_id].add_decode(output.num_output_tokens - 1,
                                                           time.monotonic() - flight.first_token_at)
         self.router.release(request_id)

@@ -109,4 +109,8 @@ def test_prefill_speed_is_measured_only_on_an_idle_worker() -> None:
     _finish(queued)
     assert speed.prefill_tok_s == measured  # it found the worker busy: its TTFT is not a prefill speed
     _finish(first)
+    assert speed.decode_tok_s == 0  # "first" shared its worker while decoding
+    alone: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(_request("alone", list(range(200, 240)), max_tokens=5), alone.put)
+    _finish(alone)
     assert speed.decode_tok_s > 0
