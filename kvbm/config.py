@@ -26,8 +26,9 @@ class KVBMConfig:
     redis_url          G4: Redis holding blocks for every node (--redis-url); None = no G4
     redis_cache_gb     G4 capacity bound kept by our own LRU sorted set; 0 = unbounded (server maxmemory rules)
     redis_ttl_s        G4 expiry of a block in seconds; 0 = none
-    write_through      every offloaded block is also written to G4 (otherwise G4 only fills via write-through
-                       callers such as a prefill worker; G2 eviction goes to G3)
+    write_through      blocks offloaded from G1 also go to G4 (shared with other nodes); without it G4 is
+                       written only when no local tier (G2/G3) is configured. The engine offloads on G1
+                       eviction, so a chain reaches G4 tail first, as its blocks are evicted
     disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
     disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
     cache_id           node-local name of the G2 segment; workers sharing it share blocks

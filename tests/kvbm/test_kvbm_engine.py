@@ -39,29 +39,31 @@ def greedy(engine: LLMEngine, prompt: list[int], request_id: str):
     return generate(engine, request, timeout=300)
 
 
-def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path) -> None:
+def onboarded_per_tier(connector) -> dict[str, float]:
+    registry = connector.metrics.registry
+    return {
+        tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
+        for tier in ("G2", "G3", "G4")
+    }
+
+
+def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path, redis_url: str) -> None:
     with engine(400) as reference:
         prompts = [reference.encode(document(topic)) for topic in TOPICS]
         prompts.append(prompts[0][:-8] + reference.encode(" To summarise, the inventors"))
         expected = [greedy(reference, ids, f"ref-{i}").new_token_ids for i, ids in enumerate(prompts)]
     assert all(len(ids) > 200 for ids in prompts)
     config = KVBMConfig(
-        cache_id=cache_id,
-        host_cache_gb=24 * BLOCK_BYTES / GIB,
-        disk_cache_gb=256 * BLOCK_BYTES / GIB,
-        disk_path=tmp_path,
-    )
+        cache_id=cache_id, host_cache_gb=24 * BLOCK_BYTES / GIB, disk_cache_gb=256 * BLOCK_BYTES / GIB,
+        disk_path=tmp_path, redis_url=redis_url, write_through=True,
+    )  # fmt: skip
     index = KVIndex()
     connector = build_connector(config, "engine-worker", index=index)
     with engine(40, connector) as tiny:  # 40 blocks: one prompt and a half fit in G1
         cold = [greedy(tiny, ids, f"cold-{i}") for i, ids in enumerate(prompts)]
         # newest first: the latest evictions are still in G2, the older ones were spilled to G3
         warm = [greedy(tiny, ids, f"warm-{i}") for i, ids in reversed(list(enumerate(prompts)))][::-1]
-        registry = connector.metrics.registry
-        onboarded = {
-            tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
-            for tier in ("G2", "G3")
-        }
+        onboarded = onboarded_per_tier(connector)
         report = index.query(block_hashes(prompts[0], 16, tiny.salt))
     connector.close()
     assert [out.new_token_ids for out in cold] == expected
@@ -69,3 +71,24 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path)
     assert all(out.num_cached_tokens >= 160 for out in warm[:4]), [out.num_cached_tokens for out in warm]
     assert onboarded["G2"] > 0 and onboarded["G3"] > 0, onboarded
     assert report.workers["engine-worker"].g3 == report.num_blocks  # the index saw every tier move
+    assert report.g4 == report.num_blocks  # written through
+
+
+def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: str) -> None:
+    """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis."""
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True)
+    writer = build_connector(config, "node-a", index=KVIndex())
+    with engine(40, writer) as first:
+        prompt = first.encode(document(TOPICS[0]))
+        expected = greedy(first, prompt, "a").new_token_ids
+        for topic in TOPICS[
+            1:3
+        ]:  # G1 evicts (and so offloads) chains tail first: two more prompts push all out
+            greedy(first, first.encode(document(topic)), f"evict-{topic}")
+    writer.close()
+    reader = build_connector(config, "node-b", index=KVIndex())
+    with engine(40, reader) as second:
+        output = greedy(second, prompt, "b")
+    reader.close()
+    assert output.new_token_ids == expected
+    assert output.num_cached_tokens >= 160 and onboarded_per_tier(reader)["G4"] > 0
