@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from kvbm_testing import make_kv_cache, small_layout, spawned_offload
+from kvbm_testing import RedisServer, make_kv_cache, small_layout, spawned_offload
 
 from kvbm.agent import build_connector
 from kvbm.block_hash import BlockHash
@@ -145,3 +145,28 @@ def test_client_reports_the_service_event_count(service: KVBMService, worker: KV
     client.query(BLOCKS)
     assert client.events_applied == service.index.events_applied > 0
     client.close()
+
+
+def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> None:
+    server = RedisServer()
+    server.start()
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url)
+    connector = build_connector(config, "worker-r", lease_ttl_s=1.0)
+    connector.bind(make_kv_cache(small_layout(), 64), small_layout())
+    service = KVBMService(server.url, port=None, lease_check_s=0.2).start()
+    try:
+        connector.offload(BLOCKS, list(range(8)))
+        wait_until(holds(service, "worker-r", WorkerPrefix(0, 8, 8)), 5, "worker-r in the index")
+        server.stop()
+        connector.offload([BlockHash(99)], [9])  # events are dropped while Redis is down, nothing raises
+        server.start()  # empty: no stream, no leases, no epoch
+        wait_until(lambda: connector._announce_due, 20, "worker to notice Redis came back")
+        connector.lookup([])  # the engine thread's next call re-announces
+        wait_until(
+            holds(service, "worker-r", WorkerPrefix(0, 8, 8)), 20, "re-announced blocks after the restart"
+        )
+        assert service.index.query([BlockHash(99)]).workers["worker-r"].g2 == 1
+    finally:
+        service.stop()
+        connector.close()
+        server.stop()
