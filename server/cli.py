@@ -35,10 +35,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
 
 
+def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kvbm", help="run the standalone KVBM index service (multi-node: workers publish to Redis)")
+    p.add_argument("--redis-url", required=True, help="Redis holding the event stream and worker leases")
+    p.add_argument("--host", default="127.0.0.1", help="address of the prefix-query port")
+    p.add_argument("--port", type=int, default=7410, help="prefix-query port (routers connect here)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics of the service")
+    p.add_argument("--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _kvbm_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,
@@ -48,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.serve import serve
 
         return serve(args)
+    if args.command == "kvbm":
+        from kvbm.service import run_service
+
+        run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs)
+        return 0
     return 2
 
 
