@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import redis
 import torch
 
@@ -130,3 +131,32 @@ def spawned_onboard(config_fields: dict, worker_id: str, num_blocks: int, result
     }
     results.put((count, block_digests(kv_cache, rows[:count]), per_tier))
     connector.close()
+
+
+def block_for(block_hash: int, block_bytes: int) -> np.ndarray:
+    """Payload derived from the hash alone, so any reader can tell whether it got the right bytes."""
+    return np.random.default_rng(block_hash).integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+def spawned_g2_stress(cache_id: str, seed: int, rounds: int, start, results) -> None:
+    """Child process: random puts and gets on a small shared G2 (all children begin together at the `start`
+    barrier); report (wrong blocks served, hits, seconds spent)."""
+    from kvbm.block_hash import BlockHash
+    from kvbm.host_pool import HostPool
+
+    block_bytes, rng = 4096, np.random.default_rng(seed)
+    pool = HostPool(cache_id, "stress", block_bytes, 32, owner=f"p{seed}")
+    wrong = hits = 0
+    start.wait(timeout=60)
+    began = time.monotonic()
+    for _ in range(rounds):
+        hashes = [BlockHash(int(h)) for h in rng.integers(1, 100, 8)]
+        if rng.random() < 0.5:
+            pool.put(hashes, [block_for(h, block_bytes) for h in hashes])
+            continue
+        dests = [np.zeros(block_bytes, np.uint8) for _ in hashes]
+        for block_hash, dest, ok in zip(hashes, dests, pool.get(hashes, dests), strict=True):
+            hits += ok
+            wrong += ok and not np.array_equal(dest, block_for(block_hash, block_bytes))
+    pool.close()
+    results.put((wrong, hits, time.monotonic() - began))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-from kvbm_testing import block_digests, make_kv_cache, small_layout, spawned_offload, spawned_onboard
+from kvbm_testing import (
+    block_digests,
+    make_kv_cache,
+    small_layout,
+    spawned_g2_stress,
+    spawned_offload,
+    spawned_onboard,
+)
 
 from kvbm.config import GIB
 
@@ -44,3 +51,19 @@ def test_two_processes_share_blocks_through_g4(cache_id: str, redis_url: str, ex
     count, digests, per_tier = share(writer, reader)
     assert count == NUM_BLOCKS and digests == expected
     assert per_tier == {"G2": 0, "G3": 0, "G4": NUM_BLOCKS}
+
+
+def test_concurrent_processes_never_read_wrong_bytes_from_g2(cache_id: str) -> None:
+    """Both processes hammer one 32-slot segment at once (random puts and gets of 100 hashes)."""
+    results, start = SPAWN.Queue(), SPAWN.Barrier(2)
+    workers = [
+        SPAWN.Process(target=spawned_g2_stress, args=(cache_id, seed, 3000, start, results))
+        for seed in (1, 2)
+    ]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert [wrong for wrong, _, _ in outcomes] == [0, 0]
+    assert all(hits > 100 for _, hits, _ in outcomes), outcomes
