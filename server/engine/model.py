@@ -145,6 +145,7 @@ class LlamaModel:
         self.rope_cos = table.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = table.sin().to(device=self.device, dtype=dtype)
         self.scale = shape.head_dim**-0.5
+        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(2)]
 
     def _layer(self, get, weights: dict, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -177,16 +178,14 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            layer_cache = kv_cache.view(kv_cache.shape[0], s.num_layers, 2, -1)[:, index]
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
-            attn = self._attention(
-                batch, q, k, v, kv_cache.view(kv_cache.shape[0], s.num_layers, -1)[:, index]
-            )
+            attn = self._attention(batch, q, k, v, layer_cache)
             hidden = hidden + F.linear(attn, layer.o_proj)
             x = self._rms_norm(hidden, layer.post_norm)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -196,7 +195,7 @@ class LlamaModel:
 
     def _attention(self, batch: StepBatch, q, k, v, layer_cache: torch.Tensor) -> torch.Tensor:
         """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own.
-        `layer_cache` is [num_blocks, 2*block_size*Hkv*D]: this layer's K and V of each block, one row per block."""
+        `layer_cache` is [num_blocks, 2, block_size*Hkv*D]: this layer's K and V rows of each block."""
         s = self.shape
         out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         nd = batch.num_decode
@@ -230,14 +229,25 @@ class LlamaModel:
     def _gather(
         self, layer_cache: torch.Tensor, block_tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, nb] block ids -> keys and values, each [B, Hkv, nb*block_size, D] contiguous, in token order.
-        One index_select of whole block rows, then one copy into the layout SDPA reads fastest."""
-        s = self.shape
-        b, nb = block_tables.shape
-        rows = layer_cache.index_select(0, block_tables.reshape(-1))
-        kv = rows.view(b, nb, 2, -1, s.num_kv_heads, s.head_dim).permute(2, 0, 4, 1, 3, 5).contiguous()
-        kv = kv.view(2, b, s.num_kv_heads, -1, s.head_dim)
-        return kv[0], kv[1]
+        """[B, nb] block ids -> keys and values, each a [B, Hkv, nb*block_size, D] view (token order) of a reused
+        workspace: one index_select of whole block rows each, no other copy, no fresh allocation."""
+        ids = block_tables.reshape(-1)
+        row = layer_cache.shape[-1]
+        keys = self._workspace(0, ids.numel() * row).view(-1, row)
+        values = self._workspace(1, ids.numel() * row).view(-1, row)
+        torch.index_select(layer_cache[:, 0], 0, ids, out=keys)
+        torch.index_select(layer_cache[:, 1], 0, ids, out=values)
+        shape = (block_tables.shape[0], -1, self.shape.num_kv_heads, self.shape.head_dim)
+        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+
+    def _workspace(self, slot: int, numel: int) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements, grown (doubling) on demand and kept: large per-layer
+        temporaries would otherwise be fresh mmaps that page-fault on every step."""
+        buffer = self._buffers[slot]
+        if buffer.numel() < numel:
+            buffer = torch.empty(max(numel, 2 * buffer.numel()), dtype=self.dtype, device=self.device)
+            self._buffers[slot] = buffer
+        return buffer[:numel]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
