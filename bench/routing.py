@@ -427,7 +427,7 @@ def replay_real_command(args: argparse.Namespace) -> dict:
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
     oracle = oracle_hit_rate([TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens)
                               for r in requests])
-    results = {strategy: _replay_real_once(requests, strategy, args) for strategy in ("kv-aware", "round-robin")}
+    results = {strategy: _replay_real_once(requests, strategy, args) for strategy in args.strategies.split(",")}
     scale = (f"{len(requests)} requests of {args.conversations} conversations, 1 hash id = {args.block_tokens} "
              f"tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= {args.max_output} tokens, "
              f"trace compressed to {args.duration_s:g} s, {args.workers} SmolLM2 fp32 workers x "
@@ -542,7 +542,7 @@ def main() -> None:
     replay.add_argument("--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks")
     replay.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
     real = sub.add_parser("replay-real", help="a small slice through RoutedEngine over real SmolLM2 workers")
-    real.add_argument("--conversations", type=int, default=10)
+    real.add_argument("--conversations", type=int, default=6)
     real.add_argument("--min-turns", type=int, default=3)
     real.add_argument("--max-output", type=int, default=8)
     real.add_argument("--max-blocks", type=int, default=48, help="prompt blocks kept (a prefix of the ids)")
@@ -550,7 +550,9 @@ def main() -> None:
     real.add_argument("--kv-blocks", type=int, default=600, help="G1 pool per worker, blocks")
     real.add_argument("--workers", type=int, default=2)
     real.add_argument("--threads-per-worker", type=int, default=1)
-    real.add_argument("--duration-s", type=float, default=60.0, help="the slice's arrivals span this long")
+    real.add_argument("--duration-s", type=float, default=90.0, help="the slice's arrivals span this long")
+    real.add_argument("--strategies", default="kv-aware,round-robin", help="run in this order (machine noise "
+                      "drifts: compare both orders)")
     real.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
     transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)

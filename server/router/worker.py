@@ -36,13 +36,15 @@ _METHODS = ("submit", "encode", "apply_chat_template")
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """How the worker builds its engine: `factory(*args)`; both are pickled into a spawned process."""
+    """How the worker builds its engine: `factory(*args, worker_id=..., events=...)`, pickled into a spawned
+    process. `events` is an EventSink forwarding KVBM tier events to the server's index when `forward_events`
+    (embedded mode), else None (the engine's KVBM agent publishes to Redis itself, or nowhere)."""
 
     factory: Callable[..., Engine]
     args: tuple[Any, ...] = ()
     heartbeat_s: float = 0.5
-    forward_events: bool = False  # call factory(*args, worker_id=..., events=EventSink) for the server's index
-    worker_id: str = "worker-0"
+    forward_events: bool = False
+    worker_id: str = "worker-0"  # set by RemoteEngine.spawn
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +64,8 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     channel = Channel(address, server_side=False)
     try:
-        extra = {"worker_id": spec.worker_id, "events": ChannelEvents(channel)} if spec.forward_events else {}
-        engine = spec.factory(*spec.args, **extra)
+        events = ChannelEvents(channel) if spec.forward_events else None
+        engine = spec.factory(*spec.args, worker_id=spec.worker_id, events=events)
     except Exception as exc:
         logger.exception("building the engine failed")
         channel.send("failed", f"{type(exc).__name__}: {exc}")
@@ -95,9 +97,10 @@ class ChannelEvents:
 
 
 def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None = None, *,
-                     worker_id: str, events: EventSink) -> Engine:
-    """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config), forward_events=True)`:
-    an LLMEngine whose KVBM agent (G2/G3 per `kvbm_config`; G1 only if None) reports to the server's index."""
+                     worker_id: str, events: EventSink | None) -> Engine:
+    """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config), forward_events=...)`: an
+    LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
+    server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set."""
     from kvbm.agent import build_connector
     from server.engine.llm_engine import LLMEngine
 

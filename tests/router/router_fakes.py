@@ -83,5 +83,5 @@ class StepEngine:
         abort.set()  # done: no longer counted as running
 
 
-def broken_factory() -> StepEngine:
+def broken_factory(**_: object) -> StepEngine:
     raise RuntimeError("no weights here")
