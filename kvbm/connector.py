@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,7 @@ class KVBMConnector:
         self.g4: RedisPool | None = None
         self._g1: set[BlockHash] = set()
         self._announce_due = False  # set from other threads, served on the engine thread
+        self.node = ""  # the G2 segment this worker shares with the others on its host (index events name it)
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -91,6 +93,7 @@ class KVBMConnector:
         self.g2 = self._open_host_pool() if cfg.capacity_blocks(cfg.host_cache_gb, bb) > 0 else None
         self.g3 = self._open_disk_pool() if cfg.capacity_blocks(cfg.disk_cache_gb, bb) > 0 else None
         self.g4 = self._open_redis_pool() if cfg.redis_url else None
+        self.node = f"{socket.gethostname()}:{self.g2.path.name}" if self.g2 is not None else ""
         if (cfg.host_cache_gb > 0 and self.g2 is None) or (cfg.disk_cache_gb > 0 and self.g3 is None):
             log.warning("kvbm: a G2/G3 size below one %d-byte block turns that tier off", bb)
         self.metrics.set_capacity("G1", len(self._rows), bb)
@@ -137,7 +140,8 @@ class KVBMConnector:
         if self.events is None or not block_hashes:
             return
         ttl = self.config.redis_ttl_s if tier == G4 else 0
-        event = TierEvent(worker_id or self.worker_id, kind, tier, tuple(block_hashes), from_tier, ttl)  # type: ignore[arg-type]
+        worker = worker_id or self.worker_id
+        event = TierEvent(worker, kind, tier, tuple(block_hashes), from_tier, ttl, node=self.node)  # type: ignore[arg-type]
         self.events.publish(event)
 
     def request_announce(self) -> None:
@@ -150,8 +154,12 @@ class KVBMConnector:
             self.announce()
 
     def announce(self) -> None:
-        """Publish everything this worker holds (after bind, and when the KVBM service restarts)."""
-        self._publish("stored", G1, sorted(self._g1))
+        """Publish everything this worker holds (after bind, and when the KVBM service restarts). The G1 event goes
+        out even when empty: it registers the worker, and its G2 node, with the index."""
+        if self.events is not None:
+            self.events.publish(
+                TierEvent(self.worker_id, "stored", G1, tuple(sorted(self._g1)), node=self.node)
+            )
         if self.g2 is not None:
             self._publish("stored", G2, self.g2.owned_hashes(self.worker_id))
         if self.g3 is not None:

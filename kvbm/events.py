@@ -20,7 +20,8 @@ class TierEvent:
 
     Tiers are 1..4 for G1..G4. G4 is shared by everyone: its events name the writer but index globally.
     `ttl_s` (G4 stored only) makes the index forget the blocks when Redis expires them. `timestamp` is unix
-    seconds at publish time (event lag = apply time - timestamp).
+    seconds at publish time (event lag = apply time - timestamp). `node` names the G2 segment (host:cache id)
+    of a G2 event: every worker mapping that segment can onboard the block, so the index credits them all.
     """
 
     worker_id: str
@@ -30,6 +31,7 @@ class TierEvent:
     from_tier: int = 0
     ttl_s: int = 0
     timestamp: float = field(default_factory=time.time)
+    node: str = ""
 
     def to_fields(self) -> dict[bytes, bytes]:
         """Flat field map for XADD; hashes travel as packed little-endian u64."""
@@ -41,6 +43,7 @@ class TierEvent:
             b"ttl": b"%d" % self.ttl_s,
             b"ts": repr(self.timestamp).encode(),
             b"h": np.array(self.block_hashes, dtype="<u8").tobytes(),
+            b"n": self.node.encode(),
         }
 
     @classmethod
@@ -54,6 +57,7 @@ class TierEvent:
             from_tier=int(fields[b"f"]),
             ttl_s=int(fields[b"ttl"]),
             timestamp=float(fields[b"ts"]),
+            node=fields.get(b"n", b"").decode(),
         )
 
 

@@ -4,6 +4,8 @@ Each block hash maps to one Python int used as a bit set (`W` = max_workers bit 
 
     bit (tier - 1) * W + slot   worker in `slot` holds the block in G1 / G2 / G3   (tier 1..3)
     bit 3 * W                   the block is in G4 (shared by everyone)
+    bit 3 * W + 1 + node        the block is in the G2 segment `node`, shared by every worker on it
+                                (G2 events that name a node; workers join a node by naming it)
 
 A query walks the hashes once, AND-ing per-tier "still unbroken" worker sets, so its cost is a few big-int
 operations per block, independent of the number of indexed blocks. Removing a dead worker is O(1): its slot
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvbm.block_hash import BlockHash
-from kvbm.events import G4, TierEvent
+from kvbm.events import G2, G4, TierEvent
 from kvbm.metrics import KVBMMetrics
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,10 @@ class KVIndex:
         self._live = 0
         self._plane = (1 << max_workers) - 1
         self._g4_bit = 1 << (3 * max_workers)
+        self._node_base = 3 * max_workers + 1
+        self._node_slot: dict[str, int] = {}
+        self._node_members: list[int] = []  # per node slot: bit set of the worker slots on it
+        self._node_of_worker: dict[int, int] = {}
         self._lock = threading.RLock()
         self._events_applied = 0
 
@@ -116,6 +122,9 @@ class KVIndex:
         if slot is None:
             return
         del self._worker_of[slot]
+        ns = self._node_of_worker.pop(slot, None)
+        if ns is not None:
+            self._node_members[ns] &= ~(1 << slot)
         self._live &= ~(1 << slot)
         self._retired |= 1 << slot
         log.info("kvbm index: worker %s removed", worker_id)
@@ -154,14 +163,18 @@ class KVIndex:
             self._apply(event)
 
     def _apply(self, event: TierEvent) -> None:
-        if event.kind == "removed" and event.tier != G4 and event.worker_id not in self._slot_of:
+        known = event.worker_id in self._slot_of
+        shared = event.tier == G4 or (event.tier == G2 and bool(event.node))
+        if event.kind == "removed" and not known and not shared:
             return  # a worker we already forgot
-        slot = self._register(event.worker_id)
+        slot = self._register(event.worker_id) if known or event.kind != "removed" else -1
+        if event.node and slot >= 0:
+            self._join(slot, event.node)
         if event.kind in ("removed", "moved"):
             tier = event.from_tier if event.kind == "moved" else event.tier
-            self._clear(event.block_hashes, self._bit(tier, slot))
+            self._clear(event.block_hashes, self._bit(tier, slot, event.node))
         if event.kind in ("stored", "moved"):
-            self._set(event.block_hashes, self._bit(event.tier, slot))
+            self._set(event.block_hashes, self._bit(event.tier, slot, event.node))
             if event.tier == G4 and event.ttl_s:
                 expiry = event.timestamp + event.ttl_s
                 self._g4_expiry.update((h, expiry) for h in event.block_hashes)
@@ -169,8 +182,38 @@ class KVIndex:
             self.metrics.event_lag.observe(max(0.0, time.time() - event.timestamp))
             self.metrics.index_blocks.set(len(self._masks))
 
-    def _bit(self, tier: int, slot: int) -> int:
-        return self._g4_bit if tier == G4 else 1 << ((tier - 1) * self.max_workers + slot)
+    def _bit(self, tier: int, slot: int, node: str) -> int:
+        if tier == G4:
+            return self._g4_bit
+        if tier == G2 and node:
+            return 1 << (self._node_base + self._node(node))
+        return 1 << ((tier - 1) * self.max_workers + slot)
+
+    def _node(self, node: str) -> int:
+        ns = self._node_slot.get(node)
+        if ns is None:
+            ns = self._node_slot[node] = len(self._node_members)
+            self._node_members.append(0)
+        return ns
+
+    def _join(self, slot: int, node: str) -> None:
+        """Make `slot` a member of `node` (a worker names its node in its events; it can move only by restart)."""
+        ns, old = self._node(node), self._node_of_worker.get(slot)
+        if old == ns:
+            return
+        if old is not None:
+            self._node_members[old] &= ~(1 << slot)
+        self._node_members[ns] |= 1 << slot
+        self._node_of_worker[slot] = ns
+
+    def _node_workers(self, node_bits: int) -> int:
+        """Worker slots on any of the nodes in `node_bits`."""
+        workers = 0
+        while node_bits:
+            low = node_bits & -node_bits
+            node_bits ^= low
+            workers |= self._node_members[low.bit_length() - 1]
+        return workers
 
     def _set(self, block_hashes: Sequence[BlockHash], bit: int) -> None:
         masks = self._masks
@@ -204,6 +247,8 @@ class KVIndex:
                 previous = mask
                 held1 = mask & plane
                 held2 = held1 | (mask >> width) & plane
+                if mask >> self._node_base:
+                    held2 |= self._node_workers(mask >> self._node_base)
                 held3 = held2 | (mask >> 2 * width) & plane
                 if alive1 & ~held1:
                     ends.append((0, alive1 & ~held1, position))

@@ -247,3 +247,20 @@ def test_restarted_worker_finds_its_disk_blocks_and_announces_them(
     assert restarted.events.query(hashes(4)).workers["worker-0"].g3 == 4  # announced at bind
     assert onboarded(restarted, restarted_cache, hashes(4), original) == (4, [True] * 4)
     restarted.close()
+
+
+def test_workers_sharing_a_g2_segment_are_all_credited(cache_id: str, layout) -> None:
+    index = KVIndex()
+    writer = KVBMConnector(
+        KVBMConfig(cache_id=cache_id, host_cache_gb=gb(16, layout)), "writer", events=index
+    )
+    reader = KVBMConnector(
+        KVBMConfig(cache_id=cache_id, host_cache_gb=gb(16, layout)), "reader", events=index
+    )
+    writer.bind(make_kv_cache(layout, NUM_BLOCKS), layout)
+    reader.bind(make_kv_cache(layout, NUM_BLOCKS, seed=1), layout)
+    writer.offload(hashes(4), [0, 1, 2, 3])
+    report = index.query(hashes(4))
+    assert report.workers["writer"].g2 == report.workers["reader"].g2 == 4
+    writer.close()
+    reader.close()

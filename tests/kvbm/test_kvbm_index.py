@@ -91,3 +91,19 @@ def test_channel_coalesces_runs_of_similar_events() -> None:
     events.append(TierEvent("w", "removed", G1, (BlockHash(1),)))
     merged = coalesce(events)
     assert [(e.kind, e.block_hashes) for e in merged] == [("stored", (1, 2, 3)), ("removed", (1,))]
+
+
+def test_g2_blocks_of_a_node_count_for_every_worker_on_it() -> None:
+    index = KVIndex()
+    chain = (BlockHash(1), BlockHash(2))
+    index.apply(TierEvent("b", "stored", G1, (BlockHash(9),), node="host1:seg"))  # b joins host1
+    index.apply(TierEvent("c", "stored", G1, (BlockHash(9),), node="host2:seg"))
+    index.apply(TierEvent("a", "stored", G2, chain, node="host1:seg"))
+    report = index.query(list(chain))
+    assert report.workers == {"a": WorkerPrefix(0, 2, 2), "b": WorkerPrefix(0, 2, 2)}
+    index.remove_worker("a")  # its G2 blocks stay in the segment, still usable by b
+    assert index.query(list(chain)).workers == {"b": WorkerPrefix(0, 2, 2)}
+    index.apply(TierEvent("a", "removed", G2, chain[1:], node="host1:seg"))  # evicted by b, owned by a
+    assert index.query(list(chain)).workers == {"b": WorkerPrefix(0, 1, 1)}
+    index.apply(TierEvent("b", "moved", G3, chain[:1], from_tier=G2, node="host1:seg"))
+    assert index.query(list(chain)).workers == {"b": WorkerPrefix(0, 0, 1)}
