@@ -59,7 +59,8 @@ def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = No
 async def _respond(result: Awaitable[Any]) -> Response:
     answer = await result
     if isinstance(answer, AsyncIterator):
-        return StreamingResponse(answer, media_type="text/event-stream")
+        return StreamingResponse(answer, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return JSONResponse(p.dump(answer))
 
 

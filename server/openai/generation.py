@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -42,7 +41,8 @@ class _Track:
 class Generation:
     """Submits engine requests, yields `(choice_index, output)` in arrival order, aborts leftovers on close."""
 
-    def __init__(self, engine: Engine, metrics: FrontendMetrics, model: str, client_gone: WaitForDisconnect) -> None:
+    def __init__(self, engine: Engine, metrics: FrontendMetrics, model: str, client_gone: WaitForDisconnect,
+                 request_id: str) -> None:
         self._engine = engine
         self._metrics = metrics
         self._model = model
@@ -51,7 +51,7 @@ class Generation:
         self._tracks: dict[RequestId, _Track] = {}
         self._ids: list[RequestId] = []
         self._watcher = asyncio.create_task(self._watch(client_gone))
-        self.request_id = uuid.uuid4().hex
+        self.request_id = request_id  # engine request i is f"{request_id}-{i}"
 
     def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
         """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError."""

@@ -76,12 +76,12 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in request.messages]
         token_ids = await self._tokenize(request.model, "messages", engine.apply_chat_template, messages)
-        prompts = [token_ids]
+        prompts, request_id = [token_ids], uuid.uuid4().hex
         if request.stream:
-            return self._stream(request, engine, prompts, client_gone, _ChatChunks(request))
-        choices = await self._run(request, engine, prompts, client_gone)
+            return self._stream(request, engine, prompts, client_gone, _ChatChunks(request, request_id))
+        choices = await self._run(request, engine, prompts, client_gone, request_id)
         return p.ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model, usage=_usage(choices, request.n),
+            id=f"chatcmpl-{request_id}", model=request.model, usage=_usage(choices, request.n),
             choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content="".join(c.text)),
                                   finish_reason=c.finish_reason) for i, c in enumerate(choices)])
 
@@ -92,11 +92,12 @@ class OpenAIServing:
                    else text for text in _prompt_list(request.prompt)]
         if not prompts:
             self._fail(request.model, 400, "the prompt list is empty", "prompt")
+        request_id = uuid.uuid4().hex
         if request.stream:
-            return self._stream(request, engine, prompts, client_gone, _CompletionChunks(request))
-        choices = await self._run(request, engine, prompts, client_gone)
+            return self._stream(request, engine, prompts, client_gone, _CompletionChunks(request, request_id))
+        choices = await self._run(request, engine, prompts, client_gone, request_id)
         return p.CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", model=request.model, usage=_usage(choices, request.n),
+            id=f"cmpl-{request_id}", model=request.model, usage=_usage(choices, request.n),
             choices=[p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
                      for i, c in enumerate(choices)])
 
@@ -130,10 +131,10 @@ class OpenAIServing:
         self._fail(request.model, 400, f"{param}: {exc.message}", param)
 
     def _start(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-               client_gone: WaitForDisconnect) -> Generation:
-        """Validate sampling for every prompt and submit n engine requests per prompt."""
+               client_gone: WaitForDisconnect, request_id: str) -> Generation:
+        """Validate sampling for every prompt and submit n engine requests per prompt (`{request_id}-{i}`)."""
         jobs = [(ids, sampling) for ids in prompts for sampling in self._sampling(request, engine, ids)]
-        generation = Generation(engine, self._metrics, request.model, client_gone)
+        generation = Generation(engine, self._metrics, request.model, client_gone, request_id)
         try:
             generation.submit(jobs)
         except RequestError as exc:
@@ -170,8 +171,8 @@ class OpenAIServing:
         return [replace(base, seed=base.seed + j) for j in range(request.n)]
 
     async def _run(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-                   client_gone: WaitForDisconnect) -> list[_Choice]:
-        generation = self._start(request, engine, prompts, client_gone)
+                   client_gone: WaitForDisconnect, request_id: str) -> list[_Choice]:
+        generation = self._start(request, engine, prompts, client_gone, request_id)
         choices = [_Choice() for _ in range(len(prompts) * request.n)]
         status = "aborted"
         try:
@@ -189,7 +190,7 @@ class OpenAIServing:
     def _stream(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
                 client_gone: WaitForDisconnect, chunks: _Chunks) -> AsyncIterator[str]:
         """Validation and submission happen before the first byte, so their errors still get a 4xx status."""
-        generation = self._start(request, engine, prompts, client_gone)
+        generation = self._start(request, engine, prompts, client_gone, chunks.request_id)
         return self._sse(request, generation, len(prompts) * request.n, chunks)
 
     async def _sse(self, request: p.SamplingFields, generation: Generation, num_choices: int,
@@ -220,14 +221,17 @@ class OpenAIServing:
 class _Chunks(Protocol):
     """Turns engine outputs into the stream chunks of one endpoint."""
 
+    request_id: str
+
     def for_output(self, index: int, output: GenerationOutput, first: bool) -> list[Any]: ...
 
     def usage(self, usage: p.Usage) -> Any: ...
 
 
 class _ChatChunks:
-    def __init__(self, request: p.ChatCompletionRequest) -> None:
-        self._id = f"chatcmpl-{uuid.uuid4().hex}"
+    def __init__(self, request: p.ChatCompletionRequest, request_id: str) -> None:
+        self.request_id = request_id
+        self._id = f"chatcmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
 
@@ -251,8 +255,9 @@ class _ChatChunks:
 
 
 class _CompletionChunks:
-    def __init__(self, request: p.CompletionRequest) -> None:
-        self._id = f"cmpl-{uuid.uuid4().hex}"
+    def __init__(self, request: p.CompletionRequest, request_id: str) -> None:
+        self.request_id = request_id
+        self._id = f"cmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
 

@@ -44,6 +44,7 @@ def test_chat_completion(client: openai.OpenAI, served: Served) -> None:
     assert reply.usage.prompt_tokens_details.cached_tokens == 4
     sampling = served.engine.submitted[0].sampling
     assert (sampling.max_tokens, sampling.temperature) == (3, 0.0)
+    assert served.engine.submitted[0].request_id == f"{reply.id.removeprefix('chatcmpl-')}-0"  # logs correlate
 
 
 def test_chat_sampling_fields_reach_the_engine(client: openai.OpenAI, served: Served) -> None:
