@@ -112,6 +112,13 @@ class RoutedEngine:
         if flight is not None:
             self._workers[flight.worker_id].abort(request_id)
 
+    def close(self) -> None:
+        """Stop every worker that can be stopped (worker processes); their unfinished requests end."""
+        for worker in self._workers.values():
+            close = getattr(worker, "close", None)
+            if close is not None:
+                close()
+
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""
         if worker.worker_id in self._workers and worker.alive:

@@ -117,6 +117,8 @@ class Router:
                 worker, reason = self._pick_simple(strategy, candidates), failure or "configured"
             decision = self._record(request_id, worker, strategy, reason, block_hashes, report)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable)", request_id, decision.worker_id, strategy,
+                     reason, decision.reusable_blocks, decision.num_blocks)
         return decision
 
     def prefill_done(self, request_id: str) -> None:

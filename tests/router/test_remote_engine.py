@@ -180,8 +180,8 @@ def test_openai_frontend_over_routed_worker_processes() -> None:
     router = Router(RouterConfig(), index, RouterMetrics.create(registry))
     spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
     workers = spawn_workers([WorkerId("w0"), WorkerId("w1")], spec, event_sink=index)
+    routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
     try:
-        routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
         app = build_app({"step": routed}, FrontendMetrics.create(registry))
         with _serve(app) as base_url:
             client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -197,5 +197,5 @@ def test_openai_frontend_over_routed_worker_processes() -> None:
         assert 'strata_router_decisions_total{reason="prefix_hit",strategy="kv-aware"} 1.0' in metrics
         assert 'strata_requests_total{model="step",status="success"} 2.0' in metrics
     finally:
-        for remote in workers:
-            remote.close()
+        routed.close()
+    assert not any(worker.alive for worker in workers)
