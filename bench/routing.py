@@ -46,7 +46,6 @@ from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.index import KVIndex  # noqa: E402
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams  # noqa: E402
 from server.router.config import RouterConfig  # noqa: E402
-from server.router.lookup import CountedIndex  # noqa: E402
 from server.router.router import Router  # noqa: E402
 from server.router.transport import Channel, ChannelAddress  # noqa: E402
 from server.router.workers import WorkerId, WorkerStats  # noqa: E402
@@ -55,9 +54,9 @@ PROMPT_BLOCKS = 128
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
-def build_index(num_blocks: int, num_workers: int, rng: random.Random) -> tuple[CountedIndex, list[list[BlockHash]]]:
+def build_index(num_blocks: int, num_workers: int, rng: random.Random) -> tuple[KVIndex, list[list[BlockHash]]]:
     """`num_blocks` distinct hashes as prompts of PROMPT_BLOCKS blocks, each held by one or two workers."""
-    index = CountedIndex(KVIndex(max_workers=max(64, num_workers)))
+    index = KVIndex(max_workers=max(64, num_workers))
     prompts = []
     for _ in range(num_blocks // PROMPT_BLOCKS):
         prompt = [BlockHash(rng.getrandbits(64)) for _ in range(PROMPT_BLOCKS)]
@@ -93,7 +92,7 @@ def time_decisions(router: Router, queries: list[list[BlockHash]]) -> list[float
     return samples
 
 
-def time_queries(index: CountedIndex, queries: list[list[BlockHash]]) -> list[float]:
+def time_queries(index: KVIndex, queries: list[list[BlockHash]]) -> list[float]:
     samples = []
     for query in queries:
         started = time.perf_counter()
@@ -127,7 +126,7 @@ def decision_bench(args: argparse.Namespace) -> dict:
     for name, router in routers.items():
         time_decisions(router, queries[:200])  # warm-up
         results[name] = summary(time_decisions(router, queries))
-    return {"bench": "routing.decision", "index_blocks": len(index.index), "workers": args.workers,
+    return {"bench": "routing.decision", "index_blocks": len(index), "workers": args.workers,
             "prompt_blocks": PROMPT_BLOCKS, "decisions": args.decisions, "index_build_s": round(build_s, 1),
             "results": results}
 
@@ -205,7 +204,7 @@ class ReplayConfig:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, capacity: int, index: CountedIndex) -> None:
+    def __init__(self, worker_id: str, capacity: int, index: KVIndex) -> None:
         self.worker_id = worker_id
         self.capacity = capacity
         self.index = index
@@ -238,7 +237,7 @@ class SimWorker:
 class _Simulation:
     def __init__(self, config: ReplayConfig, router_config: RouterConfig) -> None:
         self.config = config
-        self.index = CountedIndex(KVIndex())
+        self.index = KVIndex()
         self.router = Router(router_config, self.index)
         self.workers = {WorkerId(f"w{i}"): SimWorker(f"w{i}", config.g1_blocks, self.index)
                         for i in range(config.workers)}
@@ -364,7 +363,7 @@ def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argpars
     engine_config = EngineConfig(cache_dir=args.model_cache, dtype="float32", device="cpu", block_size=args.block_tokens,
                                  num_kv_blocks=args.kv_blocks, max_model_len=4096, max_tokens_limit=64,
                                  num_threads=args.threads_per_worker, model_name="smollm2")
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(strategy=strategy), index)  # type: ignore[arg-type]
     spec = WorkerSpec(build_llm_engine, (engine_config, None), forward_events=True)
     workers = spawn_workers([WorkerId(f"w{i}") for i in range(args.workers)], spec, event_sink=index)

@@ -23,7 +23,7 @@ from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport
 from server.router.config import RouterConfig, Strategy
 from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
-from server.router.lookup import EventCounted, OverlapLookup
+from server.router.lookup import OverlapLookup
 from server.router.metrics import RouterMetrics
 from server.router.staleness import StalenessCheck
 from server.router.workers import WorkerId, WorkerLoad, WorkerStats, relative_speeds
@@ -61,8 +61,6 @@ class Router:
         self.config = config
         self.metrics = metrics or RouterMetrics.create()
         self._lookup = lookup
-        self._event_counter = lookup if isinstance(lookup, EventCounted) else None
-        self._answered = 0  # reports naming any holder: the staleness signal when the lookup counts no events
         self._clock = clock
         self._rng = random.Random(config.seed)
         self._workers: dict[WorkerId, WorkerLoad] = {}
@@ -151,7 +149,7 @@ class Router:
             return None, 0, "lookup_cooldown"
         try:
             report = self._lookup.query(block_hashes)  # type: ignore[union-attr]
-            events = self._event_counter.events_applied if self._event_counter is not None else None
+            events = self._lookup.events_applied  # type: ignore[union-attr]
         except Exception:
             logger.warning("KV index lookup failed; using %s for %.1f s", self.config.fallback,
                            self.config.lookup_cooldown_s, exc_info=True)
@@ -163,9 +161,6 @@ class Router:
                            self.config.lookup_budget_s * 1e3, self.config.fallback, self.config.lookup_cooldown_s)
             self._lookup_paused_until = now + self.config.lookup_cooldown_s
             return None, 0, "lookup_timeout"
-        if events is None:
-            self._answered += bool(report.workers or report.g4)
-            events = self._answered
         return report, events, None
 
     def _candidates(self) -> list[WorkerLoad]:

@@ -24,7 +24,6 @@ from server.engine.api import GenerationOutput, GenerationRequest, RequestError,
 from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
 from server.router.config import RouterConfig
-from server.router.lookup import CountedIndex
 from server.router.metrics import RouterMetrics
 from server.router.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.router.routed import RoutedEngine
@@ -125,7 +124,7 @@ def test_engine_that_fails_to_build_is_reported() -> None:
 
 
 def test_routed_engine_keeps_a_conversation_on_the_worker_that_holds_it() -> None:
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(), index)
     spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
     workers = spawn_workers([WorkerId("w0"), WorkerId("w1")], spec, event_sink=index)
@@ -176,7 +175,7 @@ def _serve(app: object) -> Iterator[str]:
 
 def test_openai_frontend_over_routed_worker_processes() -> None:
     registry = CollectorRegistry()
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(), index, RouterMetrics.create(registry))
     spec = WorkerSpec(StepEngine, (0.002,), forward_events=True)
     workers = spawn_workers([WorkerId("w0"), WorkerId("w1")], spec, event_sink=index)

@@ -11,7 +11,6 @@ from router_fakes import SALT, StepEngine
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
 from server.router.config import RouterConfig
-from server.router.lookup import CountedIndex
 from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.router.workers import WorkerId
@@ -20,7 +19,7 @@ from server.router.workers import WorkerId
 class LocalWorker:
     """A StepEngine with the members RoutedEngine reads from a RemoteEngine."""
 
-    def __init__(self, worker_id: str, index: CountedIndex) -> None:
+    def __init__(self, worker_id: str, index: KVIndex) -> None:
         self.worker_id = WorkerId(worker_id)
         self.engine = StepEngine(0.002, worker_id=worker_id, events=index)
         self.model_name, self.max_model_len = self.engine.model_name, self.engine.max_model_len
@@ -45,7 +44,7 @@ class LocalWorker:
 
 
 def _setup(workers: int = 2) -> tuple[RoutedEngine, Router, list[LocalWorker]]:
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(), index)
     local = [LocalWorker(f"w{i}", index) for i in range(workers)]
     return RoutedEngine(local, router, block_size=4, salt=SALT), router, local

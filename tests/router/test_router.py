@@ -12,7 +12,6 @@ from kvbm.block_hash import BlockHash, block_hashes, model_salt
 from kvbm.events import G1, G3, G4, TierEvent
 from kvbm.index import KVIndex, PrefixReport
 from server.router.config import RouterConfig
-from server.router.lookup import CountedIndex
 from server.router.router import NoWorkerError, Router
 from server.router.workers import WorkerId, WorkerStats
 
@@ -34,15 +33,15 @@ class FakeClock:
         return self.now
 
 
-def make_router(workers: int = 4, capacity: int = 10_000, **config: object) -> tuple[Router, CountedIndex]:
-    index = CountedIndex(KVIndex())
+def make_router(workers: int = 4, capacity: int = 10_000, **config: object) -> tuple[Router, KVIndex]:
+    index = KVIndex()
     router = Router(RouterConfig(**config), index)  # type: ignore[arg-type]
     for i in range(workers):
         router.update_worker(WorkerStats(WorkerId(f"w{i}"), kv_capacity_blocks=capacity))
     return router, index
 
 
-def store(index: CountedIndex, worker: str, block_hashes_: Sequence[BlockHash], tier: int = G1) -> None:
+def store(index: KVIndex, worker: str, block_hashes_: Sequence[BlockHash], tier: int = G1) -> None:
     index.publish(TierEvent(worker, "stored", tier, tuple(block_hashes_)))
 
 
@@ -203,7 +202,7 @@ def test_slow_lookup_falls_back() -> None:
 
 def test_stale_index_sets_the_metric_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(stale_after_s=30), index, clock=clock)
     router.update_worker(WorkerStats(WorkerId("w0"), 1000))
     caplog.set_level(logging.WARNING, logger="server.router.staleness")
@@ -219,23 +218,9 @@ def test_stale_index_sets_the_metric_and_warns_once(caplog: pytest.LogCaptureFix
     assert "strata_router_index_stale 0.0" in _metric_lines(router)
 
 
-def test_an_index_without_an_event_counter_is_stale_only_while_it_answers_nothing() -> None:
-    clock = FakeClock()
-    index = KVIndex()  # the bare index (or the service client): no events_applied
-    router = Router(RouterConfig(stale_after_s=30), index, clock=clock)
-    router.update_worker(WorkerStats(WorkerId("w0"), 1000))
-    for step in range(5):
-        router.route(f"r{step}", hashes((step, 4)))
-        clock.now += 10
-    assert router.staleness.stale
-    index.apply(TierEvent("w0", "stored", G1, tuple(hashes((0, 4)))))
-    router.route("r9", hashes((0, 4), (9, 1)))
-    assert not router.staleness.stale
-
-
 def test_fully_cached_requests_do_not_make_the_index_look_stale() -> None:
     clock = FakeClock()
-    index = CountedIndex(KVIndex())
+    index = KVIndex()
     router = Router(RouterConfig(stale_after_s=30), index, clock=clock)
     router.update_worker(WorkerStats(WorkerId("w0"), 1000))
     prompt = hashes((1, 4))
