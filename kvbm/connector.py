@@ -1,14 +1,19 @@
 """`KVBMConnector`: the engine's KVConnector over G2 host shm, G3 disk and G4 Redis (the per-worker KVBM agent).
 
 Policies:
-  offload   G1 eviction -> G2 (or G3 when there is no G2, or G4 when there is no local tier);
+  offload   G1 eviction -> G2 (or G3 when there is no G2, or G4 when there is no local tier); blocks G2 has
+            no room for (every way of their set pinned or claimed by the same batch) go straight to G3;
             with `write_through` every offloaded block is also written to G4.
   spill     a block G2 evicts goes to G3 if it was used at least `disk_min_uses` times, else it is dropped.
-  onboard   each block comes from the fastest tier holding it, one batched transfer per tier (G2 memcpy,
-            G3 preadv of consecutive slots, G4 one MGET pipeline); the engine gets the leading run of valid
-            blocks, so a checksum failure in the middle turns the rest of the prefix into prefill work.
+  onboard   one batched transfer per tier, fastest first (G2 memcpy, G3 preadv of consecutive slots, G4 one
+            MGET pipeline), each tier asked only for the blocks no faster tier delivered, so a block missing or
+            corrupt in G3 still comes from G4; the engine gets the leading run of valid blocks.
+  lookup    the leading run of blocks some tier holds (G2 headers, G3 in-memory index, G4 one EXISTS pipeline).
 Events: every change of what this worker holds (G1 from the engine's events, G2/G3/G4 from the tiers) is
-published to `events` (the embedded `KVIndex` or a Redis Stream publisher) as `TierEvent`s.
+published to `events` (the embedded `KVIndex`, a transport to the server's index, or the Redis Stream channel)
+as `TierEvent`s; G2 events name the node's segment so every worker mapping it is credited.
+Device pools: CPU only here. On CUDA, G2 would be registered pinned host memory and each tier's transfer would
+land in a pinned staging buffer copied to the device rows with one batched cudaMemcpyAsync.
 """
 
 from __future__ import annotations
