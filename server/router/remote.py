@@ -70,20 +70,15 @@ class RemoteEngine:
         process = multiprocessing.get_context("spawn").Process(
             target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True)
         process.start()
-        deadline = time.monotonic() + start_timeout_s
-        while (message := channel.recv(timeout_s=_TICK_S)) is None:
-            if not process.is_alive() and (message := channel.recv(timeout_s=_TICK_S)) is not None:
-                break  # it exited right after reporting
-            if not process.is_alive() or time.monotonic() > deadline:
-                process.kill()
-                channel.close()
-                raise WorkerDied(f"worker {worker_id} did not start (exit code {process.exitcode})")
-        if message[0] != "hello":
+        try:
+            info = _wait_for_hello(worker_id, process, channel, time.monotonic() + start_timeout_s, event_sink)
+        except WorkerDied:
+            process.kill()
             process.join(10)
             channel.close()
-            raise WorkerDied(f"worker {worker_id} failed to build its engine: {message[1]}")
-        logger.info("worker %s up: pid %d, model %s", worker_id, message[1].pid, message[1].model_name)
-        return cls(worker_id, process, channel, message[1], heartbeat_timeout_s, call_timeout_s, event_sink)
+            raise
+        logger.info("worker %s up: pid %d, model %s", worker_id, info.pid, info.model_name)
+        return cls(worker_id, process, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @property
     def max_tokens_limit(self) -> int:
@@ -211,6 +206,28 @@ class RemoteEngine:
                                   error=f"worker {self.worker_id} died: {reason}"))
         for _, on_death in self._listeners:
             on_death(self)
+
+
+def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BaseProcess, channel: Channel,
+                    deadline: float, event_sink: EventSink | None) -> WorkerInfo:
+    """The worker's hello; KVBM events it publishes while building its engine go to `event_sink` meanwhile."""
+    while True:
+        message = channel.recv(timeout_s=_TICK_S)
+        if message is None:
+            if not process.is_alive():
+                message = channel.recv(timeout_s=_TICK_S)  # what it sent just before exiting, if anything
+                if message is None:
+                    raise WorkerDied(f"worker {worker_id} exited while starting (exit code {process.exitcode})")
+            elif time.monotonic() > deadline:
+                raise WorkerDied(f"worker {worker_id} did not start in time")
+            else:
+                continue
+        if message[0] == "hello":
+            return message[1]
+        if message[0] == "failed":
+            raise WorkerDied(f"worker {worker_id} failed to build its engine: {message[1]}")
+        if message[0] == "event" and event_sink is not None:
+            event_sink.publish(message[1])
 
 
 def spawn_workers(worker_ids: Sequence[WorkerId], spec: WorkerSpec, **options: Any) -> list[RemoteEngine]:

@@ -105,7 +105,7 @@ def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None
     from server.engine.llm_engine import LLMEngine
 
     config = kvbm_config or KVBMConfig(host_cache_gb=0.0)
-    return LLMEngine(engine_config, build_connector(config, worker_id, index=events))  # type: ignore[arg-type]
+    return LLMEngine(engine_config, build_connector(config, worker_id, index=events))
 
 
 def describe(engine: Engine) -> WorkerInfo:

@@ -32,7 +32,8 @@ class Pool:
 class StepEngine:
     """Answer token i is " t{i}" (id 1000 + i), one per `step_s`, each request on its own thread.
 
-    With `events`, a submitted prompt's full blocks are announced as stored in G1 (like a KVBM agent would).
+    With `events`, the worker is announced at construction and a submitted prompt's full blocks as stored in G1
+    (like a KVBM agent would).
     """
 
     model_name = "step"
@@ -46,6 +47,8 @@ class StepEngine:
         self.worker_id = worker_id
         self.events = events
         self._aborts: dict[RequestId, threading.Event] = {}
+        if events is not None:  # like a KVBM agent at bind: announce the worker before the engine is ready
+            events.publish(TierEvent(worker_id, "stored", G1, ()))
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
