@@ -10,8 +10,8 @@ Directory `<disk_path>/<layout tag>/`:
 Write order for a put into slot s: (1) clear record s, (2) write the payload, (3) optionally fdatasync,
 (4) write record s with the checksum. A torn write (crash between 2 and 4, or a partial page) leaves either an
 empty record or a checksum that does not match, and every read verifies the checksum before a block is used:
-a mismatch counts as a miss plus `kvbm_checksum_failures{tier="G3"}` and frees the slot. LRU order lives in
-memory; after a restart it is rebuilt from the put sequence numbers (gets are not persisted).
+a mismatch counts as a miss plus `kvbm_checksum_failures{tier="G3"}` and frees the slot. Every put and get
+stamps the record with a new sequence number, so the LRU order is rebuilt from the index after a restart.
 """
 
 from __future__ import annotations
@@ -192,10 +192,17 @@ class DiskPool:
         for slot, index in wanted:
             if xxhash.xxh3_64_intdigest(dests[index]) == int(self._records["checksum"][slot]):
                 valid[index] = True
-                self._lru.touch(block_hashes[index])
+                self._touch(block_hashes[index], slot)
             else:
                 self._drop_corrupt(block_hashes[index], slot)
         return valid
+
+    def _touch(self, block_hash: BlockHash, slot: int) -> None:
+        """Most recently used now, in memory and in the record's sequence number (so LRU order survives restart)."""
+        self._lru.touch(block_hash)
+        record = self._records[slot]
+        self._write_record(slot, int(record["hash"]), int(record["checksum"]), self._seq)
+        self._seq += 1
 
     def _read_runs(self, wanted: list[tuple[int, int]], dests: Sequence[np.ndarray]) -> None:
         run: list[tuple[int, int]] = []

@@ -96,3 +96,15 @@ def test_directory_owned_by_one_process(tmp_path: Path) -> None:
     with pytest.raises(DiskPoolError, match="in use"):
         DiskPool(tmp_path, "fp", BLOCK, 4)
     pool.close()
+
+
+def test_lru_order_survives_restart(tmp_path: Path) -> None:
+    pool = DiskPool(tmp_path, "fp", BLOCK, 3)
+    pool.put([BlockHash(h) for h in (1, 2, 3)], data(3))
+    read(pool, [1])  # 1 becomes the most recently used
+    pool.close()
+    reopened = DiskPool(tmp_path, "fp", BLOCK, 3)
+    assert reopened.hashes() == [2, 3, 1]
+    reopened.put([BlockHash(4)], data(1))
+    assert reopened.contains([BlockHash(h) for h in (1, 2, 3, 4)]) == [True, False, True, True]
+    reopened.close()
