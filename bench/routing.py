@@ -426,7 +426,10 @@ def replay_real_command(args: argparse.Namespace) -> dict:
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
     oracle = oracle_hit_rate([TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens)
                               for r in requests])
-    results = {strategy: _replay_real_once(requests, strategy, args) for strategy in args.strategies.split(",")}
+    results = {}
+    for run, strategy in enumerate(args.strategies.split(",")):
+        key = strategy if strategy not in results else f"{strategy}#{run + 1}"
+        results[key] = _replay_real_once(requests, strategy, args)
     scale = (f"{len(requests)} requests of {args.conversations} conversations, 1 hash id = {args.block_tokens} "
              f"tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= {args.max_output} tokens, "
              f"trace compressed to {args.duration_s:g} s, {args.workers} SmolLM2 fp32 workers x "

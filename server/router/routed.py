@@ -37,19 +37,33 @@ class RoutableWorker(Engine, Protocol):
 
 @dataclass(slots=True)
 class SpeedMeter:
-    """Exponentially smoothed prefill and decode throughput of one worker, tokens per second."""
+    """Smoothed prefill and decode throughput of one worker, tokens per second; 0 (unknown, counted as an
+    average worker by the router) until `min_samples` samples, so one lucky or unlucky request cannot skew it."""
 
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0
     alpha: float = 0.2
+    min_samples: int = 3
+    _prefill: float = 0.0
+    _decode: float = 0.0
+    _prefill_samples: int = 0
+    _decode_samples: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self._prefill if self._prefill_samples >= self.min_samples else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self._decode if self._decode_samples >= self.min_samples else 0.0
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.prefill_tok_s = _smooth(self.prefill_tok_s, tokens / seconds, self.alpha)
+            self._prefill = _smooth(self._prefill, tokens / seconds, self.alpha)
+            self._prefill_samples += 1
 
     def add_decode(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.decode_tok_s = _smooth(self.decode_tok_s, tokens / seconds, self.alpha)
+            self._decode = _smooth(self._decode, tokens / seconds, self.alpha)
+            self._decode_samples += 1
 
 
 @dataclass(slots=True)

@@ -95,12 +95,13 @@ def test_a_dead_worker_leaves_the_router() -> None:
     assert routed.encode("a") == [97]  # tokenizes on a live worker
 
 
-def test_prefill_speed_is_measured_only_on_an_idle_worker() -> None:
+def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> None:
     routed, _, _ = _setup(workers=1)
+    speed = routed._speeds[WorkerId("w0")]
+    speed.min_samples = 1
     first: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     routed.submit(_request("first", list(range(40)), max_tokens=50), first.put)
     first.get(timeout=10)
-    speed = routed._speeds[WorkerId("w0")]
     measured = speed.prefill_tok_s
     assert measured > 0
     queued: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
@@ -113,3 +114,14 @@ def test_prefill_speed_is_measured_only_on_an_idle_worker() -> None:
     routed.submit(_request("alone", list(range(200, 240)), max_tokens=5), alone.put)
     _finish(alone)
     assert speed.decode_tok_s > 0
+
+
+def test_speed_is_unknown_until_enough_samples() -> None:
+    routed, _, _ = _setup(workers=1)
+    speed = routed._speeds[WorkerId("w0")]
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    for i in range(3):
+        assert speed.prefill_tok_s == 0
+        routed.submit(_request(f"r{i}", list(range(i * 50, i * 50 + 40))), outputs.put)
+        _finish(outputs)
+    assert speed.prefill_tok_s > 0 and speed.decode_tok_s > 0
