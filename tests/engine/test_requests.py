@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from conftest import collect_concurrently, engine_config, greedy, run, wait_until
 
 from server.engine import (
@@ -138,3 +139,15 @@ def test_many_concurrent_requests_beyond_the_concurrency_limit(prompt_ids):
         assert small.stats().num_running == 0
     finally:
         small.shutdown()
+
+
+def test_bfloat16_engine_and_byte_sized_pool(prompt_ids, engine):
+    """bf16 weights and KV (pool sized in bytes): greedy text starts like the fp32 engine's."""
+    with LLMEngine(engine_config(dtype="bfloat16", num_kv_blocks=None, kv_cache_bytes=64 << 20)) as bf16:
+        assert bf16.runner.kv_cache.dtype == torch.bfloat16
+        assert bf16.stats().num_blocks == (64 << 20) // bf16.layout.block_bytes
+        assert "bfloat16" in bf16.layout.fingerprint and bf16.layout.fingerprint != engine.layout.fingerprint
+        ids = prompt_ids[16]
+        ours = run(bf16, greedy(ids, "bf16", max_tokens=6))
+        reference = run(engine, greedy(ids, "fp32", max_tokens=6))
+        assert ours.new_token_ids[:3] == reference.new_token_ids[:3]

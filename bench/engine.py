@@ -1,0 +1,243 @@
+"""Strata's engine against transformers in the same run, same weights, same dtype.
+
+    .venv/bin/python bench/engine.py [--dtype float32|bfloat16] [--requests 200] [--reps 3] [--skip-baseline]
+
+Measures (medians over --reps where repeated):
+  prefill     time to first token of a fresh (uncached) prompt of 128 / 512 / 2048 tokens -> tokens/s;
+              transformers: one forward of the prompt (logits of the last position only)
+  decode      batch-1 generation of 64 tokens after a 256-token prompt, tokens/s after the first token
+  serving     8 and 32 concurrent requests, prompt 32-384 and output 16-96 tokens (seeded), generated tokens / wall;
+              transformers: one batched `generate` over the same requests (left padding, greedy, no early EOS)
+  prefix TTFT 2048-token prompt whose first 2032 tokens are cached (a previous request) vs a fresh one
+  RSS         peak and current resident memory after every quarter of --requests short requests (steady = no growth)
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import queue
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams  # noqa: E402
+from server.engine.config import DEFAULT_MODEL  # noqa: E402
+
+VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # plain-text token ids, far from special tokens
+
+
+class Runner:
+    """Our engine plus helpers that time requests from submit to first and last output."""
+
+    def __init__(self, engine: LLMEngine, rng: random.Random) -> None:
+        self.engine = engine
+        self.rng = rng
+        self.count = 0
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+    def request(self, prompt: list[int], max_tokens: int) -> GenerationRequest:
+        self.count += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return GenerationRequest(RequestId(f"bench-{self.count}"), prompt, params)
+
+    def run_batch(self, requests: list[GenerationRequest]) -> tuple[float, list[float], int]:
+        """Submit all at once; return wall seconds, per-request TTFT seconds, generated tokens."""
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        started = time.perf_counter()
+        for request in requests:
+            self.engine.submit(request, outputs.put)
+        first: dict[str, float] = {}
+        generated = finished = 0
+        while finished < len(requests):
+            output = outputs.get(timeout=600)
+            first.setdefault(output.request_id, time.perf_counter() - started)
+            generated += len(output.new_token_ids)
+            finished += output.finished
+        return time.perf_counter() - started, list(first.values()), generated
+
+
+def hf_prefill(model, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), logits_to_keep=1)
+    return time.perf_counter() - started
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int) -> float:
+    """Batched greedy generate with left padding; every row runs max_new steps (no early EOS)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return time.perf_counter() - started
+
+
+def bench_prefill(runner: Runner, model, reps: int) -> dict:
+    result = {}
+    for length in (128, 512, 2048):
+        ours = [runner.run_batch([runner.request(runner.tokens(length), 1)])[1][0] for _ in range(reps)]
+        theirs = [hf_prefill(model, runner.tokens(length)) for _ in range(reps)] if model else [float("nan")]
+        result[length] = (length / statistics.median(ours), length / statistics.median(theirs))
+    return result
+
+
+def bench_decode(runner: Runner, model, reps: int) -> tuple[float, float]:
+    steps = 64
+    ours = []
+    for _ in range(reps):
+        wall, ttft, _ = runner.run_batch([runner.request(runner.tokens(256), steps)])
+        ours.append((steps - 1) / (wall - ttft[0]))
+    theirs = []
+    for _ in range(reps if model else 0):
+        prompt = runner.tokens(256)
+        total = hf_generate(model, [prompt], steps)
+        theirs.append((steps - 1) / (total - hf_prefill(model, prompt)))
+    return statistics.median(ours), statistics.median(theirs) if theirs else float("nan")
+
+
+def bench_serving(runner: Runner, model, concurrency: int) -> tuple[float, float]:
+    rng = random.Random(concurrency)
+    shapes = [(rng.randint(32, 384), rng.randint(16, 96)) for _ in range(concurrency)]
+    prompts = [runner.tokens(n) for n, _ in shapes]
+    wall, _, generated = runner.run_batch(
+        [runner.request(p, out) for p, (_, out) in zip(prompts, shapes, strict=True)]
+    )
+    ours = generated / wall
+    if model is None:
+        return ours, float("nan")
+    wanted = sum(out for _, out in shapes)
+    return ours, wanted / hf_generate(model, prompts, max(out for _, out in shapes))
+
+
+def bench_prefix_ttft(runner: Runner, reps: int) -> tuple[float, float]:
+    cached, fresh = [], []
+    for _ in range(reps):
+        prefix = runner.tokens(2032)
+        runner.run_batch([runner.request(prefix + runner.tokens(16), 1)])  # leaves 127 full blocks cached
+        cached.append(runner.run_batch([runner.request(prefix + runner.tokens(16), 1)])[1][0])
+        fresh.append(runner.run_batch([runner.request(runner.tokens(2048), 1)])[1][0])
+    return statistics.median(fresh), statistics.median(cached)
+
+
+def rss_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process, MiB."""
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line
+    )
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def bench_rss(runner: Runner, total: int) -> list[tuple[int, float, float]]:
+    points, done, wave = [], 0, 16
+    quarter = max(wave, total // 4)
+    while done < total:
+        batch = min(wave, total - done)
+        runner.run_batch(
+            [runner.request(runner.tokens(runner.rng.randint(16, 200)), 8) for _ in range(batch)]
+        )
+        done += batch
+        if done % quarter < wave or done == total:
+            points.append((done, *rss_mib()))
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--requests", type=int, default=200, help="requests for the RSS check")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-baseline", action="store_true", help="do not load or run transformers")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", cache_dir=args.cache_dir, num_kv_blocks=800,
+        max_model_len=4096, max_num_batched_tokens=2048, max_concurrent_requests=64, num_threads=args.threads,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    runner = Runner(engine, random.Random(0))
+    model = None
+    if not args.skip_baseline:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(engine.files.folder, dtype=config.torch_dtype).eval()
+    runner.run_batch([runner.request(runner.tokens(64), 4)])  # warm-up
+    if model is not None:
+        hf_prefill(model, runner.tokens(64))
+    try:
+        results = run_all(runner, model, args)
+    finally:
+        engine.shutdown()
+    print_report(results, args)
+
+
+def run_all(runner: Runner, model, args) -> dict:
+    prefill = bench_prefill(runner, model, args.reps)
+    decode = bench_decode(runner, model, args.reps)
+    serving = {c: bench_serving(runner, model, c) for c in (8, 32)}
+    fresh, cached = bench_prefix_ttft(runner, args.reps)
+    rss = bench_rss(runner, args.requests)
+    return {"prefill": prefill, "decode": decode, "serving": serving, "ttft": (fresh, cached), "rss": rss}
+
+
+def print_report(results: dict, args) -> None:
+    rows = [("metric", "strata", "transformers", "ratio")]
+    for length, (ours, theirs) in results["prefill"].items():
+        rows.append((f"prefill {length} tok/s", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
+    ours, theirs = results["decode"]
+    rows.append(("decode batch 1 tok/s", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"))
+    for concurrency, (ours, theirs) in results["serving"].items():
+        rows.append(
+            (
+                f"serving {concurrency} concurrent tok/s",
+                f"{ours:.1f}",
+                f"{theirs:.1f}",
+                f"{ours / theirs:.2f}x",
+            )
+        )
+    fresh, cached = results["ttft"]
+    rows.append(("TTFT 2048 uncached / cached s", f"{fresh:.3f}", f"{cached:.3f}", f"{fresh / cached:.1f}x"))
+    for done, current, peak in results["rss"]:
+        rows.append((f"RSS after {done} requests MiB", f"{current:.0f}", f"peak {peak:.0f}", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"strata engine vs transformers, {args.dtype}, {args.threads} threads, medians of {args.reps}")
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    rss = results["rss"]
+    summary = {
+        "bench": "engine", "dtype": args.dtype, "threads": args.threads, "reps": args.reps,
+        "prefill_tok_s": {str(k): round(v[0], 1) for k, v in results["prefill"].items()},
+        "prefill_ratio": {str(k): round(v[0] / v[1], 3) for k, v in results["prefill"].items()},
+        "decode_b1_tok_s": round(results["decode"][0], 2), "decode_b1_ratio": round(results["decode"][0] / results["decode"][1], 3),
+        "serving_tok_s": {str(k): round(v[0], 1) for k, v in results["serving"].items()},
+        "serving_ratio": {str(k): round(v[0] / v[1], 3) for k, v in results["serving"].items()},
+        "ttft_uncached_s": round(fresh, 4), "ttft_cached_s": round(cached, 4), "ttft_ratio": round(fresh / cached, 2),
+        "rss_mib": [[d, round(c), round(p)] for d, c, p in rss],
+        "rss_growth_mib": round(rss[-1][1] - rss[0][1], 1),
+    }  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
