@@ -8,7 +8,7 @@
 `decision`: the time `Router.route` takes (index lookup included) with a KVBM index (`kvbm.index.KVIndex`)
 holding `--index-blocks` block hashes spread over the workers and tiers; each request has 128 full blocks
 (2,048 tokens at 16 tokens per block), most sharing a leading run with an indexed prompt. The baseline measured in
-the same run is round-robin (no lookup).
+the same run is round-robin (no lookup); "full-hit" requests are indexed prompts, all 128 blocks held (worst case).
 
 `replay`: the Mooncake conversation trace (bench/data/mooncake) replayed through the real `Router` and the real
 KVBM index, against simulated workers (`ReplayConfig` states the model and the scale). Every strategy
@@ -126,6 +126,8 @@ def decision_bench(args: argparse.Namespace) -> dict:
     for name, router in routers.items():
         time_decisions(router, queries[:200])  # warm-up
         results[name] = summary(time_decisions(router, queries))
+    full_hits = [rng.choice(prompts) for _ in range(args.decisions)]  # every block indexed: the longest walk
+    results["kv-aware full-hit"] = summary(time_decisions(routers["kv-aware"], full_hits))
     return {"bench": "routing.decision", "index_blocks": len(index), "workers": args.workers,
             "prompt_blocks": PROMPT_BLOCKS, "decisions": args.decisions, "index_build_s": round(build_s, 1),
             "results": results}
@@ -134,9 +136,9 @@ def decision_bench(args: argparse.Namespace) -> dict:
 def print_decision_table(report: dict) -> None:
     print(f"router decision time: {report['index_blocks']:,} indexed blocks, {report['workers']} workers, "
           f"{report['prompt_blocks']}-block requests, {report['decisions']} decisions")
-    print(f"{'path':<14}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'mean us':>10}")
+    print(f"{'path':<20}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'mean us':>10}")
     for name, row in report["results"].items():
-        print(f"{name:<14}{row['p50_us']:>10}{row['p90_us']:>10}{row['p99_us']:>10}{row['mean_us']:>10}")
+        print(f"{name:<20}{row['p50_us']:>10}{row['p90_us']:>10}{row['p99_us']:>10}{row['mean_us']:>10}")
 
 
 # ---- replay: the Mooncake trace through the router, against simulated workers ----
