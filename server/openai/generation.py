@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -50,18 +51,32 @@ class Generation:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._tracks: dict[RequestId, _Track] = {}
         self._ids: list[RequestId] = []
+        self._closed = False
+        self._lock = threading.Lock()  # submit may run in a worker thread while the loop closes
         self._watcher = asyncio.create_task(self._watch(client_gone))
         self.request_id = request_id  # engine request i is f"{request_id}-{i}"
 
     def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError."""
+        """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError.
+
+        Any thread may call it (an engine's submit can block: a worker round trip); once closed it submits no more.
+        """
         for index, (token_ids, sampling) in enumerate(prompts):
             request_id = RequestId(f"{self.request_id}-{index}")
-            self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
-            self._ids.append(request_id)
-            self._tracks[request_id] = _Track(submitted_at=time.monotonic())
-            self._metrics.in_flight.labels(self._model).inc()
-            self._metrics.queued.labels(self._model).inc()
+            with self._lock:
+                if self._closed:
+                    return
+                track = self._tracks[request_id] = _Track(submitted_at=time.monotonic())
+                self._ids.append(request_id)
+                self._metrics.in_flight.labels(self._model).inc()
+                self._metrics.queued.labels(self._model).inc()
+                try:
+                    self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
+                except BaseException:
+                    self._ids.pop()
+                    del self._tracks[request_id]
+                    self._release(track)
+                    raise
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         """Every output of every choice until all have finished; raises ClientDisconnected."""
@@ -78,7 +93,10 @@ class Generation:
     def close(self) -> None:
         """Abort every unfinished engine request (idempotent) and stop watching the client."""
         self._watcher.cancel()
-        for request_id in self._ids:
+        with self._lock:
+            self._closed = True
+            ids = list(self._ids)
+        for request_id in ids:
             track = self._tracks[request_id]
             if track.finished:
                 continue

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -75,29 +75,37 @@ class OpenAIServing:
         engine = self._engine(request)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in request.messages]
-        token_ids = await self._tokenize(request.model, "messages", engine.apply_chat_template, messages)
-        prompts, request_id = [token_ids], uuid.uuid4().hex
+
+        def prompts() -> list[list[int]]:
+            return [self._tokenize(request.model, "messages", engine.apply_chat_template, messages)]
+
+        generation = await self._start(request, engine, prompts, client_gone)
         if request.stream:
-            return self._stream(request, engine, prompts, client_gone, _ChatChunks(request, request_id))
-        choices = await self._run(request, engine, prompts, client_gone, request_id)
+            return self._sse(request, generation, request.n, _ChatChunks(request, generation.request_id))
+        choices = await self._collect(request, generation, request.n)
         return p.ChatCompletionResponse(
-            id=f"chatcmpl-{request_id}", model=request.model, usage=_usage(choices, request.n),
+            id=f"chatcmpl-{generation.request_id}", model=request.model, usage=_usage(choices, request.n),
             choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content="".join(c.text)),
                                   finish_reason=c.finish_reason) for i, c in enumerate(choices)])
 
     async def completion(self, request: p.CompletionRequest, client_gone: WaitForDisconnect
                          ) -> p.CompletionResponse | AsyncIterator[str]:
         engine = self._engine(request)
-        prompts = [await self._tokenize(request.model, "prompt", engine.encode, text) if isinstance(text, str)
-                   else text for text in _prompt_list(request.prompt)]
-        if not prompts:
+        texts = _prompt_list(request.prompt)
+        if not texts:
             self._fail(request.model, 400, "the prompt list is empty", "prompt")
-        request_id = uuid.uuid4().hex
+
+        def prompts() -> list[list[int]]:
+            return [self._tokenize(request.model, "prompt", engine.encode, text) if isinstance(text, str) else text
+                    for text in texts]
+
+        generation = await self._start(request, engine, prompts, client_gone)
+        num_choices = len(texts) * request.n
         if request.stream:
-            return self._stream(request, engine, prompts, client_gone, _CompletionChunks(request, request_id))
-        choices = await self._run(request, engine, prompts, client_gone, request_id)
+            return self._sse(request, generation, num_choices, _CompletionChunks(request, generation.request_id))
+        choices = await self._collect(request, generation, num_choices)
         return p.CompletionResponse(
-            id=f"cmpl-{request_id}", model=request.model, usage=_usage(choices, request.n),
+            id=f"cmpl-{generation.request_id}", model=request.model, usage=_usage(choices, request.n),
             choices=[p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
                      for i, c in enumerate(choices)])
 
@@ -112,9 +120,9 @@ class OpenAIServing:
             self._fail(request.model, 400, f"`{unsupported[0]}` is not supported by this server", unsupported[0])
         return engine
 
-    async def _tokenize(self, model: str, param: str, tokenize: Any, value: Any) -> list[int]:
+    def _tokenize(self, model: str, param: str, tokenize: Callable[[Any], list[int]], value: Any) -> list[int]:
         try:
-            return await asyncio.to_thread(tokenize, value)
+            return tokenize(value)
         except RequestError as exc:
             self._fail(model, 400, f"{param}: {exc.message}", param)
         except Exception:
@@ -130,21 +138,29 @@ class OpenAIServing:
         param = _param_name(request, exc.field)
         self._fail(request.model, 400, f"{param}: {exc.message}", param)
 
-    def _start(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-               client_gone: WaitForDisconnect, request_id: str) -> Generation:
-        """Validate sampling for every prompt and submit n engine requests per prompt (`{request_id}-{i}`)."""
-        jobs = [(ids, sampling) for ids in prompts for sampling in self._sampling(request, engine, ids)]
-        generation = Generation(engine, self._metrics, request.model, client_gone, request_id)
+    async def _start(self, request: p.SamplingFields, engine: Engine, prompts: Callable[[], list[list[int]]],
+                     client_gone: WaitForDisconnect) -> Generation:
+        """Tokenize, validate and submit n engine requests per prompt (`{request_id}-{i}`) in one worker-thread
+        hop: tokenizing and an engine's submit (a worker round trip) may block, the event loop must not. Errors
+        come before the first byte, so a bad streaming request still gets its 4xx status."""
+        generation = Generation(engine, self._metrics, request.model, client_gone, uuid.uuid4().hex)
+        try:
+            await asyncio.to_thread(self._submit, request, engine, prompts, generation)
+        except BaseException:
+            generation.close()
+            raise
+        return generation
+
+    def _submit(self, request: p.SamplingFields, engine: Engine, prompts: Callable[[], list[list[int]]],
+                generation: Generation) -> None:
+        jobs = [(ids, sampling) for ids in prompts() for sampling in self._sampling(request, engine, ids)]
         try:
             generation.submit(jobs)
         except RequestError as exc:
-            generation.close()
             self._fail_field(request, exc)
-        except BaseException:
-            generation.close()
+        except Exception:
             self._metrics.requests.labels(request.model, "error").inc()
             raise
-        return generation
 
     def _sampling(self, request: p.SamplingFields, engine: Engine, token_ids: list[int]) -> list[SamplingParams]:
         """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible.
@@ -170,10 +186,8 @@ class OpenAIServing:
             return [replace(base) for _ in range(request.n)]
         return [replace(base, seed=base.seed + j) for j in range(request.n)]
 
-    async def _run(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-                   client_gone: WaitForDisconnect, request_id: str) -> list[_Choice]:
-        generation = self._start(request, engine, prompts, client_gone, request_id)
-        choices = [_Choice() for _ in range(len(prompts) * request.n)]
+    async def _collect(self, request: p.SamplingFields, generation: Generation, num_choices: int) -> list[_Choice]:
+        choices = [_Choice() for _ in range(num_choices)]
         status = "aborted"
         try:
             async for index, output in generation.outputs():
@@ -186,12 +200,6 @@ class OpenAIServing:
         finally:
             generation.close()
             self._metrics.requests.labels(request.model, status).inc()
-
-    def _stream(self, request: p.SamplingFields, engine: Engine, prompts: list[list[int]],
-                client_gone: WaitForDisconnect, chunks: _Chunks) -> AsyncIterator[str]:
-        """Validation and submission happen before the first byte, so their errors still get a 4xx status."""
-        generation = self._start(request, engine, prompts, client_gone, chunks.request_id)
-        return self._sse(request, generation, len(prompts) * request.n, chunks)
 
     async def _sse(self, request: p.SamplingFields, generation: Generation, num_choices: int,
                    chunks: _Chunks) -> AsyncIterator[str]:
@@ -221,8 +229,6 @@ class OpenAIServing:
 class _Chunks(Protocol):
     """Turns engine outputs into the stream chunks of one endpoint."""
 
-    request_id: str
-
     def for_output(self, index: int, output: GenerationOutput, first: bool) -> list[Any]: ...
 
     def usage(self, usage: p.Usage) -> Any: ...
@@ -230,7 +236,6 @@ class _Chunks(Protocol):
 
 class _ChatChunks:
     def __init__(self, request: p.ChatCompletionRequest, request_id: str) -> None:
-        self.request_id = request_id
         self._id = f"chatcmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
@@ -256,7 +261,6 @@ class _ChatChunks:
 
 class _CompletionChunks:
     def __init__(self, request: p.CompletionRequest, request_id: str) -> None:
-        self.request_id = request_id
         self._id = f"cmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
