@@ -30,6 +30,7 @@ class FakeEngine:
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.submit_s = 0.0  # how long submit blocks (a remote worker's round trip)
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[RequestId] = []
         self._abort_events: dict[RequestId, threading.Event] = {}
@@ -45,6 +46,8 @@ class FakeEngine:
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         if len(request.prompt_token_ids) + request.sampling.max_tokens > self.max_model_len:
             raise RequestError("prompt_token_ids", "too long")
+        if self.submit_s:
+            time.sleep(self.submit_s)
         self.submitted.append(request)
         abort = self._abort_events[request.request_id] = threading.Event()
         threading.Thread(target=self._run, args=(request, sink, abort), daemon=True).start()

@@ -212,3 +212,16 @@ def test_finished_requests_are_not_aborted(client: openai.OpenAI, served: Served
                                         max_tokens=3, stream=True))
     client.completions.create(model="fake", prompt="x", max_tokens=2, n=2)
     assert served.engine.aborted == []
+
+
+def test_disconnect_during_a_slow_submit_leaves_no_request_running(served: Served) -> None:
+    served.engine.step_s = 0.02
+    served.engine.submit_s = 0.15
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.base_url}/v1/chat/completions", json=_chat(max_tokens=200, n=4), timeout=0.2)
+    wait_for(lambda: len(served.engine.submitted) >= 1 and not _running(served))
+    assert len(served.engine.submitted) < 4  # submission stopped once the client was gone
+
+
+def _running(served: Served) -> list[str]:
+    return [r.request_id for r in served.engine.submitted if r.request_id not in served.engine.aborted]
