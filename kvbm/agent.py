@@ -27,9 +27,11 @@ def build_connector(
     registry: CollectorRegistry | None = None,
     index: EventSink | None = None,
     lease_ttl_s: float = 3.0,
+    metrics: KVBMMetrics | None = None,
 ) -> KVBMConnector:
+    """`metrics` lets successive connectors of one process (a model reloaded) share one set of series."""
     config.validate()
-    metrics = KVBMMetrics(registry)
+    metrics = metrics if metrics is not None else KVBMMetrics(registry)
     events: EventSink | None = index
     channel: RedisWorkerChannel | None = None
     if index is None and config.redis_url:

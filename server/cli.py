@@ -30,6 +30,38 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG")
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
     p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
+    llm = p.add_argument_group("LLM serving (models with backend strata_llm)")
+    llm.add_argument("--workers", type=int, default=None,
+                     help="engine worker processes per LLM model (default: the model's instance_group count, else 1 "
+                          "in-process engine)")
+    llm.add_argument("--routing-strategy", choices=["kv-aware", "round-robin", "random", "least-loaded"],
+                     default="kv-aware")
+    llm.add_argument("--router-fallback", choices=["round-robin", "random", "least-loaded"], default="least-loaded",
+                     help="strategy used when the KV index does not answer in time")
+    llm.add_argument("--router-temperature", type=float, default=0.0,
+                     help="0: pick the cheapest worker; >0: sample by softmax of -cost")
+    llm.add_argument("--router-overlap-weight", type=float, default=1.0)
+    llm.add_argument("--router-busy-threshold", type=float, default=0.95,
+                     help="skip a worker whose KV use is at or above this fraction, unless all are")
+    llm.add_argument("--context-length", type=int, default=None, help="override max_model_len of every LLM (tokens)")
+    llm.add_argument("--max-concurrent-requests", type=int, default=None,
+                     help="override max_concurrent_requests of every LLM engine")
+    llm.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="override the per-step token budget of every LLM engine")
+    kv = p.add_argument_group("KV Block Manager (tiers below the engine's own pool)")
+    kv.add_argument("--kvbm-host-cache-gb", type=float, default=1.0,
+                    help="G2: shared-memory pool for every worker on this node (0: off)")
+    kv.add_argument("--kvbm-disk-cache-gb", type=float, default=0.0, help="G3: preallocated disk cache (0: off)")
+    kv.add_argument("--kvbm-disk-path", type=Path, default=Path(".strata-cache/kvbm"))
+    kv.add_argument("--kvbm-write-through", action="store_true", help="also write every offloaded block to G4")
+    kv.add_argument("--kvbm-redis-ttl-secs", type=int, default=0, help="G4 block expiry (0: none)")
+    kv.add_argument("--kvbm-redis-cache-gb", type=float, default=0.0, help="G4 capacity bound (0: unbounded)")
+    kv.add_argument("--kvbm-cache-id", default="default", help="node-local name of the G2 segment")
+    kv.add_argument("--no-kvbm", dest="kvbm", action="store_false", help="G1-only prefix caching")
+    kv.add_argument("--redis-url", default=None,
+                    help="G4 tier; with --kvbm-service, workers publish block events and leases there")
+    kv.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
+                    help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)")
     p.add_argument("--access-token", default=settings.access_token(),
                    help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
                         "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")

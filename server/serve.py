@@ -10,9 +10,11 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from server.backends.llm import LLMBackend
+from kvbm.config import KVBMConfig
+from server.backends.llm import LLMBackend, LLMServing
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
+from server.router.config import RouterConfig
 from server.triton import PortInUse, TritonServer, TritonSettings, check_ports_free
 
 log = logging.getLogger("strata")
@@ -25,6 +27,11 @@ def serve(args: argparse.Namespace) -> int:
         if not repository.is_dir():
             log.error("--model-repository %s: not a folder", repository)
             return 2
+    try:
+        serving = llm_serving(args)
+    except ValueError as exc:  # KVBMConfigError, RouterConfig: the message names the setting
+        log.error("%s", exc)
+        return 2
     triton_settings = TritonSettings(
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         address=args.http_address, strict_readiness=args.strict_readiness,
@@ -40,14 +47,15 @@ def serve(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.set())
-    llm = LLMBackend(triton)
+    registry = CollectorRegistry()
+    llm = LLMBackend(triton, serving, registry)
     manager = RepositoryManager(
         [r.resolve() for r in args.model_repository], triton, ControlMode(args.model_control_mode),
         args.repository_poll_secs, args.load_model, llm,
     )
     frontend = None
     if args.allow_openai:
-        frontend = OpenAIFrontend(llm.engines, args.http_address, args.openai_port, CollectorRegistry())
+        frontend = OpenAIFrontend(llm.engines, args.http_address, args.openai_port, registry)
     try:
         triton.start()
         if frontend is not None:
@@ -62,6 +70,27 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         _shutdown(manager, frontend, llm, triton, args.exit_timeout_secs)
+
+
+def llm_serving(args: argparse.Namespace) -> LLMServing:
+    """The LLM deployment the flags describe."""
+    router = RouterConfig(
+        strategy=args.routing_strategy, fallback=args.router_fallback, temperature=args.router_temperature,
+        overlap_weight=args.router_overlap_weight, busy_threshold=args.router_busy_threshold,
+    )
+    kvbm = None
+    if args.kvbm:
+        kvbm = KVBMConfig(
+            host_cache_gb=args.kvbm_host_cache_gb, disk_cache_gb=args.kvbm_disk_cache_gb,
+            disk_path=args.kvbm_disk_path, redis_url=args.redis_url, write_through=args.kvbm_write_through,
+            redis_ttl_s=args.kvbm_redis_ttl_secs, redis_cache_gb=args.kvbm_redis_cache_gb,
+            cache_id=args.kvbm_cache_id,
+        )
+        kvbm.validate()
+    overrides = {key: value for key, value in (
+        ("max_model_len", args.context_length), ("max_concurrent_requests", args.max_concurrent_requests),
+        ("max_num_batched_tokens", args.max_num_batched_tokens)) if value is not None}
+    return LLMServing(router, args.workers, kvbm, args.kvbm_service, overrides)
 
 
 def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, llm: LLMBackend, triton: TritonServer,

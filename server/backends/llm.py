@@ -17,17 +17,32 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 from pytriton.model_config import ModelConfig, Tensor
 from pytriton.proxy.types import Request
 
+from kvbm.agent import build_connector
+from kvbm.block_hash import BlockHash
+from kvbm.client import KVIndexClient
+from kvbm.config import KVBMConfig
+from kvbm.connector import KVBMConnector
+from kvbm.index import KVIndex
+from kvbm.metrics import KVBMMetrics
 from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestError, RequestId, SamplingParams
 from server.engine.api import Engine
-from server.engine.kv_connector import KVConnector
 from server.engine.stream import aiterate_outputs
 from server.repository.scan import ModelSource
+from server.router.config import RouterConfig
+from server.router.metrics import RouterMetrics
+from server.router.remote import spawn_workers
+from server.router.routed import RoutedEngine
+from server.router.router import Router
+from server.router.worker import WorkerSpec, build_llm_engine
+from server.router.workers import WorkerId
 from server.triton import TritonServer
 
 log = logging.getLogger(__name__)
@@ -46,43 +61,95 @@ OUTPUTS = [
     Tensor(name="num_cached_tokens", dtype=np.uint32, shape=(-1,)),
 ]
 
-ConnectorFactory = Callable[[str], KVConnector | None]
+@dataclass(slots=True)
+class LLMServing:
+    """How `strata serve` deploys LLM models (from its flags).
+
+    workers     engine processes per model; None: the model's instance_group count, else one in-process engine
+    kvbm        tiers below each engine's pool (None: G1-only prefix caching)
+    kvbm_service  address of a standalone `strata kvbm` (multi-node): workers publish to Redis, the router queries it
+    overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
+    """
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    workers: int | None = None
+    kvbm: KVBMConfig | None = None
+    kvbm_service: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMBackend:
-    """Builds an engine per LLM model and binds it into Triton; `engines` is shared with the OpenAI frontend."""
+    """Builds an engine per LLM model and binds it into Triton; `engines` is shared with the OpenAI frontend.
 
-    def __init__(self, triton: TritonServer, make_connector: ConnectorFactory | None = None) -> None:
+    One worker runs the engine in this process; N workers run in child processes behind a `RoutedEngine` whose
+    router reads the embedded KV index (fed by the workers' forwarded block events) or the KVBM service.
+    """
+
+    def __init__(self, triton: TritonServer, serving: LLMServing, registry: CollectorRegistry | None = None) -> None:
         self.triton = triton
-        self.make_connector = make_connector
+        self.serving = serving
         self.engines: dict[str, Engine] = {}
+        self.index = KVIndex()
+        self._router_metrics = RouterMetrics.create(registry)
+        self._kvbm_metrics = KVBMMetrics(registry) if serving.kvbm is not None else None
+        self._connectors: dict[str, KVBMConnector] = {}
 
     def load(self, model: ModelSource) -> None:
         version = model.versions[-1]
         config = EngineConfig.from_json(model.path / str(version) / model.model_filename)
         config.model_name = model.name
+        for key, value in self.serving.overrides.items():
+            setattr(config, key, value)
+        config.validate(f"{model.name} (model.json with command-line overrides)")
         if model.name in self.engines:
             self.unload(model.name)
-        connector = self.make_connector(model.name) if self.make_connector else None
-        engine = LLMEngine(config, connector)
+        workers = self.serving.workers or (model.config.instance_group[0].count if model.config.instance_group else 1)
+        engine = self._build(model.name, config, max(workers, 1))
         self.triton.pytriton.bind(
             model_name=model.name, infer_func=_infer_function(engine), inputs=INPUTS, outputs=OUTPUTS,
             model_version=version, config=ModelConfig(batching=False, decoupled=True),
         )
         self.engines[model.name] = engine
-        log.info("%s: engine ready (version %d, %s, %s)", model.name, version, config.model, config.dtype)
+        log.info("%s: serving version %d on %d worker(s) (%s, %s)", model.name, version, workers, config.model,
+                 config.dtype)
+
+    def _build(self, name: str, config: EngineConfig, workers: int) -> Engine:
+        kvbm = self.serving.kvbm
+        if workers == 1:
+            connector = None
+            if kvbm is not None:
+                connector = build_connector(kvbm, f"{name}-0", index=self.index, metrics=self._kvbm_metrics)
+                self._connectors[name] = connector
+            return LLMEngine(config, connector)
+        standalone = self.serving.kvbm_service is not None
+        spec = WorkerSpec(build_llm_engine, (config, kvbm), forward_events=not standalone)
+        remotes = spawn_workers([WorkerId(f"{name}-w{i}") for i in range(workers)], spec,
+                                event_sink=None if standalone else self.index)
+        lookup = KVIndexClient(self.serving.kvbm_service) if standalone else self.index
+        router = Router(self.serving.router, lookup, self._router_metrics)
+        return RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
 
     def unload(self, name: str) -> None:
         engine = self.engines.pop(name, None)
         self.triton.unbind(name)
-        if isinstance(engine, LLMEngine):
-            engine.shutdown()
+        _close(engine)
+        connector = self._connectors.pop(name, None)
+        if connector is not None:
+            connector.close()
 
     def stop(self) -> None:
         for name in list(self.engines):
-            engine = self.engines.pop(name)
-            if isinstance(engine, LLMEngine):
-                engine.shutdown()
+            _close(self.engines.pop(name))
+        for connector in self._connectors.values():
+            connector.close()
+        self._connectors.clear()
+
+
+def _close(engine: Engine | None) -> None:
+    if isinstance(engine, LLMEngine):
+        engine.shutdown()
+    elif isinstance(engine, RoutedEngine):
+        engine.close()
 
 
 class TritonClientError(Exception):

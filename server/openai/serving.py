@@ -57,7 +57,7 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, models: Mapping[str, Engine], metrics: FrontendMetrics) -> None:
-        self._models = dict(models)
+        self._models = models  # live view: the server adds and removes models as the repository changes
         self._metrics = metrics
         self._created = int(time.time())
 
