@@ -59,24 +59,26 @@ class Generation:
     def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
         """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError.
 
-        Any thread may call it (an engine's submit can block: a worker round trip); once closed it submits no more.
+        Any thread may call it (an engine's submit can block: a worker round trip). Once `close` has run it submits
+        no more, and a request whose submit was in progress during `close` is aborted right after it.
         """
         for index, (token_ids, sampling) in enumerate(prompts):
             request_id = RequestId(f"{self.request_id}-{index}")
+            track = _Track(submitted_at=time.monotonic())
             with self._lock:
                 if self._closed:
                     return
-                track = self._tracks[request_id] = _Track(submitted_at=time.monotonic())
+                self._tracks[request_id] = track
                 self._ids.append(request_id)
-                self._metrics.in_flight.labels(self._model).inc()
-                self._metrics.queued.labels(self._model).inc()
-                try:
-                    self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
-                except BaseException:
-                    self._ids.pop()
-                    del self._tracks[request_id]
-                    self._release(track)
-                    raise
+            self._metrics.in_flight.labels(self._model).inc()
+            self._metrics.queued.labels(self._model).inc()
+            try:
+                self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
+            except BaseException:
+                self._forget(request_id, track)
+                raise
+            if self._closed:
+                self._engine.abort(request_id)  # close ran during the submit; a second abort is harmless
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
         """Every output of every choice until all have finished; raises ClientDisconnected."""
@@ -91,19 +93,27 @@ class Generation:
             yield index, output
 
     def close(self) -> None:
-        """Abort every unfinished engine request (idempotent) and stop watching the client."""
+        """Abort every unfinished engine request (idempotent) and stop watching the client. Never waits for a
+        submit in progress (see `submit`)."""
         self._watcher.cancel()
+        self._closed = True
         with self._lock:
-            self._closed = True
-            ids = list(self._ids)
-        for request_id in ids:
-            track = self._tracks[request_id]
-            if track.finished:
-                continue
-            track.finished = True
+            unfinished = [(rid, self._tracks[rid]) for rid in self._ids if not self._tracks[rid].finished]
+            for _, track in unfinished:
+                track.finished = True
+        for request_id, track in unfinished:
             self._engine.abort(request_id)
             self._release(track)
             logger.debug("aborted %s", request_id)
+
+    def _forget(self, request_id: RequestId, track: _Track) -> None:
+        """Undo the bookkeeping of a request the engine refused."""
+        with self._lock:
+            self._ids.remove(request_id)
+            del self._tracks[request_id]
+            release, track.finished = not track.finished, True
+        if release:
+            self._release(track)
 
     def _sink(self, index: int) -> Callable[[GenerationOutput], None]:
         def sink(output: GenerationOutput) -> None:
