@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -279,3 +280,23 @@ def _metric_lines(router: Router) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(router.metrics.registry).decode()
+
+
+def test_concurrent_route_and_release_leave_no_load_behind() -> None:
+    router, index = make_router()
+    store(index, "w1", hashes((7, 8)))
+
+    def client(thread: int) -> None:
+        for i in range(300):
+            request_id = f"t{thread}-{i}"
+            router.route(request_id, hashes((7, 8), (thread * 1000 + i, 2)))
+            router.prefill_done(request_id)
+            router.release(request_id)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    loads = router._workers.values()
+    assert all((load.routed_blocks, load.routed_requests, load.pending_prefill) == (0, 0, 0) for load in loads)
