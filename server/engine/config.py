@@ -102,4 +102,8 @@ class EngineConfig:
             raise ConfigError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from err
         except OSError as err:
             raise ConfigError(f"{path}: cannot read: {err.strerror}") from err
-        return cls.from_dict(raw, source=str(path))
+        config = cls.from_dict(raw, source=str(path))
+        local = path.parent / config.model
+        if "://" not in config.model and not Path(config.model).is_absolute() and local.exists():
+            config.model = str(local)  # a model file or folder next to model.json
+        return config
