@@ -177,7 +177,8 @@ class OpenAIServing:
                        f"{engine.max_model_len} tokens (prompt + output)", prompt_param)
         limit = min(room, getattr(engine, "max_tokens_limit", room))
         raw: dict[str, Any] = {name: getattr(request, name) for name in _SAMPLING_NAMES}
-        raw["max_tokens"] = _max_tokens(request) or limit
+        requested = _max_tokens(request)
+        raw["max_tokens"] = limit if requested is None else requested  # 0 is an error, not "use the default"
         try:
             base = SamplingParams.from_dict(raw, max_tokens_limit=limit)
         except RequestError as exc:

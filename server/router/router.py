@@ -138,6 +138,10 @@ class Router:
             if load is not None:
                 load.routed_blocks -= routed.blocks
                 load.routed_requests -= 1
+                # the last report may have been taken while this request ran: without this, a client's next
+                # turn sent right after this one ends would see its cache holder loaded until the next report
+                load.stats.active_blocks = max(0, load.stats.active_blocks - routed.blocks)
+                load.stats.in_flight = max(0, load.stats.in_flight - 1)
                 self._publish_load(load)
 
     def _query(self, block_hashes: Sequence[BlockHash]) -> tuple[PrefixReport | None, int, str | None]:
