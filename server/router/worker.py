@@ -15,9 +15,12 @@ worker -> server:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +62,18 @@ class WorkerInfo:
     pid: int
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this worker when the server dies, even by kill -9 (no orphaned engines)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the heartbeat timeout still drops the worker server-side
+        logger.debug("PR_SET_PDEATHSIG unavailable")
+
+
 def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     """Entry point of the spawned process."""
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     channel = Channel(address, server_side=False)
     try:
