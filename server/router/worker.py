@@ -15,12 +15,11 @@ worker -> server:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,18 +61,27 @@ class WorkerInfo:
     pid: int
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker when the server dies, even by kill -9 (no orphaned engines)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the heartbeat timeout still drops the worker server-side
-        logger.debug("PR_SET_PDEATHSIG unavailable")
+def _exit_with_parent() -> None:
+    """End this worker when the server process dies, even by kill -9 (no orphaned engines holding memory).
+
+    A spawned child holds the read end of a pipe whose write end only the parent has: it becomes readable (EOF)
+    exactly when the parent is gone. (PR_SET_PDEATHSIG would fire when the *thread* that spawned us exits.)
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.warning("server process is gone; worker exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     """Entry point of the spawned process."""
-    _die_with_parent()
+    _exit_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
     channel = Channel(address, server_side=False)
     try:

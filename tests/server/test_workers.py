@@ -123,3 +123,22 @@ def test_disconnect_cancels_on_the_worker(client, server):
              what="request released after the client left")
     aborted = metric_lines(server, "strata_requests_total")
     assert any('status="aborted"' in labels and value >= 1 for labels, value in aborted.items())
+
+
+def test_workers_exit_when_the_server_is_killed(strata, tmp_path):
+    server = strata(copy_models(tmp_path / "repo", "smollm2"), "--workers", "2", "--no-kvbm",
+                    "--model-control-mode", "explicit", "--load-model", "smollm2")
+    pids = worker_pids(server)
+    assert len(pids) == 2
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait(10)
+    wait_for(lambda: not any(running(pid) for pid in pids), 30, what="workers gone")
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its (dead) parent to reap it."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
