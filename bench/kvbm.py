@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import shutil
 import socket
@@ -31,13 +32,16 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import redis
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.client import KVIndexClient  # noqa: E402
 from kvbm.config import GIB, KVBMConfig  # noqa: E402
@@ -230,86 +234,260 @@ def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: in
     }
 
 
-SYSTEM = "You are a patient history tutor. Answer in short, plain sentences and stay on the topic. "
-TOPICS = (
-    "the printing press",
-    "the steam engine",
-    "the telegraph",
-    "penicillin",
-    "the compass",
-    "paper money",
-)
+FIRST_TEXT_ID = 100  # synthetic token ids stay above SmolLM2's special tokens (0-16) and below its vocab
+VOCAB = 49152
 
 
-def user_turn(conversation: int, turn: int) -> str:
-    topic = TOPICS[conversation % len(TOPICS)]
-    facts = " ".join(
-        f"Note {turn}.{i}: {topic} changed trade, work and schooling in region {i}." for i in range(4)
-    )
-    return f"\nUser: {facts} What happened next with {topic}?\nAssistant:"
+@dataclass(slots=True)
+class TurnResult:
+    """One request of one mode. Seconds; `connector_s` is lookup+onboard+offload before the first token."""
+
+    ttft_s: float
+    prefill_s: float  # the forward pass that produced the first token
+    connector_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output: list[int]
 
 
-def bench_ttft(args: argparse.Namespace) -> dict:
-    """Multi-turn TTFT through the real engine with a G1 pool too small for all conversations, per KVBM mode."""
-    bb, results = LAYOUT.block_bytes, {}
-    with tempfile.TemporaryDirectory() as disk:
-        modes = {
-            "G1 only": None,
-            "G1+G2 host": KVBMConfig(host_cache_gb=512 * bb / GIB, cache_id=f"bench-{uuid.uuid4().hex[:8]}"),
-            "G1+G3 disk": KVBMConfig(host_cache_gb=0, disk_cache_gb=512 * bb / GIB, disk_path=Path(disk)),
-        }
-        for mode, config in modes.items():
-            results[mode] = _run_conversations(args, config)
-    reference = results["G1 only"]["outputs"]
-    for row in results.values():
-        row["identical_outputs"] = row.pop("outputs") == reference
+class EngineProbe:
+    """Bench-only instrumentation of one engine: seconds in the connector and in forward passes, read by the
+    request's sink on the engine thread at its first token (so later decode steps never count)."""
+
+    def __init__(self, engine, connector: KVBMConnector | None) -> None:
+        self.engine, self.forward_s, self.connector_s = engine, [], 0.0
+        self._wrap(engine.runner, "run", lambda dt: self.forward_s.append(dt))
+        for method in ("lookup", "onboard", "offload"):
+            if connector is not None:
+                self._wrap(connector, method, self._add_connector)
+
+    def _add_connector(self, seconds: float) -> None:
+        self.connector_s += seconds
+
+    @staticmethod
+    def _wrap(obj, method: str, record) -> None:
+        inner = getattr(obj, method)
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                record(time.perf_counter() - start)
+
+        setattr(obj, method, timed)
+
+    def run(self, request_id: str, prompt: list[int], max_tokens: int) -> TurnResult:
+        from server.engine import GenerationRequest, RequestId, SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs, first = queue.SimpleQueue(), {}
+        self.forward_s, self.connector_s = [], 0.0
+
+        def sink(output) -> None:
+            if not first:
+                first.update(at=time.perf_counter(), prefill=self.forward_s[-1], connector=self.connector_s)
+            outputs.put(output)
+
+        started = time.perf_counter()
+        self.engine.submit(GenerationRequest(RequestId(request_id), list(prompt), params), sink)
+        tokens, output = [], None
+        while output is None or not output.finished:
+            output = outputs.get(timeout=600)
+            tokens += output.new_token_ids
+        if output.finish_reason != "length":
+            raise RuntimeError(f"request {request_id} ended with {output.finish_reason}: {output.error}")
+        ttft = first["at"] - started
+        return TurnResult(
+            ttft, first["prefill"], first["connector"], len(prompt), output.num_cached_tokens, tokens
+        )
+
+
+def open_engines(args: argparse.Namespace, modes: dict, g1_blocks: int, stack: ExitStack) -> dict:
+    """One engine (and connector) per mode, all alive at once so requests of the modes can interleave."""
+    from server.engine import EngineConfig, LLMEngine
+
+    probes = {}
+    for mode, config in modes.items():
+        connector = KVBMConnector(config) if config is not None else None
+        engine_config = EngineConfig(
+            cache_dir=str(args.model_cache), dtype="float32", device="cpu", num_kv_blocks=g1_blocks,
+            max_model_len=4096, max_num_batched_tokens=4096, max_concurrent_requests=1, num_threads=2,
+        )  # fmt: skip
+        engine = stack.enter_context(LLMEngine(engine_config, connector))
+        if connector is not None:
+            stack.callback(_close_connector, connector)
+        probes[mode] = EngineProbe(engine, connector)
+    return probes
+
+
+def _close_connector(connector: KVBMConnector) -> None:
+    if connector.g2 is not None:
+        connector.g2.destroy()
+    connector.close()
+
+
+def tier_modes(
+    g2_blocks: int, g3_blocks: int, small_g2_blocks: int, disk: Path, redis_url: str | None
+) -> dict:
+    """KVBM configs per mode; "G2+G3" has a G2 of `small_g2_blocks` so most onboards come from G3 as well."""
+    bb, tag = LAYOUT.block_bytes, uuid.uuid4().hex[:8]
+    modes: dict[str, KVBMConfig | None] = {
+        "G1 only": None,
+        "G2": KVBMConfig(host_cache_gb=g2_blocks * bb / GIB, cache_id=f"bench-{tag}-g2"),
+        "G3": KVBMConfig(host_cache_gb=0, disk_cache_gb=g3_blocks * bb / GIB, disk_path=disk / "g3"),
+        "G2+G3": KVBMConfig(
+            host_cache_gb=small_g2_blocks * bb / GIB,
+            disk_cache_gb=g3_blocks * bb / GIB,
+            disk_path=disk / "g23",
+            cache_id=f"bench-{tag}-g23",
+        ),  # fmt: skip
+    }
+    if redis_url is not None:
+        modes["G4"] = KVBMConfig(host_cache_gb=0, redis_url=redis_url)
+    return modes
+
+
+def conversation_turns(args: argparse.Namespace) -> list[list[list[int]]]:
+    """New user tokens per conversation and turn: turn 1 is a shared system prompt plus a long pasted document
+    (`--doc-tokens`), each later turn a short user message (`--new-tokens`). Synthetic token ids from one seeded
+    RNG per conversation (the system prompt from seed 0), so every mode sees the same prompts."""
+    system = random.Random(0)
+    system_tokens = [system.randrange(FIRST_TEXT_ID, VOCAB) for _ in range(args.system_tokens)]
+    turns = []
+    for conversation in range(args.conversations):
+        rng = random.Random(1000 + conversation)
+        sizes = [args.doc_tokens] + [args.new_tokens] * (args.turns - 1)
+        messages = [[rng.randrange(FIRST_TEXT_ID, VOCAB) for _ in range(size)] for size in sizes]
+        turns.append([system_tokens + messages[0], *messages[1:]])
+    return turns
+
+
+def bench_ttft(args: argparse.Namespace, redis_url: str | None) -> dict:
+    """Multi-turn chat, conversations round-robin, one request at a time; every mode runs each turn right after
+    the others (order rotated per turn), each on its own engine with the same G1 pool size."""
+    turns = conversation_turns(args)
+    final_tokens = [sum(map(len, t)) + args.turns * args.answer_tokens for t in turns]
+    working_set = sum(tokens // 16 for tokens in final_tokens)
+    scale = {
+        "conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
+        "doc_tokens": args.doc_tokens, "new_tokens": args.new_tokens, "answer_tokens": args.answer_tokens,
+        "g1_blocks": args.g1_blocks, "tier_blocks": args.tier_blocks, "g2_blocks_in_g2_g3": args.g1_blocks,
+        "working_set_blocks": working_set, "working_set_over_g1": working_set / args.g1_blocks,
+        "final_history_tokens": max(final_tokens),
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVBM_BENCH_DIR")) as disk, ExitStack() as stack:
+        modes = tier_modes(args.tier_blocks, args.tier_blocks, args.g1_blocks, Path(disk), redis_url)
+        probes = open_engines(args, modes, args.g1_blocks, stack)
+        results = _run_turns(args, turns, probes)
+    return {"scale": scale, "modes": summarize_ttft(results)}
+
+
+def _run_turns(args: argparse.Namespace, turns: list, probes: dict) -> dict[str, list[list[TurnResult]]]:
+    names = list(probes)
+    history = {mode: [[] for _ in turns] for mode in names}
+    results: dict[str, list[list[TurnResult]]] = {mode: [[] for _ in range(args.turns)] for mode in names}
+    step = 0
+    for turn in range(args.turns):
+        for conversation, new_tokens in enumerate(turns):
+            step += 1
+            for mode in names[step % len(names) :] + names[: step % len(names)]:
+                prompt = history[mode][conversation] + new_tokens[turn]
+                result = probes[mode].run(f"c{conversation}t{turn}", prompt, args.answer_tokens)
+                history[mode][conversation] = prompt + result.output
+                results[mode][turn].append(result)
     return results
 
 
-def _run_conversations(args: argparse.Namespace, config: KVBMConfig | None) -> dict:
-    from server.engine import EngineConfig, LLMEngine
-
-    connector = KVBMConnector(config) if config is not None else None
-    engine_config = EngineConfig(
-        cache_dir=str(args.model_cache), dtype="float32", device="cpu", num_kv_blocks=args.g1_blocks,
-        max_model_len=2048, max_num_batched_tokens=2048, max_concurrent_requests=1, num_threads=2,
-    )  # fmt: skip
-    with LLMEngine(engine_config, connector) as engine:
-        history = [engine.encode(SYSTEM) for _ in range(args.conversations)]
-        first_turn, later_turns, cached, outputs = [], [], 0, []
-        for turn in range(args.turns):
-            for conversation in range(args.conversations):
-                history[conversation] += engine.encode(user_turn(conversation, turn))
-                ttft, answer, hit = _first_token_time(
-                    engine, history[conversation], f"c{conversation}t{turn}"
-                )
-                (first_turn if turn == 0 else later_turns).append(ttft)
-                cached += hit if turn else 0
-                history[conversation] += answer
-                outputs.append(answer)
-    if config is not None and config.host_cache_gb > 0:
-        connector.g2.destroy()
-    return {
-        "ttft_turn1_p50_s": statistics.median(first_turn),
-        "ttft_later_p50_s": statistics.median(later_turns),
-        "ttft_later_mean_s": statistics.mean(later_turns),
-        "cached_tokens_later": cached,
-        "outputs": outputs,
-    }
+def summarize_ttft(results: dict[str, list[list[TurnResult]]]) -> dict:
+    reference = [r.output for turn in results["G1 only"] for r in turn]
+    baseline = None
+    summary = {}
+    for mode, per_turn in results.items():
+        later = [r for turn in per_turn[1:] for r in turn]
+        p50 = statistics.median(r.ttft_s for r in later)
+        baseline = p50 if baseline is None else baseline
+        summary[mode] = {
+            "ttft_turn1_p50_s": statistics.median(r.ttft_s for r in per_turn[0]),
+            "ttft_later_p50_s": p50,
+            "ttft_later_mean_s": statistics.mean(r.ttft_s for r in later),
+            "speedup_later_p50": baseline / p50,
+            "prefill_p50_s": statistics.median(r.prefill_s for r in later),
+            "connector_p50_s": statistics.median(r.connector_s for r in later),
+            "other_p50_s": statistics.median(r.ttft_s - r.prefill_s - r.connector_s for r in later),
+            "prefilled_tokens_p50": statistics.median(r.prompt_tokens - r.cached_tokens for r in later),
+            "prompt_tokens_later": sum(r.prompt_tokens for r in later),
+            "cached_tokens_later": sum(r.cached_tokens for r in later),
+            "identical_outputs": [r.output for turn in per_turn for r in turn] == reference,
+        }
+    return summary
 
 
-def _first_token_time(engine, prompt: list[int], request_id: str) -> tuple[float, list[int], int]:
-    """(seconds to the first output, all generated token ids, prompt tokens served from cache)."""
-    from server.engine import GenerationRequest, RequestId, SamplingParams, iterate_outputs
+def mooncake_requests(path: Path, conversations: int, max_blocks: int) -> list[list[int]]:
+    """Hash ids of every request of the first `conversations` conversations (by first appearance; the second id
+    names the conversation), in trace order, each cut to its first `max_blocks` ids (a prefix stays a prefix)."""
+    rows = [json.loads(line)["hash_ids"] for line in path.read_text().splitlines() if line]
+    chosen: list[int] = []
+    for ids in rows:
+        if len(ids) > 1 and ids[1] not in chosen and len(chosen) < conversations:
+            chosen.append(ids[1])
+    wanted = set(chosen)
+    return [ids[:max_blocks] for ids in rows if len(ids) > 1 and ids[1] in wanted]
 
-    request = GenerationRequest(
-        RequestId(request_id), list(prompt), SamplingParams(max_tokens=8, temperature=0.0)
-    )
-    started, first, tokens = time.perf_counter(), None, []
-    for output in iterate_outputs(engine, request, timeout=600):
-        first = first if first is not None else time.perf_counter() - started
-        tokens += output.new_token_ids
-    return first, tokens, output.num_cached_tokens
+
+def oracle_hit_blocks(requests: list[list[int]]) -> list[int]:
+    """Per request, leading blocks an unlimited cache holds (ids seen in any earlier request)."""
+    seen: set[int] = set()
+    hits = []
+    for ids in requests:
+        hit = 0
+        while hit < len(ids) and ids[hit] in seen:
+            hit += 1
+        hits.append(hit)
+        seen.update(ids)
+    return hits
+
+
+def block_token_ids(hash_id: int, block_tokens: int) -> list[int]:
+    """The B token ids a trace hash id stands for: a numpy RNG seeded by the id (deterministic, within vocab)."""
+    return np.random.default_rng(hash_id).integers(FIRST_TEXT_ID, VOCAB, block_tokens).tolist()
+
+
+def bench_mooncake(args: argparse.Namespace) -> dict:
+    """Replay whole Mooncake conversations through the real engine, back to back (time compressed to zero),
+    one request at a time, 1 output token; every mode gets each request in turn (order rotated)."""
+    b = args.block_tokens
+    requests = mooncake_requests(args.trace, args.mooncake_conversations, args.max_prompt_blocks)
+    oracle = oracle_hit_blocks(requests)
+    total_blocks, working_set = sum(map(len, requests)), len({i for ids in requests for i in ids})
+    engine_blocks = working_set * b // 16
+    scale = {
+        "conversations": args.mooncake_conversations, "requests": len(requests), "block_tokens": b,
+        "max_prompt_blocks": args.max_prompt_blocks, "output_tokens": 1, "prompt_blocks": total_blocks,
+        "working_set_blocks": working_set, "g1_blocks": args.mooncake_g1_blocks,
+        "g2_blocks": engine_blocks // 4, "g3_blocks": 2 * engine_blocks,
+    }  # fmt: skip
+    # every prompt ends one token past its last full block: the engine computes the last token for its logits,
+    # so without it the last block could never be a hit while the oracle counts it
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVBM_BENCH_DIR")) as disk, ExitStack() as stack:
+        modes = tier_modes(0, 0, 0, Path(disk), None)
+        modes = {"G1 only": None, "G2+G3": modes["G2+G3"]}
+        modes["G2+G3"].host_cache_gb = scale["g2_blocks"] * LAYOUT.block_bytes / GIB
+        modes["G2+G3"].disk_cache_gb = scale["g3_blocks"] * LAYOUT.block_bytes / GIB
+        probes = open_engines(args, modes, args.mooncake_g1_blocks, stack)
+        cached = {mode: 0 for mode in probes}
+        for index, ids in enumerate(requests):
+            prompt = [t for hash_id in ids for t in block_token_ids(hash_id, b)] + [FIRST_TEXT_ID]
+            names = list(probes)[index % 2 :] + list(probes)[: index % 2]
+            for mode in names:
+                cached[mode] += probes[mode].run(f"r{index}", prompt, 1).cached_tokens
+    oracle_rate = sum(oracle) / total_blocks
+    rows = {"oracle (unlimited)": {"hit_blocks": sum(oracle), "hit_rate": oracle_rate}}
+    for mode, tokens in cached.items():
+        hit_blocks = tokens / b
+        rows[mode] = {"hit_blocks": hit_blocks, "hit_rate": hit_blocks / total_blocks}
+        rows[mode]["of_oracle"] = rows[mode]["hit_rate"] / oracle_rate
+    return {"scale": scale, "modes": rows}
 
 
 def _latency(query, hashes) -> float:
@@ -323,56 +501,86 @@ def _percentile(values: list[float], pct: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--blocks", type=int, default=64, help="blocks per onboard (737,280 B each)")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--index-blocks", type=int, default=1_000_000)
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument(
-        "--ttft", action="store_true", help="also run the multi-turn TTFT benchmark (real model)"
-    )
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--g1-blocks", type=int, default=48, help="engine KV pool in blocks of 16 tokens")
-    parser.add_argument(
-        "--model-cache",
-        type=Path,
-        default=Path(__file__).resolve().parent.parent / ".strata-cache" / "models",
-    )
-    args = parser.parse_args()
+    args = parse_args()
     torch.set_num_threads(2)
     rng = random.Random(1)
     redis_process, redis_url = (None, args.redis_url) if args.redis_url else start_redis()
+    rows, index, ttft, mooncake = [], None, None, None
     try:
-        rows = [
-            *bench_g2(args.blocks, args.reps, rng),
-            bench_g3(args.blocks, args.reps, rng, warm=False),
-            bench_g3(args.blocks, args.reps, rng, warm=True),
-            bench_g4(args.blocks, args.reps, rng, redis_url),
-        ]
-        index = bench_index(args.index_blocks, redis_url, rng)
-        ttft = bench_ttft(args) if args.ttft else None
+        if not args.skip_micro:
+            rows = [
+                *bench_g2(args.blocks, args.reps, rng),
+                bench_g3(args.blocks, args.reps, rng, warm=False),
+                bench_g3(args.blocks, args.reps, rng, warm=True),
+                bench_g4(args.blocks, args.reps, rng, redis_url),
+            ]
+            index = bench_index(args.index_blocks, redis_url, rng)
+        ttft = bench_ttft(args, None if args.no_g4 else redis_url) if args.ttft else None
+        mooncake = bench_mooncake(args) if args.mooncake else None
     finally:
         if redis_process is not None:
             redis_process.kill()
             redis_process.wait()
-    report(rows, index, ttft, args)
+    report(rows, index, ttft, mooncake, args)
 
 
-def report(rows: list[dict], index: dict, ttft: dict | None, args: argparse.Namespace) -> None:
-    print_onboard(rows, args)
-    print(
-        f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
-        f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
-        f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
-        f"built in {index['index_build_s']:.1f} s"
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add = parser.add_argument
+    add("--blocks", type=int, default=64, help="blocks per onboard (737,280 B each)")
+    add("--reps", type=int, default=5)
+    add("--index-blocks", type=int, default=1_000_000)
+    add("--redis-url", default=None)
+    add("--skip-micro", action="store_true", help="skip the onboard and index measurements")
+    add("--model-cache", type=Path, default=ROOT / ".strata-cache" / "models")
+    ttft = parser.add_argument_group("multi-turn TTFT (--ttft; sizes in tokens unless named blocks)")
+    ttft.add_argument("--ttft", action="store_true", help="run the multi-turn TTFT benchmark (real model)")
+    ttft.add_argument("--conversations", type=int, default=5)
+    ttft.add_argument("--turns", type=int, default=4)
+    ttft.add_argument("--system-tokens", type=int, default=64)
+    ttft.add_argument("--doc-tokens", type=int, default=896, help="pasted document in each first turn")
+    ttft.add_argument("--new-tokens", type=int, default=48, help="user message of each later turn")
+    ttft.add_argument("--answer-tokens", type=int, default=8)
+    ttft.add_argument("--g1-blocks", type=int, default=80, help="engine KV pool in blocks of 16 tokens")
+    ttft.add_argument("--tier-blocks", type=int, default=512, help="G2, G3 and G4 size in blocks")
+    ttft.add_argument("--no-g4", action="store_true", help="leave out the G4 (Redis) mode")
+    moon = parser.add_argument_group("Mooncake prefix-hit replay (--mooncake)")
+    moon.add_argument("--mooncake", action="store_true", help="replay whole conversations of the trace")
+    moon.add_argument(
+        "--trace", type=Path, default=ROOT / "bench" / "data" / "mooncake" / "conversation_trace.jsonl"
+    )
+    moon.add_argument("--mooncake-conversations", type=int, default=48)
+    moon.add_argument(
+        "--block-tokens", type=int, default=16, help="tokens per trace hash id (multiple of 16)"
+    )
+    moon.add_argument("--max-prompt-blocks", type=int, default=16, help="hash ids kept per request")
+    moon.add_argument("--mooncake-g1-blocks", type=int, default=48)
+    args = parser.parse_args()
+    if args.block_tokens % 16:
+        parser.error("--block-tokens must be a multiple of the engine's 16-token block")
+    return args
+
+
+def report(
+    rows: list[dict], index: dict | None, ttft: dict | None, mooncake: dict | None, args: argparse.Namespace
+) -> None:
+    if rows:
+        print_onboard(rows, args)
+    if index is not None:
+        print(
+            f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
+            f"{index['query_p50_us']:.0f} us (p99 {index['query_p99_us']:.0f} us) in process, "
+            f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
+            f"built in {index['index_build_s']:.1f} s"
+        )
     if ttft is not None:
-        print_ttft(ttft, args)
+        print_ttft(ttft)
+    if mooncake is not None:
+        print_mooncake(mooncake)
     summary = {"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes}
-    print(json.dumps({**summary, "onboard": rows, "index": index, "ttft": ttft}))
+    print(json.dumps({**summary, "onboard": rows, "index": index, "ttft": ttft, "mooncake": mooncake}))
 
 
 def print_onboard(rows: list[dict], args: argparse.Namespace) -> None:
@@ -388,19 +596,43 @@ def print_onboard(rows: list[dict], args: argparse.Namespace) -> None:
         )
 
 
-def print_ttft(ttft: dict, args: argparse.Namespace) -> None:
+def print_ttft(ttft: dict) -> None:
+    s = ttft["scale"]
     print(
-        f"multi-turn TTFT: SmolLM2-135M fp32, {args.conversations} conversations x {args.turns} turns "
-        f"round-robin, 8 output tokens per turn, G1 {args.g1_blocks} blocks of 16 tokens"
+        f"multi-turn TTFT: SmolLM2-135M fp32, 2 threads; {s['conversations']} conversations x {s['turns']} turns "
+        f"round-robin, one request at a time; turn 1 = {s['system_tokens']}-token shared system prompt + "
+        f"{s['doc_tokens']}-token document, later turns +{s['new_tokens']} new tokens, {s['answer_tokens']} "
+        f"output tokens per turn (history up to {s['final_history_tokens']} tokens); G1 {s['g1_blocks']} blocks "
+        f"of 16 tokens, working set {s['working_set_blocks']} blocks = {s['working_set_over_g1']:.1f}x G1; "
+        f"G2/G3/G4 {s['tier_blocks']} blocks each (G2 of G2+G3: {s['g2_blocks_in_g2_g3']})"
     )
     print(
-        f"{'mode':<12} {'turn-1 p50 s':>13} {'later p50 s':>12} {'later mean s':>13} {'cached tok':>11}  same output"
+        f"{'mode':<8} {'turn-1 p50':>10} {'later p50':>10} {'speedup':>8} {'prefill':>8} {'kvbm':>7} "
+        f"{'other':>7} {'new tok':>8} {'cached/prompt':>14}  same output"
     )
-    for mode, row in ttft.items():
+    for mode, row in ttft["modes"].items():
+        cached = f"{row['cached_tokens_later']}/{row['prompt_tokens_later']}"
         print(
-            f"{mode:<12} {row['ttft_turn1_p50_s']:>13.3f} {row['ttft_later_p50_s']:>12.3f} "
-            f"{row['ttft_later_mean_s']:>13.3f} {row['cached_tokens_later']:>11}  {row['identical_outputs']}"
+            f"{mode:<8} {row['ttft_turn1_p50_s']:>10.3f} {row['ttft_later_p50_s']:>10.3f} "
+            f"{row['speedup_later_p50']:>7.1f}x {row['prefill_p50_s']:>8.3f} {row['connector_p50_s']:>7.3f} "
+            f"{row['other_p50_s']:>7.3f} {row['prefilled_tokens_p50']:>8.0f} {cached:>14}  "
+            f"{row['identical_outputs']}"
         )
+    print("  (seconds, later turns: p50 TTFT, its prefill forward, KVBM lookup+onboard+offload, the rest)")
+
+
+def print_mooncake(mooncake: dict) -> None:
+    s = mooncake["scale"]
+    print(
+        f"Mooncake replay: {s['conversations']} whole conversations = {s['requests']} requests in trace order, "
+        f"1 hash id = {s['block_tokens']} tokens, prompts cut to {s['max_prompt_blocks']} blocks "
+        f"({s['prompt_blocks']} blocks, {s['working_set_blocks']} distinct), {s['output_tokens']} output token; "
+        f"G1 {s['g1_blocks']} blocks, G2 {s['g2_blocks']} + G3 {s['g3_blocks']} blocks of 16 tokens"
+    )
+    print(f"{'mode':<20} {'hit blocks':>10} {'hit rate':>9} {'of oracle':>10}")
+    for mode, row in mooncake["modes"].items():
+        of_oracle = f"{row['of_oracle']:.1%}" if "of_oracle" in row else "100%"
+        print(f"{mode:<20} {row['hit_blocks']:>10.0f} {row['hit_rate']:>9.1%} {of_oracle:>10}")
 
 
 if __name__ == "__main__":
