@@ -50,8 +50,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
-        if config.num_threads and config.torch_device == "cpu":
-            torch.set_num_threads(config.num_threads)
+        self._num_threads = config.num_threads or torch.get_num_threads()
         started = time.monotonic()
         self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
         hf_config = load_config(self.files)
@@ -198,6 +197,7 @@ class LLMEngine:
     # ---- engine thread ----
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)  # OpenMP thread counts are per calling thread
         while True:
             with self._cond:
                 while not (self._inbox or self._abort_ids or self._stopping or self.scheduler.has_work()):

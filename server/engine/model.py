@@ -145,7 +145,7 @@ class LlamaModel:
         self.rope_cos = table.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = table.sin().to(device=self.device, dtype=dtype)
         self.scale = shape.head_dim**-0.5
-        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(2)]
+        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(4)]
 
     def _layer(self, get, weights: dict, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -201,15 +201,7 @@ class LlamaModel:
         nd = batch.num_decode
         if nd:
             keys, values = self._gather(layer_cache, batch.decode_block_tables)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),
-                keys,
-                values,
-                attn_mask=batch.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[:nd] = o.view(nd, -1)
+            out[:nd] = self._decode_attention(q[:nd], keys, values, batch.decode_mask).reshape(nd, -1)
         for chunk in batch.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             query = q[rows].transpose(0, 1).unsqueeze(0)
@@ -226,6 +218,21 @@ class LlamaModel:
             out[rows] = o[0].transpose(0, 1).reshape(chunk.length, -1)
         return out
 
+    def _decode_attention(self, q, keys, values, mask) -> torch.Tensor:
+        """One query per sequence: q [B, H, D], keys/values [B, Hkv, S, D] -> [B, H, 1, D].
+        CPU SDPA is several times slower in bf16 than in fp32 at one query, so a bf16 engine upcasts the gathered
+        K/V into reused fp32 workspaces (which also makes them contiguous) and attends in fp32."""
+        if self.dtype != torch.float32 and self.device.type == "cpu":
+            keys = self._workspace(2, keys.numel(), torch.float32).view(keys.shape).copy_(keys)
+            values = self._workspace(3, values.numel(), torch.float32).view(values.shape).copy_(values)
+            out = F.scaled_dot_product_attention(
+                q.float().unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+            return out.to(self.dtype)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+
     def _gather(
         self, layer_cache: torch.Tensor, block_tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,12 +247,14 @@ class LlamaModel:
         shape = (block_tables.shape[0], -1, self.shape.num_kv_heads, self.shape.head_dim)
         return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
 
-    def _workspace(self, slot: int, numel: int) -> torch.Tensor:
+    def _workspace(self, slot: int, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A flat buffer of at least `numel` elements, grown (doubling) on demand and kept: large per-layer
         temporaries would otherwise be fresh mmaps that page-fault on every step."""
         buffer = self._buffers[slot]
         if buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 2 * buffer.numel()), dtype=self.dtype, device=self.device)
+            buffer = torch.empty(
+                max(numel, 2 * buffer.numel()), dtype=dtype or self.dtype, device=self.device
+            )
             self._buffers[slot] = buffer
         return buffer[:numel]
 
