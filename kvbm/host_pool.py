@@ -12,9 +12,12 @@ Segment `/dev/shm/strata-kvbm-<cache_id>-<layout tag>` (a file in /dev/shm so it
     | ...                 |
     +---------------------+
 
-The slot headers *are* the cross-process index: the pool is set-associative (as CPU caches are). Block hash h may
-live only in set `h % num_sets`, i.e. one of `ways` (16) slots, so a lookup reads 16 headers, no separate hash
-table can go stale, and eviction is LRU within the set (the clock in the segment header orders uses). Every
+The slot headers *are* the cross-process index: the pool is set-associative (as CPU caches are), with two choices.
+Block hash h may live only in set `h % num_sets` or set `(h >> 32) % num_sets`, i.e. one of 2 x `ways` (16)
+slots, so a lookup reads 32 headers and no separate hash table can go stale; a put takes a free slot of either
+set, else the least recently used idle slot of the two (the clock in the segment header orders uses). With one
+set per hash, a set overflowed at 2/3 occupancy and evicted a block from the middle of a cached prefix, which
+cuts every later block of that prefix off; two choices keep the most loaded set near the mean. Every
 header access holds `flock` on the segment file plus a thread lock; payload copies run without the lock:
 
     put: lock, claim slot (state WRITING, hash = new), unlock, spill the old payload, copy in, lock, READY, unlock
@@ -184,8 +187,9 @@ class HostPool:
     def _find(self, block_hashes: Sequence[BlockHash], states: tuple[int, ...] = (READY,)) -> np.ndarray:
         """Slot of each hash in the given states, or -1 (caller holds the lock)."""
         hashes = np.fromiter(block_hashes, dtype="<u8", count=len(block_hashes))
-        ways = np.arange(self.ways, dtype=np.int64)
-        candidates = (hashes % np.uint64(self.num_sets)).astype(np.int64)[:, None] * self.ways + ways
+        num_sets, ways = np.uint64(self.num_sets), np.arange(self.ways, dtype=np.int64)
+        sets = np.stack([hashes % num_sets, (hashes >> np.uint64(32)) % num_sets], axis=1).astype(np.int64)
+        candidates = (sets[:, :, None] * self.ways + ways).reshape(len(hashes), 2 * self.ways)
         rows = self._slots[candidates]
         match = (rows["hash"] == hashes[:, None]) & np.isin(rows["state"], states)
         found = match.any(axis=1)
@@ -203,20 +207,27 @@ class HostPool:
         header["last_use"] = self._tick()
         header["uses"] = min(int(header["uses"]) + 1, 0xFFFFFFFF)
 
+    def _candidate_slots(self, block_hash: BlockHash) -> np.ndarray:
+        """The 2 x `ways` slots `block_hash` may occupy: its first set, then its second."""
+        sets = (int(block_hash) % self.num_sets, (int(block_hash) >> 32) % self.num_sets)
+        return np.concatenate([np.arange(s * self.ways, (s + 1) * self.ways) for s in sets])
+
     def _victim(self, block_hash: BlockHash) -> int:
-        """Free or least recently used unpinned slot of the hash's set, or -1 if every way is busy."""
-        first = (int(block_hash) % self.num_sets) * self.ways
-        rows = self._slots[first : first + self.ways]
-        free = np.flatnonzero(rows["state"] == EMPTY)
-        if free.size:
-            return first + int(free[0])
+        """A free slot of whichever of the hash's two sets has more free slots (the two-choice rule that keeps the
+        fullest set near the mean), else the least recently used unpinned one, or -1 if all are busy."""
+        slots = self._candidate_slots(block_hash)
+        rows = self._slots[slots]
+        empty = rows["state"] == EMPTY
+        if empty.any():
+            second = int(np.count_nonzero(empty[self.ways :])) > int(np.count_nonzero(empty[: self.ways]))
+            return int(slots[self.ways * second + int(np.argmax(empty[self.ways * second :]))])
         stale = [i for i in np.flatnonzero(rows["state"] == WRITING) if not _pid_alive(int(rows["pid"][i]))]
         if stale:
-            return first + int(stale[0])
+            return int(slots[stale[0]])
         idle = np.flatnonzero((rows["state"] == READY) & (rows["pins"] == 0))
         if not idle.size:
             return -1
-        return first + int(idle[np.argmin(rows["last_use"][idle])])
+        return int(slots[idle[np.argmin(rows["last_use"][idle])]])
 
     def _claim(self, block_hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, int]], PutResult]:
         """Under the lock: touch present blocks, claim a WRITING slot for each absent one (first occurrence)."""

@@ -93,3 +93,16 @@ def test_failed_spill_leaves_no_slot_stuck(cache_id: str) -> None:
     assert pool.contains([BlockHash(2)]) == [False]
     assert pool.put([BlockHash(3)], blocks(range(1))) == 1
     pool.destroy()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefixes_filling_two_thirds_of_the_pool_stay_whole(cache_id: str, seed: int) -> None:
+    """Each hash may take a slot in either of two sets: at 2/3 occupancy no set overflows, so no block is evicted
+    from the middle of a cached prefix (with one set per hash, 3 of 5 seeds here lost a chain's middle)."""
+    rng = np.random.default_rng(seed)
+    chains = [[BlockHash(int(h)) for h in rng.integers(0, 2**63, 69)] for _ in range(5)]
+    pool = HostPool(cache_id, "fp", 64, 512)
+    for chain in chains:
+        assert pool.put(chain, [np.zeros(64, np.uint8)] * len(chain)) == len(chain)
+    assert all(pool.contains(chain) == [True] * len(chain) for chain in chains)
+    pool.destroy()
