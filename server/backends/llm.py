@@ -89,9 +89,9 @@ class LLMBackend:
         self.triton = triton
         self.serving = serving
         self.engines: dict[str, Engine] = {}
-        self.index = KVIndex()
+        self._kvbm_metrics = KVBMMetrics(registry)  # tiers of an in-process engine; index size and event lag
+        self.index = KVIndex(metrics=self._kvbm_metrics)
         self._router_metrics = RouterMetrics.create(registry)
-        self._kvbm_metrics = KVBMMetrics(registry) if serving.kvbm is not None else None
         self._connectors: dict[str, KVBMConnector] = {}
 
     def load(self, model: ModelSource) -> None:
