@@ -23,8 +23,9 @@ the KVBM connector, the rest), prompt tokens served from cache, and whether gree
 
 --mooncake: replays all requests of the first N conversations of the Mooncake conversation trace (trace order,
 back to back), one hash id = B tokens of ids drawn from a numpy RNG seeded by the id, prompts cut to their first
-K ids, 1 output token; reports the prefix-hit rate (cached prompt tokens / B per block) of G1-only and of G1+G2+G3
-next to the oracle computed on exactly that subset (unlimited cache, leading hash ids seen before).
+K ids, 1 output token; reports the prefix-hit rate (cached prompt tokens / B per block) of G1-only, of a G2 of
+9/8 the working set, and of a G2 of 1/4 of it backed by a G3 of twice it, next to the oracle computed on exactly
+that subset (unlimited cache, leading hash ids seen before).
 
     python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
                          [--skip-micro] [--ttft] [--mooncake]
@@ -342,21 +343,22 @@ def _close_connector(connector: KVBMConnector) -> None:
     connector.close()
 
 
-def tier_modes(
-    g2_blocks: int, g3_blocks: int, small_g2_blocks: int, disk: Path, redis_url: str | None
-) -> dict:
+def tier_config(g2_blocks: int, g3_blocks: int = 0, disk: Path | None = None) -> KVBMConfig:
+    """A KVBM config with a G2 of `g2_blocks` and a G3 of `g3_blocks` (under `disk`) SmolLM2 blocks."""
+    bb = LAYOUT.block_bytes
+    return KVBMConfig(
+        host_cache_gb=g2_blocks * bb / GIB, disk_cache_gb=g3_blocks * bb / GIB,
+        disk_path=disk or Path("unused"), cache_id=f"bench-{uuid.uuid4().hex[:8]}",
+    )  # fmt: skip
+
+
+def tier_modes(tier_blocks: int, small_g2_blocks: int, disk: Path, redis_url: str | None) -> dict:
     """KVBM configs per mode; "G2+G3" has a G2 of `small_g2_blocks` so most onboards come from G3 as well."""
-    bb, tag = LAYOUT.block_bytes, uuid.uuid4().hex[:8]
     modes: dict[str, KVBMConfig | None] = {
         "G1 only": None,
-        "G2": KVBMConfig(host_cache_gb=g2_blocks * bb / GIB, cache_id=f"bench-{tag}-g2"),
-        "G3": KVBMConfig(host_cache_gb=0, disk_cache_gb=g3_blocks * bb / GIB, disk_path=disk / "g3"),
-        "G2+G3": KVBMConfig(
-            host_cache_gb=small_g2_blocks * bb / GIB,
-            disk_cache_gb=g3_blocks * bb / GIB,
-            disk_path=disk / "g23",
-            cache_id=f"bench-{tag}-g23",
-        ),  # fmt: skip
+        "G2": tier_config(tier_blocks),
+        "G3": tier_config(0, tier_blocks, disk / "g3"),
+        "G2+G3": tier_config(small_g2_blocks, tier_blocks, disk / "g23"),
     }
     if redis_url is not None:
         modes["G4"] = KVBMConfig(host_cache_gb=0, redis_url=redis_url)
@@ -392,7 +394,7 @@ def bench_ttft(args: argparse.Namespace, redis_url: str | None) -> dict:
         "final_history_tokens": max(final_tokens),
     }  # fmt: skip
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVBM_BENCH_DIR")) as disk, ExitStack() as stack:
-        modes = tier_modes(args.tier_blocks, args.tier_blocks, args.g1_blocks, Path(disk), redis_url)
+        modes = tier_modes(args.tier_blocks, args.g1_blocks, Path(disk), redis_url)
         probes = open_engines(args, modes, args.g1_blocks, stack)
         results = _run_turns(args, turns, probes)
     return {"scale": scale, "modes": summarize_ttft(results)}
@@ -480,20 +482,22 @@ def bench_mooncake(args: argparse.Namespace) -> dict:
         "conversations": args.mooncake_conversations, "requests": len(requests), "block_tokens": b,
         "max_prompt_blocks": args.max_prompt_blocks, "output_tokens": 1, "prompt_blocks": total_blocks,
         "working_set_blocks": working_set, "g1_blocks": args.mooncake_g1_blocks,
-        "g2_blocks": engine_blocks // 4, "g3_blocks": 2 * engine_blocks,
+        "g2_only_blocks": engine_blocks * 9 // 8, "g2_blocks": engine_blocks // 4,
+        "g3_blocks": 2 * engine_blocks,
     }  # fmt: skip
     # every prompt ends one token past its last full block: the engine computes the last token for its logits,
     # so without it the last block could never be a hit while the oracle counts it
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVBM_BENCH_DIR")) as disk, ExitStack() as stack:
-        modes = tier_modes(0, 0, 0, Path(disk), None)
-        modes = {"G1 only": None, "G2+G3": modes["G2+G3"]}
-        modes["G2+G3"].host_cache_gb = scale["g2_blocks"] * LAYOUT.block_bytes / GIB
-        modes["G2+G3"].disk_cache_gb = scale["g3_blocks"] * LAYOUT.block_bytes / GIB
+        modes = {
+            "G1 only": None,
+            "G2": tier_config(scale["g2_only_blocks"]),
+            "G2+G3": tier_config(scale["g2_blocks"], scale["g3_blocks"], Path(disk)),
+        }
         probes = open_engines(args, modes, args.mooncake_g1_blocks, stack)
         cached = {mode: 0 for mode in probes}
         for index, ids in enumerate(requests):
             prompt = [t for hash_id in ids for t in block_token_ids(hash_id, b)] + [FIRST_TEXT_ID]
-            names = list(probes)[index % 2 :] + list(probes)[: index % 2]
+            names = list(probes)[index % len(probes) :] + list(probes)[: index % len(probes)]
             for mode in names:
                 cached[mode] += probes[mode].run(f"r{index}", prompt, 1).cached_tokens
     oracle_rate = sum(oracle) / total_blocks
@@ -642,7 +646,8 @@ def print_mooncake(mooncake: dict) -> None:
         f"Mooncake replay: {s['conversations']} whole conversations = {s['requests']} requests in trace order, "
         f"1 hash id = {s['block_tokens']} tokens, prompts cut to {s['max_prompt_blocks']} blocks "
         f"({s['prompt_blocks']} blocks, {s['working_set_blocks']} distinct), {s['output_tokens']} output token; "
-        f"G1 {s['g1_blocks']} blocks, G2 {s['g2_blocks']} + G3 {s['g3_blocks']} blocks of 16 tokens"
+        f"G1 {s['g1_blocks']} blocks; G2 mode: G2 {s['g2_only_blocks']}; G2+G3 mode: G2 {s['g2_blocks']} + "
+        f"G3 {s['g3_blocks']} (blocks of 16 tokens)"
     )
     print(f"{'mode':<20} {'hit blocks':>10} {'hit rate':>9} {'of oracle':>10}")
     for mode, row in mooncake["modes"].items():
