@@ -23,6 +23,7 @@ class Linear(torch.nn.Module):
 
 def main() -> None:
     target = REPOSITORY / "torch_linear" / "1" / "model.pt"
+    target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
         torch.jit.script(Linear()).save(str(target))
         print(f"wrote {target}")
