@@ -24,6 +24,10 @@ class RequestError(ValueError):
         self.message = message
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests now (e.g. every worker process is gone); clients get 503."""
+
+
 _SAMPLING_FIELDS = {
     "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",

@@ -34,8 +34,12 @@ def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = No
     _add_error_handlers(app, serving)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while every model can take requests; 503 naming the models whose workers are all gone."""
+        down = sorted(name for name, engine in models.items() if not getattr(engine, "healthy", True))
+        if down:
+            return JSONResponse({"status": "unavailable", "models": down}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

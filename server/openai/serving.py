@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from server.engine.api import Engine, GenerationOutput, RequestError, SamplingParams
+from server.engine.api import Engine, EngineUnavailable, GenerationOutput, RequestError, SamplingParams
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected, Generation, WaitForDisconnect
 from server.openai.metrics import FrontendMetrics
@@ -125,6 +125,10 @@ class OpenAIServing:
             return tokenize(value)
         except RequestError as exc:
             self._fail(model, 400, f"{param}: {exc.message}", param)
+        except EngineUnavailable as exc:
+            self._metrics.requests.labels(model, "error").inc()
+            raise OpenAIError(503, f"model `{model}` cannot take requests now: {exc}",
+                              type_="service_unavailable", code="engine_unavailable") from None
         except Exception:
             logger.exception("tokenizing %s failed", param)
             self._metrics.requests.labels(model, "error").inc()
@@ -158,6 +162,10 @@ class OpenAIServing:
             generation.submit(jobs)
         except RequestError as exc:
             self._fail_field(request, exc)
+        except EngineUnavailable as exc:
+            self._metrics.requests.labels(request.model, "error").inc()
+            raise OpenAIError(503, f"model `{request.model}` cannot take requests now: {exc}",
+                              type_="service_unavailable", code="engine_unavailable") from None
         except Exception:
             self._metrics.requests.labels(request.model, "error").inc()
             raise

@@ -19,7 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvbm.events import EventSink
-from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.engine.api import (
+    EngineUnavailable,
+    GenerationOutput,
+    GenerationRequest,
+    OutputSink,
+    RequestError,
+    RequestId,
+)
 from server.router.transport import Channel, ChannelAddress
 from server.router.worker import WorkerInfo, WorkerSpec, worker_main
 from server.router.workers import WorkerId
@@ -29,7 +36,7 @@ logger = logging.getLogger(__name__)
 _TICK_S = 0.1  # how often the receiver looks at the process when no message arrives
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(EngineUnavailable):
     """The worker process exited or stopped answering."""
 
 

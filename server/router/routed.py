@@ -173,6 +173,11 @@ class RoutedEngine:
                                                           time.monotonic() - flight.first_token_at)
         self.router.release(request_id)
 
+    @property
+    def healthy(self) -> bool:
+        """At least one worker is alive."""
+        return any(w.alive for w in self._workers.values())
+
     def _any_worker(self) -> RoutableWorker:
         """A live worker for tokenizing, in turn (all workers serve the same model)."""
         live = [w for w in self._workers.values() if w.alive] or list(self._workers.values())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport
+from server.engine.api import EngineUnavailable
 from server.router.config import RouterConfig, Strategy
 from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
 from server.router.lookup import OverlapLookup
@@ -31,7 +32,7 @@ from server.router.workers import WorkerId, WorkerLoad, WorkerStats, relative_sp
 logger = logging.getLogger(__name__)
 
 
-class NoWorkerError(RuntimeError):
+class NoWorkerError(EngineUnavailable):
     """No worker is registered."""
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -30,7 +31,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120) as client:
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
+                       max_retries=0) as client:
         yield client
 
 
@@ -142,3 +144,22 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_no_worker_left_is_503_and_unhealthy(client, server):
+    """Runs last on the module's server: kills whatever worker is left."""
+    for pid in worker_pids(server):
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+    def health_status() -> int:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/health", timeout=10).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    wait_for(lambda: health_status() == 503, 30, what="/health 503")
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="smollm2", prompt="anyone there?", max_tokens=2)
+    assert raised.value.status_code == 503
+    assert raised.value.body["code"] == "engine_unavailable"
