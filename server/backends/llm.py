@@ -33,7 +33,7 @@ from kvbm.connector import KVBMConnector
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
 from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestError, RequestId, SamplingParams
-from server.engine.api import Engine
+from server.engine.api import Engine, EngineUnavailable
 from server.engine.stream import aiterate_outputs
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
@@ -179,6 +179,8 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
                 yield [response]
         except RequestError as exc:
             raise TritonClientError(str(exc)) from None
+        except EngineUnavailable as exc:
+            raise TritonClientError(f"{engine.model_name} cannot take requests now: {exc}") from None
         except Exception:
             log.exception("%s: generation failed", engine.model_name)
             raise TritonClientError("internal error while generating; see the server log") from None
