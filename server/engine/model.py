@@ -1,8 +1,8 @@
 """A Llama-family decoder (Llama, SmolLM2, Qwen2) in plain torch, reading and writing a paged KV pool.
 
 Tokens of one step are flattened into one row dimension T: decode tokens first (one per sequence), then the prefill
-chunks one after another. Linear layers run on all T rows at once; attention runs once for the decode rows (batched
-over their block tables) and once per prefill chunk.
+chunks one after another. Linear layers run on all T rows at once; attention runs once per group of decode rows of
+similar length (batched over their block tables) and once per prefill chunk.
 """
 
 from __future__ import annotations
@@ -69,6 +69,17 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, start+count) attended together: block tables padded to the group's longest sequence,
+    `mask` hides the padding (None when no row has any). Rows are grouped by length so little is padded."""
+
+    start: int
+    count: int
+    block_tables: torch.Tensor  # [count, max_blocks] int64
+    mask: torch.Tensor | None  # [count, 1, 1, max_blocks*block_size] bool
+
+
+@dataclass(slots=True)
 class StepBatch:
     """Everything the forward needs for one step, built once per step as tensors.
 
@@ -81,8 +92,7 @@ class StepBatch:
     slot_blocks: torch.Tensor  # [T] int64
     slot_offsets: torch.Tensor  # [T] int64
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks*block_size] bool
+    decode_groups: list[DecodeGroup]  # cover rows [0, num_decode) in order
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor  # [S] int64
 
@@ -198,10 +208,10 @@ class LlamaModel:
         `layer_cache` is [num_blocks, 2, block_size*Hkv*D]: this layer's K and V rows of each block."""
         s = self.shape
         out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
-        nd = batch.num_decode
-        if nd:
-            keys, values = self._gather(layer_cache, batch.decode_block_tables)
-            out[:nd] = self._decode_attention(q[:nd], keys, values, batch.decode_mask).reshape(nd, -1)
+        for group in batch.decode_groups:
+            rows = slice(group.start, group.start + group.count)
+            keys, values = self._gather(layer_cache, group.block_tables)
+            out[rows] = self._decode_attention(q[rows], keys, values, group.mask).reshape(group.count, -1)
         for chunk in batch.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             query = q[rows].transpose(0, 1).unsqueeze(0)

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.model import LlamaModel, PrefillChunk, StepBatch
+from server.engine.model import DecodeGroup, LlamaModel, PrefillChunk, StepBatch
 from server.engine.scheduler import ScheduledChunk
+
+# A decode row joins the group of shorter rows unless that pads them by more than this many blocks in all
+# (padding costs a gather and attention over masked keys; a new group costs one more gather and SDPA per layer).
+MAX_GROUP_PADDING_BLOCKS = 32
 
 
 class ModelRunner:
@@ -41,31 +45,28 @@ class ModelRunner:
         return self.model.forward(batch, self.kv_cache)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # decode rows sorted by length, so that rows of similar length are attended together
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.seq.num_computed_tokens)
         prefills = [c for c in chunks if c.num_tokens > 1]
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_blocks: list[torch.Tensor] = []
-        decode_tables = decode_mask = None
-        if decodes:
-            decode_tables, decode_mask = self._decode_tables(decodes)
-            pos = torch.tensor([c.seq.num_computed_tokens for c in decodes])
-            token_ids.extend(c.seq.token_ids[c.seq.num_computed_tokens] for c in decodes)
-            positions.append(pos)
-            slot_blocks.append(decode_tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1))
+        bs = self.block_size
+        token_ids = [c.seq.token_ids[c.seq.num_computed_tokens] for c in decodes]
+        decode_positions = [c.seq.num_computed_tokens for c in decodes]
+        positions: list[torch.Tensor] = [torch.tensor(decode_positions, dtype=torch.int64)]
+        decode_slots = [c.seq.block_table[p // bs] for c, p in zip(decodes, decode_positions, strict=True)]
+        slot_blocks: list[torch.Tensor] = [torch.tensor(decode_slots, dtype=torch.int64)]
         prefill_chunks: list[PrefillChunk] = []
         row = len(decodes)
         for chunk in prefills:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             end = start + chunk.num_tokens
             pos = torch.arange(start, end)
-            table = torch.tensor(seq.block_table[: -(-end // self.block_size)])
+            table = torch.tensor(seq.block_table[: -(-end // bs)])
             token_ids.extend(seq.token_ids[start:end])
             positions.append(pos)
-            slot_blocks.append(table[pos // self.block_size])
+            slot_blocks.append(table[pos // bs])
             mask = None
             if start:
-                keys = torch.arange(table.numel() * self.block_size)
+                keys = torch.arange(table.numel() * bs)
                 mask = (keys.unsqueeze(0) <= pos.unsqueeze(1)).to(self.device)
             prefill_chunks.append(PrefillChunk(row, chunk.num_tokens, start, table.to(self.device), mask))
             row += chunk.num_tokens
@@ -74,25 +75,42 @@ class ModelRunner:
             token_ids=torch.tensor(token_ids, device=self.device),
             positions=all_positions.to(self.device),
             slot_blocks=torch.cat(slot_blocks).to(self.device),
-            slot_offsets=(all_positions % self.block_size).to(self.device),
+            slot_offsets=(all_positions % bs).to(self.device),
             num_decode=len(decodes),
-            decode_block_tables=decode_tables.to(self.device) if decodes else None,
-            decode_mask=decode_mask,
+            decode_groups=self._decode_groups(decodes),
             prefills=prefill_chunks,
             logits_rows=self._logits_rows(chunks, decodes, prefills),
         )
 
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [B, max_blocks] and the key mask [B, 1, 1, max_blocks*block_size]."""
-        lengths = [c.seq.num_computed_tokens + 1 for c in decodes]
-        width = -(-max(lengths) // self.block_size)
-        tables = torch.zeros(len(decodes), width, dtype=torch.int64)
-        for row, chunk in enumerate(decodes):
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """Split decode rows (sorted by length) into groups whose padding stays under MAX_GROUP_PADDING_BLOCKS."""
+        bs = self.block_size
+        lengths = [c.seq.num_computed_tokens + 1 for c in decodes]  # keys each row attends to, ascending
+        blocks = [-(-n // bs) for n in lengths]
+        groups: list[DecodeGroup] = []
+        start = 0
+        for end in range(1, len(decodes) + 1):
+            if end < len(decodes):
+                padding = sum(blocks[end] - b for b in blocks[start:end])
+                if padding <= MAX_GROUP_PADDING_BLOCKS:
+                    continue
+            groups.append(self._decode_group(decodes, lengths, start, end))
+            start = end
+        return groups
+
+    def _decode_group(self, decodes, lengths: list[int], start: int, end: int) -> DecodeGroup:
+        """Rows [start, end): block tables padded to the longest, and the key mask (None when nothing is padded)."""
+        width = -(-lengths[end - 1] // self.block_size)
+        tables = torch.zeros(end - start, width, dtype=torch.int64)
+        for row in range(start, end):
             used = -(-lengths[row] // self.block_size)
-            tables[row, :used] = torch.tensor(chunk.seq.block_table[:used])
-        keys = torch.arange(width * self.block_size)
-        mask = keys.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        return tables, mask.view(len(decodes), 1, 1, -1).to(self.device)
+            tables[row - start, :used] = torch.tensor(decodes[row].seq.block_table[:used])
+        mask = None
+        if any(n != width * self.block_size for n in lengths[start:end]):
+            keys = torch.arange(width * self.block_size)
+            mask = keys.unsqueeze(0) < torch.tensor(lengths[start:end]).unsqueeze(1)
+            mask = mask.view(end - start, 1, 1, -1).to(self.device)
+        return DecodeGroup(start, end - start, tables.to(self.device), mask)
 
     def _logits_rows(self, chunks, decodes, prefills) -> torch.Tensor:
         """Row of each sampling chunk's last token, in `chunks` order (decode rows come first in the batch)."""

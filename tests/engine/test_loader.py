@@ -24,7 +24,7 @@ def prefill_logits(folder_files, token_ids: list[int]) -> torch.Tensor:
     positions = torch.arange(n)
     blocks = torch.arange(kv.shape[0])
     batch = StepBatch(
-        torch.tensor(token_ids), positions, blocks[positions // 16], positions % 16, 0, None, None,
+        torch.tensor(token_ids), positions, blocks[positions // 16], positions % 16, 0, [],
         [PrefillChunk(0, n, 0, blocks, None)], torch.arange(n),
     )  # fmt: skip
     return model.forward(batch, kv)
