@@ -32,6 +32,7 @@ from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
+from server.backends.staging import remove
 from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestError, RequestId, SamplingParams
 from server.engine.api import Engine, EngineUnavailable
 from server.engine.stream import aiterate_outputs
@@ -105,6 +106,7 @@ class LLMBackend:
             self.unload(model.name)
         workers = self.serving.workers or (model.config.instance_group[0].count if model.config.instance_group else 1)
         engine = self._build(model.name, config, max(workers, 1))
+        remove(self.triton.store / model.name)  # the placeholder that listed the model until now
         self.triton.pytriton.bind(
             model_name=model.name, infer_func=_infer_function(engine), inputs=INPUTS, outputs=OUTPUTS,
             model_version=version, config=ModelConfig(batching=False, decoupled=True),

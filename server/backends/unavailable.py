@@ -18,13 +18,18 @@ RUNNER = Path(__file__).parent / "stubs" / "unavailable_model.py"
 
 
 def stage(model: BrokenModel, store: Path) -> None:
-    folder = store / model.name
+    stage_reason(model.name, str(model.error), store)
+
+
+def stage_reason(name: str, reason: str, store: Path) -> None:
+    """Stage `name` as a model whose load fails with `reason`."""
+    folder = store / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "1").mkdir(exist_ok=True)
     link(RUNNER, folder / "1" / "model.py")
     prune(folder / "1", {"model.py"})
     prune(folder, {"config.pbtxt", "1"})
-    config = ModelConfig(name=model.name, backend="python")
+    config = ModelConfig(name=name, backend="python")
     config.version_policy.specific.versions.append(1)
-    config.parameters["strata_error"].string_value = str(model.error)
+    config.parameters["strata_error"].string_value = reason
     write_atomic(folder / "config.pbtxt", text_format.MessageToString(config))

@@ -155,6 +155,11 @@ class RepositoryManager:
             unavailable.stage(model, self.triton.store)
         elif model.backend in _STAGERS:
             _STAGERS[model.backend](model, self.triton.store)
+        elif model.backend == LLM and entry.serving is None:
+            # listed by the repository index until Strata binds its engine (PyTriton then owns the folder)
+            reason = (f"{name} is an LLM model: Strata starts its engine (--load-model {name}, or the none/poll "
+                      "control modes); Triton's load_model can only reload an engine Strata already started")
+            unavailable.stage_reason(name, reason, self.triton.store)
 
     def _load(self, name: str) -> None:
         entry = self.entries[name]

@@ -140,3 +140,16 @@ def test_unknown_model_load_is_an_error(strata, tmp_path):
         assert client.is_server_ready()
     finally:
         client.close()
+
+
+def test_explicit_mode_lists_an_unloaded_llm_and_says_how_to_load_it(strata, tmp_path):
+    repo = copy_models(tmp_path / "repo", "smollm2", "string_upper")
+    server = strata(repo, "--model-control-mode", "explicit", "--load-model", "string_upper")
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        assert ("smollm2", "") in index_of(client) or ("smollm2", "1") in index_of(client)
+        with pytest.raises(InferenceServerException, match="LLM model"):
+            client.load_model("smollm2")
+        assert client.is_model_ready("string_upper")
+    finally:
+        client.close()
