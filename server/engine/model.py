@@ -173,15 +173,16 @@ class LlamaModel:
         )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
-        return weight * h.to(x.dtype)
+        """HF's LlamaRMSNorm op for op (same rounding), with fewer temporaries; `x` is not modified."""
+        h = x.float()  # `x` itself in fp32: not written below
+        variance = h.pow(2).mean(-1, keepdim=True).add_(self.shape.rms_norm_eps)
+        return (h * variance.rsqrt_()).to(x.dtype).mul_(weight)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; write K/V of every row into `kv_cache`; return logits [S, vocab] (fp32) for logits_rows."""
         s = self.shape
-        hidden = self.embed[batch.token_ids]
+        hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -189,17 +190,17 @@ class LlamaModel:
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+            qk = (qk * cos).add_(_rotate_half(qk).mul_(sin))  # RoPE on q and k heads at once
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             layer_cache = kv_cache.view(kv_cache.shape[0], s.num_layers, 2, -1)[:, index]
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
             attn = self._attention(batch, q, k, v, layer_cache)
-            hidden = hidden + F.linear(attn, layer.o_proj)
+            hidden.add_(F.linear(attn, layer.o_proj))
             x = self._rms_norm(hidden, layer.post_norm)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden.add_(F.linear(F.silu(gate).mul_(up), layer.down))
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
         return F.linear(last, self.lm_head).float()
 
