@@ -170,8 +170,15 @@ class RepositoryManager:
             else:
                 self.triton.load(name)
         except InferenceServerException as exc:
-            entry.error = exc.message()
-            log.error("%s: load failed: %s", name, entry.error)
+            if isinstance(model, ModelSource):  # a BrokenModel's placeholder fails by design; _stage logged why
+                entry.error = exc.message()
+                log.error("%s: load failed: %s", name, entry.error)
+            return
+        except Exception as exc:  # an LLM engine that cannot start (bad model.json, weights, worker): not fatal
+            entry.error = f"{name}: engine failed to start: {exc}"
+            log.exception("%s", entry.error)
+            if entry.serving is None:
+                unavailable.stage_reason(name, entry.error, self.triton.store)
             return
         if isinstance(model, ModelSource):
             entry.serving, entry.error = model.fingerprint, None

