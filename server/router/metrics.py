@@ -4,13 +4,20 @@ Labels: `strategy` is the strategy that actually picked (the fallback's name whe
 `reason` is one of "prefix_hit" (kv-aware, the chosen worker reuses cached blocks), "no_prefix" (kv-aware, chosen
 by load), "lookup_error", "lookup_timeout", "lookup_cooldown" (the fallback picked), "configured" (a non-kv
 strategy was configured); `worker` is the worker id.
+
+Worker description (while the worker is in the router): `strata_worker_info` is 1 with the hardware as labels
+(model, worker, host, device, device_name, cpu_cores, torch_threads); the speeds the router currently uses
+(calibrated at join, then refined by traffic) and the KV capacity are gauges by `worker`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from server.router.hardware import HardwareInfo
 
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
@@ -26,6 +33,11 @@ class RouterMetrics:
     index_stale: Gauge
     worker_active_blocks: Gauge
     worker_in_flight: Gauge
+    worker_info: Gauge
+    worker_prefill_tok_s: Gauge
+    worker_decode_tok_s: Gauge
+    worker_kv_capacity_bytes: Gauge
+    _info_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> RouterMetrics:
@@ -49,4 +61,41 @@ class RouterMetrics:
                                        ("worker",), registry=reg),
             worker_in_flight=Gauge("strata_router_worker_in_flight", "Requests running or queued per worker",
                                    ("worker",), registry=reg),
+            worker_info=Gauge("strata_worker_info", "1 per worker in the router; its hardware as labels",
+                              _INFO_LABELS, registry=reg),
+            worker_prefill_tok_s=Gauge("strata_worker_prefill_tokens_per_second",
+                                       "Prefill speed the router uses per worker (calibrated, then measured)",
+                                       ("worker",), registry=reg),
+            worker_decode_tok_s=Gauge("strata_worker_decode_tokens_per_second",
+                                      "Decode speed per request the router uses per worker (calibrated, then measured)",
+                                      ("worker",), registry=reg),
+            worker_kv_capacity_bytes=Gauge("strata_worker_kv_capacity_bytes", "KV pool of each worker, bytes",
+                                           ("worker",), registry=reg),
         )
+
+    def show_worker(self, model: str, worker: str, hardware: HardwareInfo | None) -> None:
+        """Export a worker's description (replacing an earlier one under the same id)."""
+        self.hide_worker(worker)
+        hw = hardware
+        labels = (model, worker, hw.host, hw.device, hw.device_name, str(hw.cpu_cores), str(hw.torch_threads)) \
+            if hw else (model, worker, "", "", "", "", "")
+        self._info_labels[worker] = labels
+        self.worker_info.labels(*labels).set(1)
+        self.worker_kv_capacity_bytes.labels(worker).set(hw.kv_capacity_bytes if hw else 0)
+
+    def show_speeds(self, worker: str, prefill_tok_s: float, decode_tok_s: float) -> None:
+        self.worker_prefill_tok_s.labels(worker).set(prefill_tok_s)
+        self.worker_decode_tok_s.labels(worker).set(decode_tok_s)
+
+    def hide_worker(self, worker: str) -> None:
+        """Drop a worker's description and speeds (it left the router)."""
+        labels = self._info_labels.pop(worker, None)
+        if labels is None:
+            return
+        self.worker_info.remove(*labels)
+        for gauge in (self.worker_prefill_tok_s, self.worker_decode_tok_s, self.worker_kv_capacity_bytes):
+            with contextlib.suppress(KeyError):  # speeds are exported from the first report on
+                gauge.remove(worker)
+
+
+_INFO_LABELS = ("model", "worker", "host", "device", "device_name", "cpu_cores", "torch_threads")

@@ -1,9 +1,13 @@
 """`RemoteEngine`: the Engine Protocol over a worker process (see worker.py for the wire protocol).
 
-One receiver thread per worker reads outputs, replies and heartbeats, hands each output to its request's sink,
-and watches the process: a worker that exits, is killed, or misses heartbeats for `heartbeat_timeout_s` is
-declared dead within that time (exit: within `_TICK_S`); every unfinished request then gets a final output with
-finish_reason "error", pending calls raise `WorkerDied`, and death listeners run.
+Two kinds of worker: one this server spawned (`spawn`, ipc; its process is watched too), and one on any host
+that registered in Redis (`connect`, TCP; liveness is heartbeats alone, and "bye" when it leaves).
+
+One receiver thread per worker reads outputs, replies and heartbeats (each acked, so a remote worker knows its
+server is alive), hands each output to its request's sink, and watches liveness: a worker that exits, is
+killed, leaves, or misses heartbeats for `heartbeat_timeout_s` is declared dead within that time (exit: within
+`_TICK_S`); every unfinished request then gets a final output with finish_reason "error", pending calls raise
+`WorkerDied`, and death listeners run.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class WorkerDied(EngineUnavailable):
 
 
 class RemoteEngine:
-    def __init__(self, worker_id: WorkerId, process: multiprocessing.process.BaseProcess, channel: Channel,
+    def __init__(self, worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,
                  info: WorkerInfo, heartbeat_timeout_s: float, call_timeout_s: float,
                  event_sink: EventSink | None = None) -> None:
         self.worker_id = worker_id
@@ -84,8 +88,25 @@ class RemoteEngine:
             process.join(10)
             channel.close()
             raise
-        logger.info("worker %s up: pid %d, model %s", worker_id, info.pid, info.model_name)
+        logger.info("worker %s up: pid %d, model %s; %s", worker_id, info.pid, info.model_name, info.summary())
         return cls(worker_id, process, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
+
+    @classmethod
+    def connect(cls, worker_id: WorkerId, address: ChannelAddress, server_id: str, start_timeout_s: float = 10.0,
+                heartbeat_timeout_s: float = 3.0, call_timeout_s: float = 60.0,
+                event_sink: EventSink | None = None) -> RemoteEngine:
+        """Attach to a worker that bound `address` (a `strata worker` on any host) and wait for its hello. The
+        caller holds the worker's claim: a bound worker must have one server at a time (see transport.py)."""
+        channel = Channel(address, server_side=True)
+        channel.send("attach", server_id)
+        try:
+            info = _wait_for_hello(worker_id, None, channel, time.monotonic() + start_timeout_s, event_sink)
+        except WorkerDied:
+            channel.close()
+            raise
+        logger.info("remote worker %s joined: %s pid %d, model %s; %s", worker_id, address.to_worker, info.pid,
+                    info.model_name, info.summary())
+        return cls(worker_id, None, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @property
     def max_tokens_limit(self) -> int:
@@ -121,21 +142,24 @@ class RemoteEngine:
             self._channel.send("abort", request_id)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker (its engine aborts what is left), then the receiver."""
+        """Stop the worker (its engine aborts what is left): a spawned one exits, a remote one detaches and
+        waits for its next server. Then stop the receiver."""
         self._closing = True
-        if self._dead is None and self._process.is_alive():
+        if self._dead is None:
             self._channel.send("stop")
+        if self._process is not None:
             self._process.join(timeout_s)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout_s)
         self._die("closed")
         self._receiver.join(timeout_s)
         self._channel.close()
 
     def kill(self) -> None:
-        """Kill the worker process at once (tests, and a worker that stopped answering)."""
-        self._process.kill()
+        """Kill the worker process at once (tests, and a worker that stopped answering); spawned workers only."""
+        if self._process is not None:
+            self._process.kill()
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._dead is not None:
@@ -167,10 +191,13 @@ class RemoteEngine:
             elif kind == "reply":
                 self._resolve(*message[1:])
             elif kind == "beat":
+                self._channel.send("ack")
                 self.stats = message[1]
                 self._check_liveness()
                 for on_beat, _ in self._listeners:
                     on_beat(self)
+            elif kind == "bye":
+                self._die(f"worker left ({message[1]})")
 
     def _deliver(self, output: GenerationOutput) -> None:
         with self._lock:
@@ -191,10 +218,10 @@ class RemoteEngine:
             future.set_exception(RuntimeError(f"worker {self.worker_id}: {value}"))
 
     def _check_liveness(self) -> None:
-        if not self._process.is_alive():
+        if self._process is not None and not self._process.is_alive():
             self._die(f"process exited with code {self._process.exitcode}")
         elif time.monotonic() - self._last_heard > self._heartbeat_timeout_s:
-            self._process.kill()
+            self.kill()
             self._die(f"no heartbeat for {self._heartbeat_timeout_s:.1f} s")
 
     def _die(self, reason: str) -> None:
@@ -215,13 +242,13 @@ class RemoteEngine:
             on_death(self)
 
 
-def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BaseProcess, channel: Channel,
+def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,
                     deadline: float, event_sink: EventSink | None) -> WorkerInfo:
     """The worker's hello; KVBM events it publishes while building its engine go to `event_sink` meanwhile."""
     while True:
         message = channel.recv(timeout_s=_TICK_S)
         if message is None:
-            if not process.is_alive():
+            if process is not None and not process.is_alive():
                 message = channel.recv(timeout_s=_TICK_S)  # what it sent just before exiting, if anything
                 if message is None:
                     raise WorkerDied(f"worker {worker_id} exited while starting (exit code {process.exitcode})")

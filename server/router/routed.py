@@ -5,7 +5,10 @@ block size and salt), route, submit to that worker, and release the router's cou
 arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are measured here from the outputs
 (prefill tok/s = uncached prompt tokens / time to first token; decode tok/s = output tokens / decode time), only
 from requests that had their worker to themselves, so that queueing and batching are not mistaken for a slow
-worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). A dead worker leaves the router at once; its requests end with finish_reason "error".
+worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
+meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
+fast from its first request. A dead worker leaves the router at once; its requests end with finish_reason
+"error". Workers may join while serving (`add_worker`: remote workers found in Redis, see discovery.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Protocol
 
 from kvbm.block_hash import BlockHash, block_hashes
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
+from server.router.hardware import Speeds
 from server.router.router import Router
 from server.router.workers import WorkerId, WorkerStats
 
@@ -65,6 +69,17 @@ class SpeedMeter:
             self._decode = _smooth(self._decode, tokens / seconds, self.alpha)
             self._decode_samples += 1
 
+    @classmethod
+    def seeded(cls, speeds: Speeds | None) -> SpeedMeter:
+        """A meter that starts from calibrated speeds (counted as `min_samples` samples each); traffic refines
+        them. Unmeasured (0) speeds stay unknown."""
+        meter = cls()
+        if speeds is not None and speeds.prefill_tok_s > 0:
+            meter._prefill, meter._prefill_samples = speeds.prefill_tok_s, meter.min_samples
+        if speeds is not None and speeds.decode_tok_s > 0:
+            meter._decode, meter._decode_samples = speeds.decode_tok_s, meter.min_samples
+        return meter
+
 
 @dataclass(slots=True)
 class _InFlight:
@@ -83,16 +98,36 @@ class RoutedEngine:
         self.router = router
         self.block_size = block_size
         self.salt = salt
-        self._workers: dict[WorkerId, RoutableWorker] = {w.worker_id: w for w in workers}
-        self._speeds = {w.worker_id: SpeedMeter() for w in workers}
+        # replaced, never mutated, when a worker joins: readers iterate a snapshot without the lock
+        self._workers: dict[WorkerId, RoutableWorker] = {}
+        self._speeds: dict[WorkerId, SpeedMeter] = {}
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._lock = threading.Lock()
         self._turn = 0
         for worker in workers:
-            router.update_worker(self._stats_of(worker))
-            add_listener = getattr(worker, "add_listener", None)
-            if add_listener is not None:
-                add_listener(self.on_beat, self.on_death)
+            self.add_worker(worker)
+
+    def add_worker(self, worker: RoutableWorker) -> None:
+        """Route to `worker` from now on (any thread). A worker with the id of one that died replaces it.
+        Raises ValueError for a worker of another model or KV layout (its block hashes would not match)."""
+        info = getattr(worker, "info", None)
+        if worker.model_name != self.model_name:
+            raise ValueError(f"worker {worker.worker_id} serves {worker.model_name!r}, not {self.model_name!r}")
+        if info is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
+            raise ValueError(f"worker {worker.worker_id}: KV layout differs (block size {info.block_size}, salt "
+                             f"{info.salt}; this model: {self.block_size}, {self.salt}); check dtype and block_size")
+        with self._lock:
+            self._speeds[worker.worker_id] = SpeedMeter.seeded(getattr(info, "speeds", None))
+            self._workers = {**self._workers, worker.worker_id: worker}
+        self.router.metrics.show_worker(self.model_name, worker.worker_id, getattr(info, "hardware", None))
+        self.router.update_worker(self._stats_of(worker))
+        add_listener = getattr(worker, "add_listener", None)
+        if add_listener is not None:
+            add_listener(self.on_beat, self.on_death)
+
+    def has_live_worker(self, worker_id: WorkerId) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.alive
 
     @property
     def max_tokens_limit(self) -> int:
@@ -135,12 +170,15 @@ class RoutedEngine:
 
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""
-        if worker.worker_id in self._workers and worker.alive:
+        if self._workers.get(worker.worker_id) is worker and worker.alive:
             self.router.update_worker(self._stats_of(worker))
 
     def on_death(self, worker: RoutableWorker) -> None:
+        if self._workers.get(worker.worker_id) is not worker:
+            return  # replaced by a newer worker under the same id
         logger.warning("worker %s left the router", worker.worker_id)
         self.router.remove_worker(worker.worker_id)
+        self.router.metrics.hide_worker(worker.worker_id)
 
     def _sink(self, request_id: RequestId, sink: OutputSink) -> OutputSink:
         def routed_sink(output: GenerationOutput) -> None:
@@ -188,6 +226,7 @@ class RoutedEngine:
         pool = worker.stats or {}
         capacity = pool.get("num_blocks", 0)
         speed = self._speeds[worker.worker_id]
+        self.router.metrics.show_speeds(worker.worker_id, speed.prefill_tok_s, speed.decode_tok_s)
         return WorkerStats(worker.worker_id, kv_capacity_blocks=capacity,
                            active_blocks=capacity - pool.get("num_free_blocks", capacity),
                            in_flight=pool.get("num_running", 0) + pool.get("num_waiting", 0),

@@ -1,4 +1,5 @@
-"""The link between the server and one worker process: two ZMQ PUSH/PULL sockets over unix domain sockets (ipc).
+"""The link between the server and one worker: two ZMQ PUSH/PULL sockets, over unix domain sockets (ipc) for
+a worker the server spawned, over TCP for a worker on another host (`strata worker`).
 
 Why ZMQ and not `multiprocessing.Pipe` (bench/routing.py transport, one pickled GenerationOutput, 2 busy cores):
 the hot path is worker -> server, one message per generated token per request, and there ZMQ carries 86k msg/s
@@ -8,7 +9,13 @@ would). A Pipe round trip is shorter (46 us p50 against 78 us), but that is paid
 per token. One socket per direction: ZMQ sockets are not thread-safe, so each process receives on one socket
 from one thread and sends on the other under a lock.
 
-Messages are pickled tuples `(kind, *fields)`; both ends are the same Strata version, spawned by the server.
+Who binds: the side that is found by the other. A spawned worker is told the server's ipc endpoints, so the
+server binds; a remote worker advertises its endpoints in Redis, so it binds and servers connect. PUSH
+round-robins between connected peers, so a bound worker must have exactly one server connected at a time
+(discovery.py takes a claim in Redis before connecting).
+
+Messages are pickled tuples `(kind, *fields)`; both ends must run the same Strata version (a spawned worker does
+by construction; a remote worker and its server are deployed together). What goes into Redis is JSON.
 """
 
 from __future__ import annotations
@@ -26,22 +33,42 @@ import zmq
 
 @dataclass(frozen=True, slots=True)
 class ChannelAddress:
-    """ipc:// endpoints: `to_worker` is bound by the server, `to_server` by the server too (workers connect)."""
+    """The two endpoints (ipc:// or tcp://) and which side binds both of them (see the module docstring)."""
 
     to_worker: str
     to_server: str
+    worker_binds: bool = False
 
     @classmethod
     def fresh(cls) -> ChannelAddress:
+        """Fresh ipc endpoints in the temp folder, bound by the server (a worker it spawns)."""
         base = os.path.join(tempfile.gettempdir(), f"strata-{uuid.uuid4().hex[:12]}")
         return cls(f"ipc://{base}-in", f"ipc://{base}-out")
 
+    @classmethod
+    def tcp(cls, host: str, port: int) -> ChannelAddress:
+        """TCP endpoints bound by the worker: `port` and `port + 1` (0: two ports the OS picks)."""
+        if port == 0:
+            return cls(f"tcp://{host}:*", f"tcp://{host}:*", worker_binds=True)
+        return cls(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", worker_binds=True)
+
+    def with_host(self, host: str) -> ChannelAddress:
+        """The same TCP ports on another host name (what a worker bound on 0.0.0.0 advertises)."""
+        return ChannelAddress(_retarget(self.to_worker, host), _retarget(self.to_server, host), self.worker_binds)
+
     def paths(self) -> list[str]:
-        return [self.to_worker.removeprefix("ipc://"), self.to_server.removeprefix("ipc://")]
+        """Socket files to remove after use (ipc only)."""
+        return [e.removeprefix("ipc://") for e in (self.to_worker, self.to_server) if e.startswith("ipc://")]
+
+
+def _retarget(endpoint: str, host: str) -> str:
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
 
 
 class Channel:
-    """One end of the link: `send` from any thread, `recv` from one thread only."""
+    """One end of the link: `send` from any thread, `recv` from one thread only. `address` is the address as
+    bound (wildcard TCP ports resolved) on the binding side, else the one given."""
 
     def __init__(self, address: ChannelAddress, server_side: bool) -> None:
         self._context = zmq.Context()
@@ -51,18 +78,30 @@ class Channel:
         # never waits on a worker that is gone.
         self._out.setsockopt(zmq.LINGER, 0 if server_side else 2000)
         self._in.setsockopt(zmq.LINGER, 0)
-        if server_side:
-            self._out.bind(address.to_worker)
-            self._in.bind(address.to_server)
+        out_endpoint, in_endpoint = (address.to_worker, address.to_server) if server_side \
+            else (address.to_server, address.to_worker)
+        binds = server_side != address.worker_binds
+        if binds:
+            self._out.bind(out_endpoint)
+            self._in.bind(in_endpoint)
+            bound_out = self._out.getsockopt_string(zmq.LAST_ENDPOINT)
+            bound_in = self._in.getsockopt_string(zmq.LAST_ENDPOINT)
+            to_worker, to_server = (bound_out, bound_in) if server_side else (bound_in, bound_out)
+            address = ChannelAddress(to_worker, to_server, address.worker_binds)
         else:
-            self._out.connect(address.to_server)
-            self._in.connect(address.to_worker)
+            self._out.connect(out_endpoint)
+            self._in.connect(in_endpoint)
+        self.address = address
         self._send_lock = threading.Lock()
-        self._socket_files = address.paths() if server_side else []
+        self._closed = False
+        self._socket_files = address.paths() if binds else []
 
     def send(self, *message: Any) -> None:
+        """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a
+        server that has left)."""
         with self._send_lock:
-            self._out.send_pyobj(message)
+            if not self._closed:
+                self._out.send_pyobj(message)
 
     def recv(self, timeout_s: float | None = None) -> tuple[Any, ...] | None:
         """The next message, or None if none came within `timeout_s`."""
@@ -72,6 +111,7 @@ class Channel:
 
     def close(self) -> None:
         with self._send_lock:
+            self._closed = True
             self._out.close()
         self._in.close()
         self._context.term()
