@@ -8,8 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server import settings
+
+if TYPE_CHECKING:
+    from kvbm.config import KVBMConfig
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,12 +48,32 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
     llm.add_argument("--router-busy-threshold", type=float, default=0.95,
                      help="skip a worker whose KV use is at or above this fraction, unless all are")
-    llm.add_argument("--context-length", type=int, default=None, help="override max_model_len of every LLM (tokens)")
-    llm.add_argument("--max-concurrent-requests", type=int, default=None,
-                     help="override max_concurrent_requests of every LLM engine")
-    llm.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="override the per-step token budget of every LLM engine")
+    llm.add_argument("--accept-remote-workers", action="store_true",
+                     help="let `strata worker` processes on any host join each LLM model through Redis "
+                          "(needs --redis-url)")
+    _engine_flags(llm)
     kv = p.add_argument_group("KV Block Manager (tiers below the engine's own pool)")
+    _kvbm_flags(kv)
+    kv.add_argument("--redis-url", default=None,
+                    help="G4 tier; with --kvbm-service, workers publish block events and leases there; with "
+                         "--accept-remote-workers, remote workers register there")
+    kv.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
+                    help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)")
+    p.add_argument("--access-token", default=settings.access_token(),
+                   help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
+                        "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
+
+
+def _engine_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--context-length", type=int, default=None,
+                       help="override max_model_len of every LLM (tokens)")
+    group.add_argument("--max-concurrent-requests", type=int, default=None,
+                       help="override max_concurrent_requests of every LLM engine")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="override the per-step token budget of every LLM engine")
+
+
+def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kvbm-host-cache-gb", type=float, default=1.0,
                     help="G2: shared-memory pool for every worker on this node (0: off)")
     kv.add_argument("--kvbm-disk-cache-gb", type=float, default=0.0, help="G3: preallocated disk cache (0: off)")
@@ -59,13 +83,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--kvbm-redis-cache-gb", type=float, default=0.0, help="G4 capacity bound (0: unbounded)")
     kv.add_argument("--kvbm-cache-id", default="default", help="node-local name of the G2 segment")
     kv.add_argument("--no-kvbm", dest="kvbm", action="store_false", help="G1-only prefix caching")
-    kv.add_argument("--redis-url", default=None,
-                    help="G4 tier; with --kvbm-service, workers publish block events and leases there")
-    kv.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
-                    help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)")
-    p.add_argument("--access-token", default=settings.access_token(),
-                   help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
-                        "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
+
+
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve one LLM model's engine for `strata serve --accept-remote-workers` "
+                                      "servers, found through Redis (one server at a time)")
+    p.add_argument("--model-repository", type=Path, required=True, help="repository folder holding the model")
+    p.add_argument("--model", required=True, help="the LLM model (folder name) to serve")
+    p.add_argument("--redis-url", required=True, help="Redis where servers discover workers (also the G4 tier)")
+    p.add_argument("--worker-id", default=None, help="unique per model (default: <hostname>-<pid>)")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind the worker's two TCP ports on")
+    p.add_argument("--advertise-host", default=None,
+                   help="host name servers connect to (default: --host, or this machine's name for 0.0.0.0)")
+    p.add_argument("--port", type=int, default=0, help="binds PORT and PORT+1 (0: two free ports)")
+    p.add_argument("--lease-secs", type=float, default=3.0,
+                   help="registration lease; also how long a silent server is waited for before detaching")
+    p.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
+                   help="the servers query a standalone `strata kvbm`: publish block events to Redis for it "
+                        "(default: send them to the attached server's index)")
+    _engine_flags(p.add_argument_group("engine overrides"))
+    _kvbm_flags(p.add_argument_group("KV Block Manager (tiers below the engine's own pool)"))
 
 
 def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +114,29 @@ def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped")
 
 
+def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
+    """The KVBM tiers of the --kvbm-* flags (shared by `strata serve` and `strata worker`); None with --no-kvbm."""
+    from kvbm.config import KVBMConfig
+
+    if not args.kvbm:
+        return None
+    kvbm = KVBMConfig(
+        host_cache_gb=args.kvbm_host_cache_gb, disk_cache_gb=args.kvbm_disk_cache_gb,
+        disk_path=args.kvbm_disk_path, redis_url=args.redis_url, write_through=args.kvbm_write_through,
+        redis_ttl_s=args.kvbm_redis_ttl_secs, redis_cache_gb=args.kvbm_redis_cache_gb,
+        cache_id=args.kvbm_cache_id,
+    )
+    kvbm.validate()
+    return kvbm
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-num-batched-tokens."""
+    return {key: value for key, value in (
+        ("max_model_len", args.context_length), ("max_concurrent_requests", args.max_concurrent_requests),
+        ("max_num_batched_tokens", args.max_num_batched_tokens)) if value is not None}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Before torch loads OpenMP: its default spin-waiting between parallel regions steals the cores that
     # Triton, the frontend and other workers need (a batch-8 decode step measured 663 ms instead of 168 ms
@@ -85,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _worker_parser(sub)
     _kvbm_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -95,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.serve import serve
 
         return serve(args)
+    if args.command == "worker":
+        from server.router.remote_worker import run_worker
+
+        return run_worker(args)
     if args.command == "kvbm":
         from kvbm.service import run_service
 

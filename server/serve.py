@@ -10,8 +10,8 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from kvbm.config import KVBMConfig
 from server.backends.llm import LLMBackend, LLMServing
+from server.cli import engine_overrides, kvbm_config
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
 from server.router.config import RouterConfig
@@ -73,24 +73,15 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def llm_serving(args: argparse.Namespace) -> LLMServing:
-    """The LLM deployment the flags describe."""
+    """The LLM deployment the flags describe; ValueError names a bad flag."""
     router = RouterConfig(
         strategy=args.routing_strategy, fallback=args.router_fallback, temperature=args.router_temperature,
         overlap_weight=args.router_overlap_weight, busy_threshold=args.router_busy_threshold,
     )
-    kvbm = None
-    if args.kvbm:
-        kvbm = KVBMConfig(
-            host_cache_gb=args.kvbm_host_cache_gb, disk_cache_gb=args.kvbm_disk_cache_gb,
-            disk_path=args.kvbm_disk_path, redis_url=args.redis_url, write_through=args.kvbm_write_through,
-            redis_ttl_s=args.kvbm_redis_ttl_secs, redis_cache_gb=args.kvbm_redis_cache_gb,
-            cache_id=args.kvbm_cache_id,
-        )
-        kvbm.validate()
-    overrides = {key: value for key, value in (
-        ("max_model_len", args.context_length), ("max_concurrent_requests", args.max_concurrent_requests),
-        ("max_num_batched_tokens", args.max_num_batched_tokens)) if value is not None}
-    return LLMServing(router, args.workers, kvbm, args.kvbm_service, overrides)
+    if args.accept_remote_workers and not args.redis_url:
+        raise ValueError("--accept-remote-workers: needs --redis-url (remote workers register in Redis)")
+    return LLMServing(router, args.workers, kvbm_config(args), args.kvbm_service, engine_overrides(args),
+                      remote_workers=args.redis_url if args.accept_remote_workers else None)
 
 
 def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, llm: LLMBackend, triton: TritonServer,

@@ -38,8 +38,10 @@ from server.engine.api import Engine, EngineUnavailable
 from server.engine.stream import aiterate_outputs
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
+from server.router.discovery import Discovery
 from server.router.metrics import RouterMetrics
-from server.router.remote import spawn_workers
+from server.router.registry import Directory, WorkerRecord
+from server.router.remote import RemoteEngine, spawn_workers
 from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.router.worker import WorkerSpec, build_llm_engine
@@ -70,6 +72,7 @@ class LLMServing:
     kvbm        tiers below each engine's pool (None: G1-only prefix caching)
     kvbm_service  address of a standalone `strata kvbm` (multi-node): workers publish to Redis, the router queries it
     overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
+    remote_workers  Redis URL where `strata worker` processes register (--accept-remote-workers); None: local only
     """
 
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -77,13 +80,16 @@ class LLMServing:
     kvbm: KVBMConfig | None = None
     kvbm_service: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    remote_workers: str | None = None
 
 
 class LLMBackend:
     """Builds an engine per LLM model and binds it into Triton; `engines` is shared with the OpenAI frontend.
 
     One worker runs the engine in this process; N workers run in child processes behind a `RoutedEngine` whose
-    router reads the embedded KV index (fed by the workers' forwarded block events) or the KVBM service.
+    router reads the embedded KV index (fed by the workers' forwarded block events) or the KVBM service. With
+    remote workers accepted, every model is routed (at least one child process) and a `Discovery` thread adds
+    the `strata worker` processes that register for it in Redis.
     """
 
     def __init__(self, triton: TritonServer, serving: LLMServing, registry: CollectorRegistry | None = None) -> None:
@@ -94,6 +100,7 @@ class LLMBackend:
         self.index = KVIndex(metrics=self._kvbm_metrics)
         self._router_metrics = RouterMetrics.create(registry)
         self._connectors: dict[str, KVBMConnector] = {}
+        self._discoveries: dict[str, Discovery] = {}
 
     def load(self, model: ModelSource) -> None:
         version = model.versions[-1]
@@ -117,7 +124,7 @@ class LLMBackend:
 
     def _build(self, name: str, config: EngineConfig, workers: int) -> Engine:
         kvbm = self.serving.kvbm
-        if workers == 1:
+        if workers == 1 and self.serving.remote_workers is None:
             connector = None
             if kvbm is not None:
                 connector = build_connector(kvbm, f"{name}-0", index=self.index, metrics=self._kvbm_metrics)
@@ -129,9 +136,24 @@ class LLMBackend:
                                 event_sink=None if standalone else self.index)
         lookup = KVIndexClient(self.serving.kvbm_service) if standalone else self.index
         router = Router(self.serving.router, lookup, self._router_metrics)
-        return RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+        routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+        if self.serving.remote_workers is not None:
+            self._discoveries[name] = self._discover(name, routed, event_sink=None if standalone else self.index)
+        return routed
+
+    def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
+        """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""
+
+        def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
+            return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id,
+                                        event_sink=event_sink)
+
+        return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()
 
     def unload(self, name: str) -> None:
+        discovery = self._discoveries.pop(name, None)
+        if discovery is not None:
+            discovery.stop()
         engine = self.engines.pop(name, None)
         self.triton.unbind(name)
         _close(engine)
@@ -140,6 +162,9 @@ class LLMBackend:
             connector.close()
 
     def stop(self) -> None:
+        for discovery in self._discoveries.values():
+            discovery.stop()
+        self._discoveries.clear()
         for name in list(self.engines):
             _close(self.engines.pop(name))
         for connector in self._connectors.values():

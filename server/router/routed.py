@@ -24,6 +24,7 @@ from kvbm.block_hash import BlockHash, block_hashes
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
 from server.router.hardware import Speeds
 from server.router.router import Router
+from server.router.worker import WorkerInfo
 from server.router.workers import WorkerId, WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -111,11 +112,9 @@ class RoutedEngine:
         """Route to `worker` from now on (any thread). A worker with the id of one that died replaces it.
         Raises ValueError for a worker of another model or KV layout (its block hashes would not match)."""
         info = getattr(worker, "info", None)
-        if worker.model_name != self.model_name:
-            raise ValueError(f"worker {worker.worker_id} serves {worker.model_name!r}, not {self.model_name!r}")
-        if info is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
-            raise ValueError(f"worker {worker.worker_id}: KV layout differs (block size {info.block_size}, salt "
-                             f"{info.salt}; this model: {self.block_size}, {self.salt}); check dtype and block_size")
+        problem = self.incompatibility(worker.model_name, info)
+        if problem is not None:
+            raise ValueError(f"worker {worker.worker_id}: {problem}")
         with self._lock:
             self._speeds[worker.worker_id] = SpeedMeter.seeded(getattr(info, "speeds", None))
             self._workers = {**self._workers, worker.worker_id: worker}
@@ -124,6 +123,16 @@ class RoutedEngine:
         add_listener = getattr(worker, "add_listener", None)
         if add_listener is not None:
             add_listener(self.on_beat, self.on_death)
+
+    def incompatibility(self, model_name: str, info: WorkerInfo | None) -> str | None:
+        """Why a worker cannot join this model (another model, or another KV layout whose block hashes would not
+        match the index), or None."""
+        if model_name != self.model_name:
+            return f"serves {model_name!r}, not {self.model_name!r}"
+        if info is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
+            return (f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
+                    f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json")
+        return None
 
     def has_live_worker(self, worker_id: WorkerId) -> bool:
         worker = self._workers.get(worker_id)

@@ -21,6 +21,7 @@ by construction; a remote worker and its server are deployed together). What goe
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -29,6 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+logger = logging.getLogger(__name__)
+
+_REMOTE_SEND_TIMEOUT_MS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,10 @@ class Channel:
         out_endpoint, in_endpoint = (address.to_worker, address.to_server) if server_side \
             else (address.to_server, address.to_worker)
         binds = server_side != address.worker_binds
+        if not server_side and address.worker_binds:
+            # a bound PUSH with no peer blocks in send: bound the wait, so a worker whose server vanished
+            # neither hangs its engine thread nor its heartbeat (the message is dropped instead)
+            self._out.setsockopt(zmq.SNDTIMEO, _REMOTE_SEND_TIMEOUT_MS)
         if binds:
             self._out.bind(out_endpoint)
             self._in.bind(in_endpoint)
@@ -100,8 +109,13 @@ class Channel:
         """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a
         server that has left)."""
         with self._send_lock:
-            if not self._closed:
+            if self._closed:
+                return
+            try:
                 self._out.send_pyobj(message)
+            except zmq.Again:
+                logger.debug("no server took a %r message within %d ms; dropped", message[0],
+                             _REMOTE_SEND_TIMEOUT_MS)
 
     def recv(self, timeout_s: float | None = None) -> tuple[Any, ...] | None:
         """The next message, or None if none came within `timeout_s`."""
@@ -110,7 +124,10 @@ class Channel:
         return self._in.recv_pyobj()
 
     def close(self) -> None:
+        """Idempotent."""
         with self._send_lock:
+            if self._closed:
+                return
             self._closed = True
             self._out.close()
         self._in.close()

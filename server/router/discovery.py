@@ -1,0 +1,106 @@
+"""Remote workers join a served model while it runs: one thread per model follows the registry in Redis.
+
+At start it reads the registered workers, then blocks on the model's join stream (XREAD BLOCK; the block's
+timeout, lease_s/3, also paces refreshing this server's claims and removing registrations whose lease expired).
+For each free worker: claim it, connect (`RemoteEngine.connect`), and `RoutedEngine.add_worker`. A worker that
+dies, hangs or leaves is dropped by its RemoteEngine (heartbeat timeout, or its "bye"); new requests go to the
+others, and the model keeps serving on its local workers. When it is free again it announces "join" and is
+claimed anew.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from server.router.registry import Directory, WorkerRecord
+from server.router.remote import RemoteEngine, WorkerDied
+from server.router.routed import RoutedEngine
+from server.router.workers import WorkerId
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[WorkerRecord, str], RemoteEngine]  # (record, server id) -> an attached RemoteEngine
+
+
+class Discovery:
+    def __init__(self, directory: Directory, engine: RoutedEngine, connect: Connect) -> None:
+        self.directory = directory
+        self.engine = engine
+        self._connect = connect
+        self._remotes: dict[str, RemoteEngine] = {}
+        self._refused: set[tuple[str, int]] = set()  # (worker id, pid) of workers that do not fit the model
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"discovery-{directory.model}", daemon=True)
+
+    def start(self) -> Discovery:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop following and let go of the remote workers (they stay registered, free for another server)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for worker_id, remote in self._remotes.items():
+            remote.close()
+            self.directory.release(worker_id)
+        self.directory.close()
+
+    def _run(self) -> None:
+        period_ms = self.directory.lease_ms // 3
+        after = self.directory.stream_tail()
+        for record in self.directory.live_records():
+            self._attach(record)
+        while not self._stop.is_set():
+            events = self.directory.wait_for_events(after, block_ms=period_ms)
+            if events is None:  # Redis unreachable: keep serving; ask again a period later
+                self._stop.wait(period_ms / 1000)
+                continue
+            for event_id, fields in events:
+                after = event_id
+                if fields.get("event") == "join":
+                    record = self.directory.record(fields["worker"])
+                    if record is not None:
+                        self._attach(record)
+            self._forget_dead()
+            self.directory.keep_claims(list(self._remotes))
+            self.directory.live_records()  # removes registrations whose lease expired
+
+    def _attach(self, record: WorkerRecord) -> None:
+        """Claim, connect and route to a worker, unless this server has it already, another server does, or it
+        does not fit the model (logged once per worker process)."""
+        worker_id = record.worker_id
+        if self.engine.has_live_worker(WorkerId(worker_id)) or self._stop.is_set():
+            return
+        problem = self.engine.incompatibility(record.info.model_name, record.info)
+        if problem is not None:
+            if (worker_id, record.info.pid) not in self._refused:
+                self._refused.add((worker_id, record.info.pid))
+                log.error("%s: refusing worker %s: %s", self.directory.model, worker_id, problem)
+            return
+        if not self.directory.claim(worker_id):
+            log.info("%s: worker %s is held by another server", self.directory.model, worker_id)
+            return
+        self._forget(worker_id)
+        try:
+            remote = self._connect(record, self.directory.server_id)
+        except WorkerDied as exc:
+            log.warning("%s: could not attach worker %s at %s: %s", self.directory.model, worker_id,
+                        record.address.to_worker, exc)
+            self.directory.release(worker_id)
+            return
+        self._remotes[worker_id] = remote
+        self.engine.add_worker(remote)
+
+    def _forget_dead(self) -> None:
+        """Close the links of remote workers that died and free their claims (a worker that comes back, or
+        was only cut off from this server, can then be claimed again)."""
+        for worker_id in [w for w, remote in self._remotes.items() if not remote.alive]:
+            self._forget(worker_id)
+            self.directory.release(worker_id)
+
+    def _forget(self, worker_id: str) -> None:
+        remote = self._remotes.pop(worker_id, None)
+        if remote is not None:
+            remote.close()

@@ -1,0 +1,227 @@
+"""Worker discovery in Redis: remote workers (`strata worker`) register per model, servers find and claim them.
+
+Keys, per model, on the Redis of `--redis-url` (values are JSON or plain strings, never pickles):
+
+    strata:workers:<model>                 hash  worker id -> {"address": ChannelAddress, "info": WorkerInfo}
+    strata:worker-lease:<model>:<worker>   exists while the worker lives: SET PX lease_s, refreshed every lease_s/3
+    strata:worker-claim:<model>:<worker>   the server holding the worker: SET NX PX lease_s, refreshed by it
+    strata:worker-events:<model>           stream of {"event": "join" | "leave", "worker": id, "reason": text}
+
+A worker announces "join" when it registers and each time it is free again; servers block on the stream
+(XREAD BLOCK) and claim a joining worker before connecting, so a worker has one server at a time (its PUSH
+socket would split outputs between two). A registration whose lease is gone (the worker was killed or lost
+Redis) is removed by the next server that looks, with a "leave" event; a live worker re-registers itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from dataclasses import asdict, dataclass
+
+import redis
+
+from kvbm.redis_link import RedisLink
+from server.router.transport import ChannelAddress
+from server.router.worker import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 10_000  # join/leave events kept per model (servers only read new ones)
+
+
+def registrations_key(model: str) -> str:
+    return f"strata:workers:{model}"
+
+
+def lease_key(model: str, worker_id: str) -> str:
+    return f"strata:worker-lease:{model}:{worker_id}"
+
+
+def claim_key(model: str, worker_id: str) -> str:
+    return f"strata:worker-claim:{model}:{worker_id}"
+
+
+def events_key(model: str) -> str:
+    return f"strata:worker-events:{model}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """What a worker registers: where to connect and what it is."""
+
+    worker_id: str
+    address: ChannelAddress
+    info: WorkerInfo
+
+    def to_json(self) -> str:
+        return json.dumps({"address": asdict(self.address), "info": self.info.to_dict()})
+
+    @classmethod
+    def from_json(cls, worker_id: str, raw: str | bytes) -> WorkerRecord:
+        fields = json.loads(raw)
+        return cls(worker_id, ChannelAddress(**fields["address"]), WorkerInfo.from_dict(fields["info"]))
+
+
+class WorkerIdTaken(RuntimeError):
+    """Another live worker holds this worker id's lease."""
+
+
+class Registration:
+    """The worker side: register, keep the lease, announce join/leave, free a claim when a server lets go.
+
+    The lease thread also re-registers the worker if its lease lapsed (Redis was unreachable longer than the
+    lease and a server removed the registration meanwhile)."""
+
+    def __init__(self, redis_url: str, record: WorkerRecord, lease_s: float = 3.0) -> None:
+        self.record = record
+        self.model = record.info.model_name
+        self.lease_ms = int(lease_s * 1000)
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # tells this process's lease from a predecessor's
+        self._link = RedisLink(redis_url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._lease_loop, name="worker-lease", daemon=True)
+
+    def register(self) -> None:
+        """Take the lease (waiting out a dead predecessor's), publish the record, announce "join".
+        Raises redis.RedisError if Redis is unreachable, WorkerIdTaken if a live worker has this id."""
+        client, worker_id = self._link.client, self.record.worker_id
+        if not client.set(lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
+            remaining_ms = client.pttl(lease_key(self.model, worker_id))
+            log.info("worker id %s still leased (%d ms left): waiting for it to expire", worker_id, remaining_ms)
+            self._stop.wait(max(remaining_ms, 0) / 1000 + 0.05)
+            if not client.set(lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
+                raise WorkerIdTaken(f"worker id {worker_id!r} is in use by a live worker of {self.model}; "
+                                    "choose another with --worker-id")
+        client.hset(registrations_key(self.model), worker_id, self.record.to_json())
+        self.announce("join")
+        self._thread.start()
+
+    def announce(self, event: str, reason: str = "") -> None:
+        self._link.call(lambda r: r.xadd(events_key(self.model), {"event": event, "worker": self.record.worker_id,
+                                                                  "reason": reason},
+                                         maxlen=STREAM_MAXLEN, approximate=True), None)
+
+    def release_claim(self, server_id: str) -> None:
+        """The server `server_id` let go (or went silent): free the worker for the next server at once."""
+        key = claim_key(self.model, self.record.worker_id)
+
+        def release(r: redis.Redis) -> None:
+            if r.get(key) == server_id.encode():
+                r.delete(key)
+
+        self._link.call(release, None)
+
+    def deregister(self, reason: str) -> None:
+        """Stop the lease, remove the record and announce "leave" (servers drop it from the stream event)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        worker_id = self.record.worker_id
+
+        def remove(r: redis.Redis) -> None:
+            pipe = r.pipeline(transaction=False)
+            pipe.hdel(registrations_key(self.model), worker_id)
+            pipe.delete(lease_key(self.model, worker_id), claim_key(self.model, worker_id))
+            pipe.execute()
+
+        self._link.call(remove, None)
+        self.announce("leave", reason)
+        self._link.close()
+
+    def _lease_loop(self) -> None:
+        while not self._stop.wait(self.lease_ms / 3000):
+            if self._link.call(self._renew, False):
+                log.warning("worker %s: lease had lapsed; registered again", self.record.worker_id)
+                self.announce("join", "lease renewed after a lapse")
+
+    def _renew(self, client: redis.Redis) -> bool:
+        """Refresh the lease; True if it had lapsed (the record, maybe removed meanwhile, is written again)."""
+        previous = client.set(lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True)
+        if previous is None:
+            client.hset(registrations_key(self.model), self.record.worker_id, self.record.to_json())
+        return previous is None
+
+
+class Directory:
+    """The server side: read registrations, claim workers, follow the join stream. Never raises: while Redis is
+    unreachable, reads return nothing (the model keeps serving on the workers it has)."""
+
+    def __init__(self, redis_url: str, model: str, lease_s: float = 3.0) -> None:
+        self.model = model
+        self.lease_ms = int(lease_s * 1000)
+        self.server_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._link = RedisLink(redis_url)
+
+    def stream_tail(self) -> str:
+        """The id of the newest join/leave event ("0-0" if none): follow from here after reading the records."""
+        last = self._link.call(lambda r: r.xrevrange(events_key(self.model), count=1), [])
+        return last[0][0].decode() if last else "0-0"
+
+    def wait_for_events(self, after: str, block_ms: int) -> list[tuple[str, dict[str, str]]] | None:
+        """Stream events after `after`, blocking up to `block_ms` for the first one; None if Redis is
+        unreachable (the caller waits before asking again)."""
+        found = self._link.call(lambda r: r.xread({events_key(self.model): after}, block=block_ms), None)
+        if found is None:
+            return None
+        return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                for _, entries in found for entry_id, fields in entries]
+
+    def live_records(self) -> list[WorkerRecord]:
+        """Registered workers whose lease is alive; the others are removed (with a "leave" event)."""
+        raw = self._link.call(lambda r: r.hgetall(registrations_key(self.model)), {})
+        ids = [worker_id.decode() for worker_id in raw]
+        alive = self._link.call(lambda r: _exist(r, [lease_key(self.model, w) for w in ids]), [True] * len(ids))
+        records = []
+        for worker_id, present in zip(ids, alive, strict=True):
+            if present:
+                records.append(WorkerRecord.from_json(worker_id, raw[worker_id.encode()]))
+            else:
+                self._remove_expired(worker_id)
+        return records
+
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        raw = self._link.call(lambda r: r.hget(registrations_key(self.model), worker_id), None)
+        return WorkerRecord.from_json(worker_id, raw) if raw else None
+
+    def claim(self, worker_id: str) -> bool:
+        """Take the worker for this server; False if another server holds it."""
+        key = claim_key(self.model, worker_id)
+        return bool(self._link.call(lambda r: r.set(key, self.server_id, nx=True, px=self.lease_ms), False))
+
+    def keep_claims(self, worker_ids: list[str]) -> None:
+        """Refresh the claims of the workers this server holds (every lease_s/3 or sooner)."""
+
+        def refresh(r: redis.Redis) -> None:
+            pipe = r.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.set(claim_key(self.model, worker_id), self.server_id, px=self.lease_ms)
+            pipe.execute()
+
+        if worker_ids:
+            self._link.call(refresh, None)
+
+    def release(self, worker_id: str) -> None:
+        key = claim_key(self.model, worker_id)
+        self._link.call(lambda r: r.delete(key) if r.get(key) == self.server_id.encode() else 0, 0)
+
+    def close(self) -> None:
+        self._link.close()
+
+    def _remove_expired(self, worker_id: str) -> None:
+        removed = self._link.call(lambda r: r.hdel(registrations_key(self.model), worker_id), 0)
+        if removed:
+            log.warning("%s: worker %s's lease expired; registration removed", self.model, worker_id)
+            self._link.call(lambda r: r.xadd(events_key(self.model), {"event": "leave", "worker": worker_id,
+                                                                      "reason": "lease expired"},
+                                             maxlen=STREAM_MAXLEN, approximate=True), None)
+
+
+def _exist(client: redis.Redis, keys: list[str]) -> list[bool]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.exists(key)
+    return [bool(found) for found in pipe.execute()]

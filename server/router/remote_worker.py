@@ -1,0 +1,190 @@
+"""`strata worker`: one engine on any host, serving whichever server claims it through Redis (registry.py).
+
+The worker binds its channel on TCP (it is the side that is found) and registers its advertised address with
+its `WorkerInfo` (hardware and calibrated speeds). Then, in a loop:
+
+    wait for ("attach", server_id) -> hello -> serve that one server -> abort what it left -> "join" again
+
+One server at a time: the claim in Redis keeps other servers away, and each session gets fresh sockets, so a
+server that left cannot receive outputs meant for the next one. A server that goes silent (no message, not
+even the ack of a heartbeat, for `lease_s`) is treated as gone: the worker aborts its requests and becomes
+available again, so restarting a server never requires restarting its remote workers. SIGTERM/SIGINT: say
+"bye" to the attached server, deregister, shut the engine down, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from kvbm.agent import build_connector
+from kvbm.config import KVBMConfig
+from server.cli import engine_overrides, kvbm_config
+from server.engine.api import Engine
+from server.engine.config import EngineConfig
+from server.engine.llm_engine import LLMEngine
+from server.repository.model_config import LLM
+from server.repository.scan import BrokenModel, read_model
+from server.router.registry import Registration, WorkerIdTaken, WorkerRecord
+from server.router.transport import Channel, ChannelAddress
+from server.router.worker import (
+    ChannelEvents,
+    WorkerInfo,
+    calibrate_logged,
+    describe,
+    serve_channel,
+    start_heartbeat,
+)
+
+log = logging.getLogger(__name__)
+
+_ATTACH_TICK_S = 0.2  # how often a free worker looks at its stop flag while waiting for a server
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteWorkerOptions:
+    """Where to bind (`port` and `port + 1`; 0: any two), what to advertise, and the timings (seconds)."""
+
+    worker_id: str
+    redis_url: str
+    host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 3.0
+    heartbeat_s: float = 0.5
+
+
+class RemoteWorker:
+    """Owns the engine's link to its servers; `run` returns after `stop` is set (e.g. by a signal)."""
+
+    def __init__(self, engine: Engine, info: WorkerInfo, options: RemoteWorkerOptions,
+                 events: ChannelEvents | None = None, on_attach: Callable[[], None] | None = None) -> None:
+        """`events`: the engine's KVBM sink when block events go to the attached server's index; `on_attach`
+        then asks the KVBM agent to announce what it holds, for the new server's index."""
+        self.engine = engine
+        self.info = info
+        self.options = options
+        self.stop = threading.Event()
+        self._events = events
+        self._on_attach = on_attach
+        self._channel = Channel(ChannelAddress.tcp(options.host, options.port), server_side=False)
+        self.address = self._channel.address  # wildcard ports resolved: the same ports for every session
+        record = WorkerRecord(options.worker_id, self.address.with_host(options.advertise_host), info)
+        self.registration = Registration(options.redis_url, record, options.lease_s)
+
+    def run(self) -> None:
+        """Register, then serve one server after another until stopped; always deregister."""
+        self.registration.register()
+        log.info("worker %s of %s registered at %s; %s", self.options.worker_id, self.info.model_name,
+                 self.registration.record.address.to_worker, self.info.summary())
+        try:
+            while not self.stop.is_set():
+                self._session()
+                if not self.stop.is_set():
+                    self._channel = Channel(self.address, server_side=False)
+                    self.registration.announce("join", "free again")
+        finally:
+            self._channel.close()
+            self.registration.deregister("worker stopped")
+
+    def _session(self) -> None:
+        """Serve the next server that attaches, from its hello to its leaving."""
+        channel = self._channel
+        server_id = self._wait_for_attach(channel)
+        if server_id is None:
+            return
+        log.info("serving server %s", server_id)
+        if self._events is not None:
+            self._events.channel = channel
+        if self._on_attach is not None:
+            self._on_attach()
+        channel.send("hello", self.info)
+        beat_stop = threading.Event()
+        beat = start_heartbeat(channel, self.engine, self.options.heartbeat_s, beat_stop)
+        reason = serve_channel(channel, self.engine, self.stop, server_timeout_s=self.options.lease_s)
+        if reason == "signal":
+            channel.send("bye", "worker shutting down")
+        beat_stop.set()
+        beat.join()
+        if self._events is not None:
+            self._events.channel = None
+        channel.close()
+        self.registration.release_claim(server_id)
+        log.info("server %s detached (%s)", server_id, reason)
+
+    def _wait_for_attach(self, channel: Channel) -> str | None:
+        """The id of the server that attached, or None once stopped."""
+        while not self.stop.is_set():
+            message = channel.recv(timeout_s=_ATTACH_TICK_S)
+            if message is not None and message[0] == "attach":
+                return message[1]
+        return None
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """`strata worker`: build the model's engine as `strata serve` would, calibrate, register, serve until
+    SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it)."""
+    try:
+        config = model_engine_config(args.model_repository, args.model, engine_overrides(args))
+        kvbm = kvbm_config(args)
+        redis.Redis.from_url(args.redis_url, socket_connect_timeout=2).ping()
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    except redis.RedisError as exc:
+        log.error("--redis-url %s: cannot reach Redis: %s", args.redis_url, exc)
+        return 2
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    forward = args.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
+    events = ChannelEvents(None) if forward else None
+    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
+    engine = LLMEngine(config, connector)
+    info = describe(engine, calibrate_logged(engine))
+    advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
+    options = RemoteWorkerOptions(worker_id, args.redis_url, args.host, advertise, args.port, args.lease_secs)
+    worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.stop.set())
+    try:
+        worker.run()
+    except (redis.RedisError, WorkerIdTaken) as exc:
+        log.error("--redis-url %s: %s", args.redis_url, exc)
+        return 2
+    finally:
+        engine.shutdown()
+        connector.close()
+    log.info("worker %s stopped", worker_id)
+    return 0
+
+
+def model_engine_config(repository: Path, model: str, overrides: dict[str, Any]) -> EngineConfig:
+    """The engine config `strata serve` would build for `model` (its latest version's model.json plus the
+    command-line overrides); ValueError naming the flag, the file or the field otherwise."""
+    folder = repository / model
+    if not repository.is_dir():
+        raise ValueError(f"--model-repository {repository}: not a folder")
+    if not folder.is_dir():
+        known = sorted(p.name for p in repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+        raise ValueError(f"--model {model}: no such model in {repository} (found: {', '.join(known) or 'none'})")
+    source = read_model(folder)
+    if isinstance(source, BrokenModel):
+        raise ValueError(f"--model {model}: {source.error}")
+    if source.backend != LLM:
+        raise ValueError(f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r}); only LLM models "
+                         "have workers")
+    config = EngineConfig.from_json(folder / str(source.versions[-1]) / source.model_filename)
+    config.model_name = model
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config.validate(f"{model} (model.json with command-line overrides)")
+    return config
