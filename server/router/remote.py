@@ -197,6 +197,8 @@ class RemoteEngine:
                 for on_beat, _ in self._listeners:
                     on_beat(self)
             elif kind == "bye":
+                logger.info("worker %s is leaving: %s", self.worker_id, message[1])
+                self._closing = True  # an orderly leave, not a failure
                 self._die(f"worker left ({message[1]})")
 
     def _deliver(self, output: GenerationOutput) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from kvbm.block_hash import block_hashes, model_salt
 from kvbm.events import G1, EventSink, TierEvent
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.router.hardware import Speeds
 
 SALT = model_salt("step-engine")
 
@@ -88,3 +89,25 @@ class StepEngine:
 
 def broken_factory(**_: object) -> StepEngine:
     raise RuntimeError("no weights here")
+
+
+FAKE_SPEEDS = Speeds(prefill_tok_s=5000.0, decode_tok_s=80.0)
+
+
+def run_remote_step_worker(worker_id: str, redis_url: str, lease_s: float = 1.5, step_s: float = 0.005) -> None:
+    """A `strata worker` whose engine is a StepEngine (spawn target): registers, serves, leaves on SIGTERM."""
+    import logging
+    import signal
+
+    from server.router.remote_worker import RemoteWorker, RemoteWorkerOptions
+    from server.router.worker import ChannelEvents, describe
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s")
+    events = ChannelEvents(None)
+    engine = StepEngine(step_s, worker_id=worker_id, events=events)
+    options = RemoteWorkerOptions(worker_id, redis_url, host="127.0.0.1", advertise_host="127.0.0.1",
+                                  lease_s=lease_s, heartbeat_s=0.2)
+    worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options, events)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.stop.set())
+    worker.run()
