@@ -3,8 +3,8 @@
 At start it reads the registered workers, then blocks on the model's join stream (XREAD BLOCK; the block's
 timeout, lease_s/3, also paces refreshing this server's claims and removing registrations whose lease expired).
 For each free worker: claim it, connect (`RemoteEngine.connect`), and `RoutedEngine.add_worker`. A worker that
-dies, hangs or leaves is dropped by its RemoteEngine (heartbeat timeout, or its "bye"); new requests go to the
-others, and the model keeps serving on its local workers. When it is free again it announces "join" and is
+dies, hangs or leaves is dropped by whichever comes first: its RemoteEngine's heartbeat timeout, its "bye", or
+its lease expiring; new requests go to the others, and the model keeps serving on its local workers. When it is free again it announces "join" and is
 claimed anew.
 """
 
@@ -50,7 +50,7 @@ class Discovery:
     def _run(self) -> None:
         period_ms = self.directory.lease_ms // 3
         after = self.directory.stream_tail()
-        for record in self.directory.live_records():
+        for record in self.directory.live_records() or []:
             self._attach(record)
         while not self._stop.is_set():
             events = self.directory.wait_for_events(after, block_ms=period_ms)
@@ -63,9 +63,9 @@ class Discovery:
                     record = self.directory.record(fields["worker"])
                     if record is not None:
                         self._attach(record)
+            self._drop_expired()
             self._forget_dead()
             self.directory.keep_claims(list(self._remotes))
-            self.directory.live_records()  # removes registrations whose lease expired
 
     def _attach(self, record: WorkerRecord) -> None:
         """Claim, connect and route to a worker, unless this server has it already, another server does, or it
@@ -92,6 +92,18 @@ class Discovery:
             return
         self._remotes[worker_id] = remote
         self.engine.add_worker(remote)
+
+    def _drop_expired(self) -> None:
+        """Remove registrations whose lease expired, and stop routing to such a worker even if its heartbeats
+        have not timed out yet (the lease can be the first to say a host is gone)."""
+        live = self.directory.live_records()
+        if live is None:
+            return  # Redis unreachable: heartbeats alone decide
+        registered = {record.worker_id for record in live}
+        for worker_id, remote in self._remotes.items():
+            if remote.alive and worker_id not in registered:
+                log.warning("%s: worker %s's lease is gone; dropping it", self.directory.model, worker_id)
+                remote.close()
 
     def _forget_dead(self) -> None:
         """Close the links of remote workers that died and free their claims (a worker that comes back, or

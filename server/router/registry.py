@@ -170,11 +170,14 @@ class Directory:
         return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
                 for _, entries in found for entry_id, fields in entries]
 
-    def live_records(self) -> list[WorkerRecord]:
-        """Registered workers whose lease is alive; the others are removed (with a "leave" event)."""
-        raw = self._link.call(lambda r: r.hgetall(registrations_key(self.model)), {})
-        ids = [worker_id.decode() for worker_id in raw]
-        alive = self._link.call(lambda r: _exist(r, [lease_key(self.model, w) for w in ids]), [True] * len(ids))
+    def live_records(self) -> list[WorkerRecord] | None:
+        """Registered workers whose lease is alive, or None if Redis is unreachable; registrations whose lease
+        is gone are removed (with a "leave" event)."""
+        raw = self._link.call(lambda r: r.hgetall(registrations_key(self.model)), None)
+        ids = [worker_id.decode() for worker_id in raw or {}]
+        alive = self._link.call(lambda r: _exist(r, [lease_key(self.model, w) for w in ids]), None)
+        if raw is None or alive is None:
+            return None
         records = []
         for worker_id, present in zip(ids, alive, strict=True):
             if present:

@@ -1,0 +1,107 @@
+"""`strata serve --accept-remote-workers` + `strata worker` processes (real SmolLM2 engines, real Redis)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import ROOT, copy_models, start_strata, wait_for
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+
+
+def test_worker_names_the_missing_redis_url_and_the_unknown_model(tmp_path: Path) -> None:
+    repository = copy_models(tmp_path / "repo", "smollm2")
+    missing = run_cli("worker", "--model-repository", str(repository), "--model", "smollm2")
+    assert missing.returncode == 2 and "--redis-url" in missing.stderr
+    unknown = run_cli("worker", "--model-repository", str(repository), "--model", "nope",
+                      "--redis-url", "redis://127.0.0.1:1/0")
+    assert unknown.returncode == 2
+    assert "--model nope: no such model in" in unknown.stderr and "found: smollm2" in unknown.stderr
+
+
+def test_serve_accept_remote_workers_needs_redis(tmp_path: Path) -> None:
+    result = run_cli("serve", "--model-repository", str(tmp_path), "--accept-remote-workers")
+    assert result.returncode == 2 and "--accept-remote-workers: needs --redis-url" in result.stderr
+
+
+@pytest.fixture
+def short_tmp(tmp_path_factory) -> Path:
+    """A short folder name: Triton's unix socket paths under it must stay under the AF_UNIX limit."""
+    return tmp_path_factory.mktemp("remote")
+
+
+@pytest.fixture
+def workers(short_tmp: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Factory: start `strata worker` (logs in tmp_path); all are killed at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def start(repository: Path, redis_url: str, worker_id: str) -> subprocess.Popen:
+        log_path = short_tmp / f"{worker_id}-{len(started)}.log"
+        log = open(log_path, "w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "worker", "--model-repository", str(repository), "--model", "smollm2",
+             "--redis-url", redis_url, "--worker-id", worker_id, "--host", "127.0.0.1", "--no-kvbm",
+             "--lease-secs", "2"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process.log_path = log_path  # type: ignore[attr-defined]
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait(10)
+
+
+def worker_metrics(server) -> str:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+    return "\n".join(line for line in text.splitlines() if line.startswith("strata_worker_"))
+
+
+def complete(client: openai.OpenAI, prompt: str) -> int:
+    answer = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0)
+    return answer.usage.completion_tokens
+
+
+def test_remote_worker_joins_serves_is_routed_around_and_rejoins(short_tmp, redis_url, workers) -> None:
+    repository = copy_models(short_tmp / "repo", "smollm2")
+    server = start_strata(repository, short_tmp, "--workers", "1", "--no-kvbm", "--redis-url", redis_url,
+                          "--accept-remote-workers", "--routing-strategy", "round-robin")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
+                           max_retries=0)
+    try:
+        remote = workers(repository, redis_url, "remote-a")
+        wait_for(lambda: "remote worker remote-a joined" in server.log(), 90, what="remote-a joined")
+        metrics = worker_metrics(server)
+        assert re.search(r'strata_worker_info\{[^}]*device="cpu"[^}]*worker="remote-a"\} 1.0', metrics), metrics
+        prefill = re.search(r'strata_worker_prefill_tokens_per_second\{worker="remote-a"\} (\S+)', metrics)
+        assert prefill and float(prefill.group(1)) > 0
+        assert "calibrated in" in remote.log_path.read_text()
+        assert [complete(client, f"Tell me about {topic}.") for topic in ("tea", "rain")] == [3, 3]
+
+        os.kill(remote.pid, signal.SIGKILL)
+        wait_for(lambda: 'worker="remote-a"' not in worker_metrics(server), 15, what="remote-a dropped")
+        assert complete(client, "Still there?") == 3  # the local worker carries on
+
+        workers(repository, redis_url, "remote-a")  # restarted under the same id
+        wait_for(lambda: server.log().count("remote worker remote-a joined") == 2, 90, what="remote-a rejoined")
+        local_pid = int(re.search(r"worker smollm2-w0 up: pid (\d+)", server.log()).group(1))
+        os.kill(local_pid, signal.SIGKILL)
+        wait_for(lambda: 'worker="smollm2-w0"' not in worker_metrics(server), 15, what="local worker dropped")
+        assert complete(client, "Only the remote worker can answer this.") == 3
+    finally:
+        client.close()
+        server.stop()
