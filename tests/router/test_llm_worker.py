@@ -1,4 +1,5 @@
-"""A real SmolLM2 engine in a worker process: its KVBM events reach the router's index, its prefix cache hits."""
+"""A real SmolLM2 engine in a worker process: calibrated at start without a trace, its KVBM events reach the
+router's index, its prefix cache hits."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def test_llm_worker_reports_its_blocks_and_reuses_them() -> None:
     worker = RemoteEngine.spawn(WorkerId("w0"), WorkerSpec(build_llm_engine, (config, None), forward_events=True),
                                 event_sink=index)
     try:
+        assert worker.info.speeds.prefill_tok_s > 0 and worker.info.speeds.decode_tok_s > 0  # calibrated at start
+        assert worker.info.hardware.kv_capacity_blocks == 100
+        assert worker.info.hardware.kv_capacity_bytes == 100 * 16 * 46_080
+        assert len(index) == 0  # calibration left no block in the cache or the index
         prompt = worker.encode("The history of the printing press begins in the fifteenth century. " * 4)
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         for name in ("first", "second"):
