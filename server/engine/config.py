@@ -38,6 +38,7 @@ class EngineConfig:
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+    pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN's GEMM (see linear.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,6 +65,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        if not isinstance(self.pack_weights, bool):
+            raise ConfigError(f"{source}: pack_weights must be true or false, got {self.pack_weights!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"{source}: num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

@@ -55,7 +55,9 @@ class LLMEngine:
         self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
         hf_config = load_config(self.files)
         shape = ModelShape.from_config(hf_config)
-        self.model = LlamaModel(shape, load_weights(self.files), config.torch_dtype, config.torch_device)
+        self.model = LlamaModel(
+            shape, load_weights(self.files), config.torch_dtype, config.torch_device, config.pack_weights
+        )
         self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
         self._chat_tokenizer = None
         self.model_name = config.model_name or self.files.name

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.engine import linear as packed_linear
+
 
 @dataclass(slots=True)
 class ModelShape:
@@ -134,10 +136,13 @@ def _rope_inv_freq(shape: ModelShape) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward; the KV pool is owned by the caller and passed to `forward`."""
 
-    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 pack_weights: bool = True):
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
+        # linear weights reordered once for the CPU GEMM kernel (see linear.py); the embedding stays plain
+        self.packed = pack_weights and packed_linear.can_pack(self.device, dtype)
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -147,7 +152,7 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = shape.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.lm_head = self._pack(self.embed if tied else get("lm_head.weight"))
         self.layers = [self._layer(get, weights, i) for i in range(shape.num_layers)]
         positions = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, _rope_inv_freq(shape))
@@ -164,13 +169,16 @@ class LlamaModel:
             bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         return LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv=self._pack(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
             qkv_bias=bias,
-            o_proj=get(p + "self_attn.o_proj.weight"),
+            o_proj=self._pack(get(p + "self_attn.o_proj.weight")),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=get(p + "mlp.down_proj.weight"),
+            gate_up=self._pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+            down=self._pack(get(p + "mlp.down_proj.weight")),
         )
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return packed_linear.pack(weight, self.packed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """HF's LlamaRMSNorm op for op (same rounding), with fewer temporaries; `x` is not modified."""
@@ -182,13 +190,14 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; write K/V of every row into `kv_cache`; return logits [S, vocab] (fp32) for logits_rows."""
         s = self.shape
+        linear = packed_linear.linear
         hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             qk = (qk * cos).add_(_rotate_half(qk).mul_(sin))  # RoPE on q and k heads at once
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
@@ -197,12 +206,12 @@ class LlamaModel:
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
             attn = self._attention(batch, q, k, v, layer_cache)
-            hidden.add_(F.linear(attn, layer.o_proj))
+            hidden.add_(linear(attn, layer.o_proj))
             x = self._rms_norm(hidden, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden.add_(F.linear(F.silu(gate).mul_(up), layer.down))
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden.add_(linear(F.silu(gate).mul_(up), layer.down))
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
-        return F.linear(last, self.lm_head).float()
+        return linear(last, self.lm_head).float()
 
     def _attention(self, batch: StepBatch, q, k, v, layer_cache: torch.Tensor) -> torch.Tensor:
         """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own.
