@@ -136,8 +136,14 @@ def _rope_inv_freq(shape: ModelShape) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward; the KV pool is owned by the caller and passed to `forward`."""
 
-    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                 pack_weights: bool = True):
+    def __init__(
+        self,
+        shape: ModelShape,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str,
+        pack_weights: bool = True,
+    ):
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
