@@ -180,15 +180,24 @@ class Directory:
             return None
         records = []
         for worker_id, present in zip(ids, alive, strict=True):
-            if present:
-                records.append(WorkerRecord.from_json(worker_id, raw[worker_id.encode()]))
-            else:
+            record = self._parse(worker_id, raw[worker_id.encode()]) if present else None
+            if record is not None:
+                records.append(record)
+            elif not present:
                 self._remove_expired(worker_id)
         return records
 
     def record(self, worker_id: str) -> WorkerRecord | None:
         raw = self._link.call(lambda r: r.hget(registrations_key(self.model), worker_id), None)
-        return WorkerRecord.from_json(worker_id, raw) if raw else None
+        return self._parse(worker_id, raw) if raw else None
+
+    def _parse(self, worker_id: str, raw: bytes) -> WorkerRecord | None:
+        """A registration, or None (logged) if it is not one this Strata version can read."""
+        try:
+            return WorkerRecord.from_json(worker_id, raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("%s: ignoring unreadable registration of worker %s: %s", self.model, worker_id, exc)
+            return None
 
     def claim(self, worker_id: str) -> bool:
         """Take the worker for this server; False if another server holds it."""

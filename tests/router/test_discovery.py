@@ -22,7 +22,7 @@ from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.router.config import RouterConfig
 from server.router.discovery import Discovery
-from server.router.registry import Directory, WorkerRecord, events_key, registrations_key
+from server.router.registry import Directory, WorkerRecord, events_key, lease_key, registrations_key
 from server.router.remote import RemoteEngine
 from server.router.routed import RoutedEngine
 from server.router.router import Router
@@ -187,4 +187,15 @@ def test_worker_whose_server_goes_silent_becomes_free_again(redis_url, remote_wo
         assert directory.claim("r1")  # the worker released this server's claim when it detached
     finally:
         channel.close()
+        directory.close()
+
+
+def test_an_unreadable_registration_is_skipped(redis_url) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.hset(registrations_key("step"), "junk", b'{"address": {}}')
+    client.set(lease_key("step", "junk"), b"1", px=10_000)
+    directory = Directory(redis_url, "step")
+    try:
+        assert directory.live_records() == [] and directory.record("junk") is None
+    finally:
         directory.close()
