@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import zmq
 
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
@@ -152,11 +153,14 @@ def run_worker(args: argparse.Namespace) -> int:
     info = describe(engine, calibrate_logged(engine))
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
     options = RemoteWorkerOptions(worker_id, args.redis_url, args.host, advertise, args.port, args.lease_secs)
-    worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: worker.stop.set())
     try:
+        worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: worker.stop.set())
         worker.run()
+    except zmq.ZMQError as exc:
+        log.error("--host %s --port %d: cannot bind the worker's ports: %s", args.host, args.port, exc)
+        return 2
     except (redis.RedisError, WorkerIdTaken) as exc:
         log.error("--redis-url %s: %s", args.redis_url, exc)
         return 2
