@@ -3,6 +3,7 @@
     python bench/routing.py decision [--index-blocks 1000000] [--workers 8] [--decisions 5000]
     python bench/routing.py replay [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 4]
     python bench/routing.py replay-real [--conversations 10] [--workers 2] [--duration-s 60]
+    python bench/routing.py replay-serve [--conversations 12] [--workers 2] [--tiers g1,g2] [--duration-s 120]
     python bench/routing.py transport [--round-trips 5000]
 
 `decision`: the time `Router.route` takes (index lookup included) with a KVBM index (`kvbm.index.KVIndex`)
@@ -16,6 +17,9 @@ sees the same requests; round-robin is the baseline, the oracle hit rate (unlimi
 
 `replay-real`: a slice of the trace through `RoutedEngine` over real SmolLM2 worker processes (their KVBM events
 feed the router's index), kv-aware against round-robin, fresh workers for each; minutes of CPU.
+
+`replay-serve`: the same kind of slice against `strata serve --workers N` over the OpenAI API (serve_replay.py):
+TTFT p50/p90, ITL p50, throughput and hit rate of each strategy with each tier setting, fresh server per run.
 
 `transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
 and over multiprocessing.Pipe, the alternative it was chosen over.
@@ -448,6 +452,49 @@ def print_replay_real_table(report: dict) -> None:
               f"{row['ttft_mean_s']:>8.2f}{row['errors']:>8}")
 
 
+def trace_prompts(args: argparse.Namespace) -> tuple[list[tuple[float, list[int], int]], float]:
+    """(arrival_s, prompt token ids, max_tokens) of the chosen slice, and its oracle hit rate."""
+    requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
+    kept = [TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens) for r in requests]
+    prompts = [(r.arrival_s, [t for block_id in r.hash_ids for t in _block_tokens(block_id, args.block_tokens)],
+                max(1, r.output_tokens)) for r in kept]
+    return prompts, oracle_hit_rate(kept)
+
+
+def replay_serve_command(args: argparse.Namespace) -> dict:
+    from bench.serve_replay import run_one
+
+    prompts, oracle = trace_prompts(args)
+    results: dict[str, dict] = {}
+    for tier in args.tiers.split(","):
+        for strategy in args.strategies.split(","):
+            key = f"{strategy}/{tier}"
+            key = key if key not in results else f"{key}#{len(results)}"
+            results[key] = run_one(prompts, strategy, tier, args)
+            print(f"{key}: {results[key]}", file=sys.stderr, flush=True)
+    scale = (f"{len(prompts)} requests of {args.conversations} conversations (>= {args.min_turns} turns), 1 hash id = "
+             f"{args.block_tokens} tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= "
+             f"{args.max_output} tokens, trace compressed to {args.duration_s:g} s; `strata serve --workers "
+             f"{args.workers}`, SmolLM2 fp32, {args.threads_per_worker} thread(s) and {args.kv_blocks} KV blocks "
+             f"per worker; g2 = --kvbm-host-cache-gb {args.host_cache_gb:g}")
+    return {"bench": "routing.replay_serve", "scale": scale, "oracle_hit_rate": round(oracle, 3), "results": results}
+
+
+def print_replay_serve_table(report: dict) -> None:
+    print(f"replay through strata serve: {report['scale']}")
+    print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
+    print(f"{'strategy/tiers':<22}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'ITL p50 ms':>11}{'tok/s':>8}"
+          f"{'errors':>7}")
+    for name, row in report["results"].items():
+        print(f"{name:<22}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+              f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}")
+    rows = report["results"]
+    for tier in sorted({name.split("/")[1].split("#")[0] for name in rows}):
+        kv, rr = rows.get(f"kv-aware/{tier}"), rows.get(f"round-robin/{tier}")
+        if kv and rr and kv["ttft_p50_s"] > 0:
+            print(f"{tier}: round-robin / kv-aware TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
+
+
 # ---- transport: the worker channel against multiprocessing.Pipe ----
 
 _SAMPLE_OUTPUT = GenerationOutput(RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None,
@@ -558,12 +605,28 @@ def main() -> None:
     real.add_argument("--strategies", default="kv-aware,round-robin", help="run in this order (machine noise "
                       "drifts: compare both orders)")
     real.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
+    serve = sub.add_parser("replay-serve", help="a slice against `strata serve --workers N` over the OpenAI API")
+    serve.add_argument("--conversations", type=int, default=12)
+    serve.add_argument("--min-turns", type=int, default=3)
+    serve.add_argument("--max-output", type=int, default=16)
+    serve.add_argument("--max-blocks", type=int, default=48, help="prompt blocks kept (a prefix of the ids)")
+    serve.add_argument("--block-tokens", type=int, default=16)
+    serve.add_argument("--kv-blocks", type=int, default=600, help="G1 pool per worker, blocks")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    serve.add_argument("--workers", type=int, default=2)
+    serve.add_argument("--threads-per-worker", type=int, default=1)
+    serve.add_argument("--duration-s", type=float, default=120.0, help="the slice's arrivals span this long")
+    serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
+    serve.add_argument("--host-cache-gb", type=float, default=1.0)
+    serve.add_argument("--strategies", default="kv-aware,round-robin")
+    serve.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
     transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)
     args = parser.parse_args()
     commands = {"decision": (decision_bench, print_decision_table), "replay": (replay_command, print_replay_table),
                 "transport": (transport_command, print_transport_table),
-                "replay-real": (replay_real_command, print_replay_real_table)}
+                "replay-real": (replay_real_command, print_replay_real_table),
+                "replay-serve": (replay_serve_command, print_replay_serve_table)}
     run, show = commands[args.command]
     report = run(args)
     show(report)

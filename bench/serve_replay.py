@@ -1,0 +1,200 @@
+"""`python bench/routing.py replay-serve`: a slice of the Mooncake trace against `strata serve --workers N`, driven
+over the OpenAI API exactly as a client would (streamed /v1/completions with token-id prompts).
+
+For each tier setting (`--tiers g1,g2`: G1-only prefix caching, or G1 + the node's shared G2 host pool) and each
+routing strategy, a fresh server starts from a private copy of the example repository (model.json rewritten with
+the KV pool, block size and threads below), the requests arrive at their trace times compressed to `--duration-s`,
+and the server is stopped. Fresh servers keep one run's cache from helping the next.
+
+Per run: TTFT p50/p90 (submit -> first streamed token), ITL p50 (gaps between streamed chunks of one request),
+throughput (output tokens / time from first submit to last finish), prefix-hit rate (the usage's
+`prompt_tokens_details.cached_tokens` / prompt tokens), errors, and the router's decision counts from /metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_MODEL = ROOT / "model_repository" / "smollm2"
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    submitted: float
+    first_token: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finished: float | None = None
+    error: str | None = None
+
+
+def make_repository(root: Path, args: Any) -> Path:
+    """A repository holding only smollm2, its model.json set for this benchmark."""
+    repository = root / "repository"
+    shutil.copytree(EXAMPLE_MODEL, repository / "smollm2", ignore=shutil.ignore_patterns("__pycache__"))
+    model_json = repository / "smollm2" / "1" / "model.json"
+    config = json.loads(model_json.read_text())
+    config.update(block_size=args.block_tokens, num_kv_blocks=args.kv_blocks, num_threads=args.threads_per_worker,
+                  cache_dir=args.model_cache, max_num_batched_tokens=args.max_num_batched_tokens)
+    config.pop("kv_cache_bytes", None)
+    model_json.write_text(json.dumps(config, indent=2))
+    return repository
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`strata serve` on free ports, its log in `root`; `stop` sends SIGTERM (SIGKILL after 30 s)."""
+
+    def __init__(self, repository: Path, root: Path, extra: list[str]) -> None:
+        self.openai_port = free_port()
+        ports = [str(free_port()) for _ in range(3)]
+        self.log_path = root / f"strata-{self.openai_port}.log"
+        command = [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+                   "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                   "--http-address", "127.0.0.1", "--openai-port", str(self.openai_port), *extra]
+        env = {**os.environ, "STRATA_RUNTIME_DIR": str(root / "runtime"), "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + 300
+        while "strata ready" not in self.log_path.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"strata serve did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.5)  # waiting on another process's log: nothing to block on
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
+                      timing: StreamTiming) -> None:
+    """One streamed completion; fills `timing` (first token, chunk times, usage) or its error."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    timing.chunk_times.append(now)
+                    if timing.first_token is None:
+                        timing.first_token = now
+                usage = chunk.get("usage")
+                if usage:
+                    timing.prompt_tokens = usage["prompt_tokens"]
+                    timing.completion_tokens = usage["completion_tokens"]
+                    timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except httpx.HTTPError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        timing.finished = time.perf_counter()
+
+
+def drive(url: str, prompts: list[tuple[float, list[int], int]], duration_s: float) -> list[StreamTiming]:
+    """Send each (arrival_s, prompt, max_tokens) at its arrival time compressed to `duration_s`, one thread each."""
+    last = prompts[-1][0] or 1.0
+    speedup = max(1.0, last / duration_s)
+    timings: list[StreamTiming] = []
+    threads: list[threading.Thread] = []
+    with httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=512)) as client:
+        started = time.perf_counter()
+        for arrival_s, prompt, max_tokens in prompts:
+            delay = started + arrival_s / speedup - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)  # the trace's own arrival times
+            timing = StreamTiming(time.perf_counter())
+            timings.append(timing)
+            thread = threading.Thread(target=stream_completion, args=(client, url, prompt, max_tokens, timing))
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+    return timings
+
+
+def router_decisions(url: str) -> dict[str, int]:
+    """strata_router_decisions_total by strategy/reason, from the frontend's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    decisions = {}
+    for match in re.finditer(r'^strata_router_decisions_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        decisions[f"{labels.get('strategy')}/{labels.get('reason')}"] = int(float(match.group(2)))
+    return decisions
+
+
+def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None and t.first_token is not None]
+    ttft = sorted(t.first_token - t.submitted for t in ok)
+    gaps = [b - a for t in ok for a, b in itertools.pairwise(t.chunk_times)]
+
+    def pick(values: list[float], q: float) -> float:
+        return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else float("nan")
+
+    makespan = max(t.finished for t in timings) - min(t.submitted for t in timings)
+    prompt = sum(t.prompt_tokens for t in ok)
+    return {"requests": len(timings), "errors": len(timings) - len(ok),
+            "ttft_p50_s": pick(ttft, 0.5), "ttft_p90_s": pick(ttft, 0.9),
+            "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else float("nan"),
+            "throughput_tok_s": round(sum(t.completion_tokens for t in ok) / makespan, 2),
+            "hit_rate": round(sum(t.cached_tokens for t in ok) / max(1, prompt), 4),
+            "first_errors": [t.error for t in timings if t.error][:3]}
+
+
+def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: str, args: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
+        root = Path(tmp)
+        extra = ["--workers", str(args.workers), "--routing-strategy", strategy]
+        if tier == "g1":
+            extra.append("--no-kvbm")
+        else:  # G2: the node's shared host pool, a fresh segment per run
+            extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb), "--kvbm-cache-id", f"replay-{os.getpid()}-{tier}-{strategy}"]
+        server = ServerProcess(make_repository(root, args), root, extra)
+        try:
+            timings = drive(server.url, prompts, args.duration_s)
+            result = summarize(timings)
+            result["decisions"] = router_decisions(server.url)
+        finally:
+            server.stop()
+    return result
