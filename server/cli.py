@@ -48,6 +48,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
     llm.add_argument("--router-busy-threshold", type=float, default=0.95,
                      help="skip a worker whose KV use is at or above this fraction, unless all are")
+    llm.add_argument("--migration-limit", type=int, default=3,
+                     help="times a request is resumed on another worker when its worker dies mid-request (0: never)")
     llm.add_argument("--accept-remote-workers", action="store_true",
                      help="let `strata worker` processes on any host join each LLM model through Redis "
                           "(needs --redis-url)")

@@ -122,6 +122,7 @@ class GenerationOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from cache (any tier) instead of prefill
     num_output_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": an internal failure, already logged
+    retryable: bool = False  # with "error": the request did not fail, its worker died; a router may resume it
 
 
 OutputSink = Callable[[GenerationOutput], None]

@@ -31,6 +31,7 @@ class RouterConfig:
     lookup_budget_s: float = 0.005
     lookup_cooldown_s: float = 1.0
     stale_after_s: float = 30.0
+    migration_limit: int = 3  # times one request may be resumed on another worker after its worker died
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -43,5 +44,7 @@ class RouterConfig:
                      "lookup_budget_s", "lookup_cooldown_s", "stale_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"router {name}: must be >= 0, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"router migration_limit: must be >= 0, got {self.migration_limit}")
         if not 0 < self.busy_threshold <= 1:
             raise ValueError(f"router busy_threshold: must be in (0, 1], got {self.busy_threshold}")

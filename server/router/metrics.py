@@ -3,7 +3,7 @@
 Labels: `strategy` is the strategy that actually picked (the fallback's name when the lookup failed);
 `reason` is one of "prefix_hit" (kv-aware, the chosen worker reuses cached blocks), "no_prefix" (kv-aware, chosen
 by load), "lookup_error", "lookup_timeout", "lookup_cooldown" (the fallback picked), "configured" (a non-kv
-strategy was configured); `worker` is the worker id.
+strategy was configured); `worker` is the worker id (for `strata_router_migrations_total`: the one that died).
 
 Worker description (while the worker is in the router): `strata_worker_info` is 1 with the hardware as labels
 (model, worker, host, device, device_name, cpu_cores, torch_threads); the speeds the router currently uses
@@ -37,6 +37,7 @@ class RouterMetrics:
     worker_prefill_tok_s: Gauge
     worker_decode_tok_s: Gauge
     worker_kv_capacity_bytes: Gauge
+    migrations: Counter
     _info_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -71,6 +72,8 @@ class RouterMetrics:
                                       ("worker",), registry=reg),
             worker_kv_capacity_bytes=Gauge("strata_worker_kv_capacity_bytes", "KV pool of each worker, bytes",
                                            ("worker",), registry=reg),
+            migrations=Counter("strata_router_migrations", "Requests resumed on another worker after `worker` "
+                               "died or left mid-request", ("worker",), registry=reg),
         )
 
     def show_worker(self, model: str, worker: str, hardware: HardwareInfo | None) -> None:

@@ -65,7 +65,8 @@ class RemoteEngine:
         self._listeners: list[tuple[Callable[[RemoteEngine], None], Callable[[RemoteEngine], None]]] = []
         self._last_heard = time.monotonic()
         self._dead: str | None = None
-        self._closing = False
+        self._closing = False  # the server is stopping this worker: its requests end, nothing is resumed
+        self._leaving = False  # the worker said bye (orderly): not logged as a failure, its requests resumable
         self._receiver = threading.Thread(target=self._receive_loop, name=f"remote-{worker_id}", daemon=True)
         self._receiver.start()
 
@@ -198,7 +199,7 @@ class RemoteEngine:
                     on_beat(self)
             elif kind == "bye":
                 logger.info("worker %s is leaving: %s", self.worker_id, message[1])
-                self._closing = True  # an orderly leave, not a failure
+                self._leaving = True
                 self._die(f"worker left ({message[1]})")
 
     def _deliver(self, output: GenerationOutput) -> None:
@@ -233,15 +234,16 @@ class RemoteEngine:
             self._dead = reason
             sinks, self._sinks = self._sinks, {}
             calls, self._calls = self._calls, {}
-        if not self._closing:
-            logger.error("worker %s died: %s; failing %d request(s)", self.worker_id, reason, len(sinks))
+        if not (self._closing or self._leaving):
+            logger.error("worker %s died: %s; ending %d request(s)", self.worker_id, reason, len(sinks))
+        # listeners first: the router must have dropped this worker before its requests are resumed elsewhere
+        for _, on_death in self._listeners:
+            on_death(self)
         for future in calls.values():
             future.set_exception(WorkerDied(f"worker {self.worker_id} died: {reason}"))
         for request_id, sink in sinks.items():
             sink(GenerationOutput(request_id, [], "", finished=True, finish_reason="error",
-                                  error=f"worker {self.worker_id} died: {reason}"))
-        for _, on_death in self._listeners:
-            on_death(self)
+                                  error=f"worker {self.worker_id} died: {reason}", retryable=not self._closing))
 
 
 def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,

@@ -7,8 +7,14 @@ arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are m
 from requests that had their worker to themselves, so that queueing and batching are not mistaken for a slow
 worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
 meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
-fast from its first request. A dead worker leaves the router at once; its requests end with finish_reason
-"error". Workers may join while serving (`add_worker`: remote workers found in Redis, see discovery.py).
+fast from its first request. Workers may join while serving (`add_worker`: remote workers found in Redis, see
+discovery.py).
+
+A dead worker leaves the router at once. Its unfinished requests are migrated (up to `RouterConfig.migration_limit` times
+each): resubmitted to another worker with the prompt plus the tokens generated so far and the rest of max_tokens,
+so a streaming client sees one uninterrupted answer (counted in `strata_router_migrations_total`). Greedy answers
+are the same as without the failure; sampled ones continue from where they were, not as their seed would have
+gone; text a worker held back (a partial UTF-8 character, or the tail kept to match a stop string) is lost.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvbm.block_hash import BlockHash, block_hashes
@@ -84,10 +90,15 @@ class SpeedMeter:
 
 @dataclass(slots=True)
 class _InFlight:
+    request: GenerationRequest  # as the client sent it
     worker_id: WorkerId
     submitted_at: float
     alone: bool  # the only request on its worker so far: its timings measure the worker's speed
     first_token_at: float | None = None
+    output_ids: list[int] = field(default_factory=list)  # generated so far, on every worker (for migration)
+    num_cached_tokens: int | None = None  # as the first worker reported it (what the client was told)
+    migrations: int = 0
+    aborted: bool = False
 
 
 class RoutedEngine:
@@ -157,7 +168,7 @@ class RoutedEngine:
             for flight in self._in_flight.values():
                 if flight.worker_id == decision.worker_id:
                     flight.alone = alone = False
-            self._in_flight[request.request_id] = _InFlight(decision.worker_id, time.monotonic(), alone)
+            self._in_flight[request.request_id] = _InFlight(request, decision.worker_id, time.monotonic(), alone)
         try:
             worker.submit(request, self._sink(request.request_id, sink))
         except BaseException:
@@ -167,6 +178,8 @@ class RoutedEngine:
     def abort(self, request_id: RequestId) -> None:
         with self._lock:
             flight = self._in_flight.get(request_id)
+            if flight is not None:
+                flight.aborted = True  # a worker death now ends it instead of migrating it
         if flight is not None:
             self._workers[flight.worker_id].abort(request_id)
 
@@ -191,6 +204,11 @@ class RoutedEngine:
 
     def _sink(self, request_id: RequestId, sink: OutputSink) -> OutputSink:
         def routed_sink(output: GenerationOutput) -> None:
+            flight = self._in_flight.get(request_id)
+            if flight is not None:
+                if output.retryable and self._migrate(flight, output, routed_sink):
+                    return
+                self._as_sent(flight, output)
             if output.finished:
                 self._finish(request_id, output)
             elif output.new_token_ids:
@@ -198,6 +216,48 @@ class RoutedEngine:
             sink(output)
 
         return routed_sink
+
+    def _as_sent(self, flight: _InFlight, output: GenerationOutput) -> None:
+        """Record the output's tokens; after a migration, restate its counts as the client's request sees them
+        (the continuation's prompt holds the tokens generated before)."""
+        flight.output_ids.extend(output.new_token_ids)
+        if flight.num_cached_tokens is None and (output.new_token_ids or output.finished):
+            flight.num_cached_tokens = output.num_cached_tokens
+        if flight.migrations and output.num_prompt_tokens >= len(flight.request.prompt_token_ids):
+            resumed_at = output.num_prompt_tokens - len(flight.request.prompt_token_ids)
+            output.num_prompt_tokens -= resumed_at
+            output.num_output_tokens += resumed_at
+            output.num_cached_tokens = flight.num_cached_tokens or 0
+
+    def _migrate(self, flight: _InFlight, failed: GenerationOutput, sink: OutputSink) -> bool:
+        """Resume a request whose worker died on another worker; False (the error goes to the client) when it was
+        aborted, has used its migrations, or no worker takes it."""
+        request = flight.request
+        done = len(flight.output_ids)
+        if flight.aborted or flight.migrations >= self.router.config.migration_limit or done >= request.sampling.max_tokens:
+            return False
+        sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
+                           min_tokens=max(0, request.sampling.min_tokens - done))
+        continuation = GenerationRequest(request.request_id, request.prompt_token_ids + flight.output_ids, sampling)
+        dead = flight.worker_id
+        self.router.release(request.request_id)
+        try:
+            decision = self.router.route(request.request_id,
+                                         block_hashes(continuation.prompt_token_ids, self.block_size, self.salt))
+            # set before submit: the new worker's first output may arrive before submit returns
+            flight.worker_id, flight.alone, flight.migrations = decision.worker_id, False, flight.migrations + 1
+            try:
+                self._workers[decision.worker_id].submit(continuation, sink)
+            except Exception:
+                flight.worker_id, flight.migrations = dead, flight.migrations - 1
+                raise
+        except Exception as exc:  # no worker left, or the new one failed at once: the client gets the error
+            logger.warning("request %s could not be migrated from %s: %s", request.request_id, dead, exc)
+            return False
+        self.router.metrics.migrations.labels(dead).inc()
+        logger.warning("request %s migrated from %s to %s after %d tokens (%s)", request.request_id, dead,
+                       decision.worker_id, done, failed.error)
+        return True
 
     def _first_token(self, request_id: RequestId, output: GenerationOutput) -> None:
         with self._lock:

@@ -103,10 +103,24 @@ def test_bad_requests_are_openai_errors(client):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
-def test_killed_worker_is_routed_around(client, server):
-    pids = worker_pids(server)
+def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server):
+    request = dict(model="smollm2", prompt="Write a long story about a lighthouse keeper:", max_tokens=40,
+                   temperature=0)
+    reference = client.completions.create(**request).choices[0].text
+    pids = dict(re.findall(r"worker (\S+) up: pid (\d+)", server.log()))
     assert len(pids) == 2
-    os.kill(pids[0], signal.SIGKILL)
+    stream = client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    chunks = [next(stream) for _ in range(4)]
+    busy = [labels for labels, value in metric_lines(server, "strata_router_worker_in_flight").items() if value]
+    holder = re.search(r'worker="([^"]+)"', busy[0]).group(1)
+    os.kill(int(pids[holder]), signal.SIGKILL)
+    chunks += list(stream)  # the same stream goes on: resumed on the other worker
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 40
+    assert text == reference  # greedy: the resumed answer is the one the dead worker would have given
+    assert metric_lines(server, "strata_router_migrations_total") == {
+        f'strata_router_migrations_total{{worker="{holder}"}}': 1.0}
     wait_for(lambda: len(metric_lines(server, "strata_router_worker_in_flight")) == 1, 30, what="worker dropped")
     assert "left the router" in server.log()
     for i in range(4):

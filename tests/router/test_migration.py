@@ -1,0 +1,128 @@
+"""Request migration: a request whose worker dies mid-stream is resumed on another worker (RoutedEngine)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from router_fakes import SALT
+from test_routed_engine import LocalWorker
+
+from kvbm.index import KVIndex
+from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
+from server.router.config import RouterConfig
+from server.router.routed import RoutedEngine
+from server.router.router import Router
+
+
+class MortalWorker(LocalWorker):
+    """A LocalWorker that can die like a RemoteEngine does: leave the router, then end its requests with a
+    retryable error; its engine's later outputs are dropped."""
+
+    def __init__(self, worker_id: str, index: KVIndex) -> None:
+        super().__init__(worker_id, index)
+        self.requests: list[GenerationRequest] = []
+        self._sinks: dict[RequestId, OutputSink] = {}
+        self._listeners: list = []
+        self._lock = threading.Lock()
+
+    def add_listener(self, on_beat, on_death) -> None:
+        self._listeners.append(on_death)
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self.requests.append(request)
+        self._sinks[request.request_id] = sink
+
+        def forward(output: GenerationOutput) -> None:
+            with self._lock:
+                live = self.alive and (self._sinks.pop(output.request_id) if output.finished
+                                       else self._sinks.get(output.request_id))
+            if live:
+                live(output)
+
+        super().submit(request, forward)
+
+    def die(self, retryable: bool = True) -> None:
+        with self._lock:
+            self.alive = False
+            sinks, self._sinks = self._sinks, {}
+        for on_death in self._listeners:
+            on_death(self)
+        for request_id, sink in sinks.items():
+            sink(GenerationOutput(request_id, [], "", True, "error", error=f"worker {self.worker_id} died",
+                                  retryable=retryable))
+
+
+def _setup(workers: int = 2, **config) -> tuple[RoutedEngine, Router, list[MortalWorker]]:
+    index = KVIndex()
+    router = Router(RouterConfig(**config), index)
+    local = [MortalWorker(f"w{i}", index) for i in range(workers)]
+    return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
+
+
+def _start(routed: RoutedEngine, prompt: list[int], max_tokens: int, first_tokens: int
+           ) -> tuple[queue.SimpleQueue[GenerationOutput], list[GenerationOutput]]:
+    """Submit, and return once `first_tokens` outputs arrived."""
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    routed.submit(GenerationRequest(RequestId("r"), prompt, SamplingParams(max_tokens=max_tokens)), outputs.put)
+    seen = [outputs.get(timeout=10) for _ in range(first_tokens)]
+    return outputs, seen
+
+
+def _rest(outputs: queue.SimpleQueue[GenerationOutput], seen: list[GenerationOutput]) -> list[GenerationOutput]:
+    while not seen[-1].finished:
+        seen.append(outputs.get(timeout=10))
+    return seen
+
+
+def _migrations(router: Router, worker: str) -> float:
+    return router.metrics.registry.get_sample_value("strata_router_migrations_total", {"worker": worker}) or 0
+
+
+def test_a_request_continues_on_another_worker_when_its_worker_dies() -> None:
+    routed, router, workers = _setup()
+    prompt = list(range(10))
+    outputs, seen = _start(routed, prompt, max_tokens=60, first_tokens=5)
+    holder = next(w for w in workers if w.requests)
+    other = next(w for w in workers if w is not holder)
+    holder.die()
+    seen = _rest(outputs, seen)
+    generated = [t for o in seen for t in o.new_token_ids]
+    final = seen[-1]
+    assert final.finish_reason == "length" and final.error is None
+    assert len(generated) == 60 and final.num_output_tokens == 60 and final.num_prompt_tokens == len(prompt)
+    continuation = other.requests[0]
+    done = len(continuation.prompt_token_ids) - len(prompt)
+    assert done >= 5 and continuation.prompt_token_ids == prompt + generated[:done]
+    assert continuation.sampling.max_tokens == 60 - done
+    assert _migrations(router, holder.worker_id) == 1
+    assert all(load.routed_requests == 0 for load in router._workers.values())
+
+
+def test_no_migration_with_limit_zero_or_after_abort_or_when_no_worker_is_left() -> None:
+    routed, router, workers = _setup(migration_limit=0)
+    outputs, seen = _start(routed, [1, 2, 3], max_tokens=60, first_tokens=2)
+    next(w for w in workers if w.requests).die()
+    assert _rest(outputs, seen)[-1].finish_reason == "error"
+
+    routed, router, workers = _setup()
+    outputs, seen = _start(routed, [1, 2, 3], max_tokens=60, first_tokens=2)
+    routed.abort(RequestId("r"))
+    next(w for w in workers if w.requests).die()
+    assert _rest(outputs, seen)[-1].finish_reason in ("abort", "error")
+    assert sum(len(w.requests) for w in workers) == 1
+
+    routed, router, workers = _setup(workers=1)
+    outputs, seen = _start(routed, [1, 2, 3], max_tokens=60, first_tokens=2)
+    workers[0].die()
+    final = _rest(outputs, seen)[-1]
+    assert final.finish_reason == "error" and "died" in final.error
+    assert _migrations(router, "w0") == 0
+
+
+def test_a_server_stopping_its_worker_is_not_a_migration() -> None:
+    routed, router, workers = _setup()
+    outputs, seen = _start(routed, [1, 2, 3], max_tokens=60, first_tokens=2)
+    next(w for w in workers if w.requests).die(retryable=False)
+    assert _rest(outputs, seen)[-1].finish_reason == "error"
+    assert sum(len(w.requests) for w in workers) == 1
