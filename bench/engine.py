@@ -7,7 +7,8 @@ Measures (medians over --reps where repeated):
               transformers: one forward of the prompt (logits of the last position only)
   decode      batch-1 generation of 64 tokens after a 256-token prompt, tokens/s after the first token
   serving     8 and 32 concurrent requests, prompt 32-384 and output 16-96 tokens (seeded), generated tokens / wall;
-              transformers: one batched `generate` over the same requests (left padding, greedy, no early EOS)
+              transformers: one batched `generate` over the same requests (left padding, greedy, no early EOS);
+              --reps rounds, each ours then theirs on fresh prompts, medians
   prefix TTFT 2048-token prompt whose first 2032 tokens are cached (a previous request) vs a fresh one
   RSS         peak and current resident memory after every quarter of --requests short requests (steady = no growth)
 Prints a table, then one JSON line.
@@ -111,18 +112,21 @@ def bench_decode(runner: Runner, model, reps: int) -> tuple[float, float]:
     return statistics.median(ours), statistics.median(theirs) if theirs else float("nan")
 
 
-def bench_serving(runner: Runner, model, concurrency: int) -> tuple[float, float]:
+def bench_serving(runner: Runner, model, concurrency: int, reps: int) -> tuple[float, float]:
+    """Medians over `reps` rounds; each round runs ours then transformers on the same fresh prompts (uncached)."""
     rng = random.Random(concurrency)
     shapes = [(rng.randint(32, 384), rng.randint(16, 96)) for _ in range(concurrency)]
-    prompts = [runner.tokens(n) for n, _ in shapes]
-    wall, _, generated = runner.run_batch(
-        [runner.request(p, out) for p, (_, out) in zip(prompts, shapes, strict=True)]
-    )
-    ours = generated / wall
-    if model is None:
-        return ours, float("nan")
-    wanted = sum(out for _, out in shapes)
-    return ours, wanted / hf_generate(model, prompts, max(out for _, out in shapes))
+    ours, theirs = [], []
+    for _ in range(reps):
+        prompts = [runner.tokens(n) for n, _ in shapes]
+        wall, _, generated = runner.run_batch(
+            [runner.request(p, out) for p, (_, out) in zip(prompts, shapes, strict=True)]
+        )
+        ours.append(generated / wall)
+        if model is not None:
+            wanted = sum(out for _, out in shapes)
+            theirs.append(wanted / hf_generate(model, prompts, max(out for _, out in shapes)))
+    return statistics.median(ours), statistics.median(theirs) if theirs else float("nan")
 
 
 def bench_prefix_ttft(runner: Runner, reps: int) -> tuple[float, float]:
@@ -195,7 +199,7 @@ def main() -> None:
 def run_all(runner: Runner, model, args) -> dict:
     prefill = bench_prefill(runner, model, args.reps)
     decode = bench_decode(runner, model, args.reps)
-    serving = {c: bench_serving(runner, model, c) for c in (8, 32)}
+    serving = {c: bench_serving(runner, model, c, args.reps) for c in (8, 32)}
     fresh, cached = bench_prefix_ttft(runner, args.reps)
     rss = bench_rss(runner, args.requests)
     return {"prefill": prefill, "decode": decode, "serving": serving, "ttft": (fresh, cached), "rss": rss}
