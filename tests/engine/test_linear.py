@@ -12,7 +12,7 @@ from server.engine import linear
 @pytest.mark.skipif(
     not linear.can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
 )
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
     generator = torch.Generator().manual_seed(rows)
