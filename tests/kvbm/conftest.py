@@ -5,26 +5,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
-from kvbm_testing import RedisServer, small_layout
+from kvbm_testing import small_layout
 
 from server.engine.kv_connector import KVLayout
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    redis.Redis.from_url(redis_server.url).flushall()
-    return redis_server.url
 
 
 @pytest.fixture
