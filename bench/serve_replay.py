@@ -1,7 +1,8 @@
 """`python bench/routing.py replay-serve`: a slice of the Mooncake trace against `strata serve --workers N`, driven
 over the OpenAI API exactly as a client would (streamed /v1/completions with token-id prompts).
 
-For each tier setting (`--tiers g1,g2`: G1-only prefix caching, or G1 + the node's shared G2 host pool) and each
+Servers start through `tests.conftest.start_strata` (free ports, wait for readiness, SIGTERM at the end), as
+bench/overhead.py does. For each tier setting (`--tiers g1,g2`: G1-only prefix caching, or G1 + the node's shared G2 host pool) and each
 routing strategy, a fresh server starts from a private copy of the example repository (model.json rewritten with
 the KV pool, block size and threads below), the requests arrive at their trace times compressed to `--duration-s`,
 and the server is stopped. Fresh servers keep one run's cache from helping the next.
@@ -17,12 +18,7 @@ import itertools
 import json
 import os
 import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,8 +28,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE_MODEL = ROOT / "model_repository" / "smollm2"
+from tests.conftest import copy_models, start_strata
 
 
 @dataclass(slots=True)
@@ -50,8 +45,7 @@ class StreamTiming:
 
 def make_repository(root: Path, args: Any) -> Path:
     """A repository holding only smollm2, its model.json set for this benchmark."""
-    repository = root / "repository"
-    shutil.copytree(EXAMPLE_MODEL, repository / "smollm2", ignore=shutil.ignore_patterns("__pycache__"))
+    repository = copy_models(root / "repository", "smollm2")
     model_json = repository / "smollm2" / "1" / "model.json"
     config = json.loads(model_json.read_text())
     config.update(block_size=args.block_tokens, num_kv_blocks=args.kv_blocks, num_threads=args.threads_per_worker,
@@ -59,47 +53,6 @@ def make_repository(root: Path, args: Any) -> Path:
     config.pop("kv_cache_bytes", None)
     model_json.write_text(json.dumps(config, indent=2))
     return repository
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`strata serve` on free ports, its log in `root`; `stop` sends SIGTERM (SIGKILL after 30 s)."""
-
-    def __init__(self, repository: Path, root: Path, extra: list[str]) -> None:
-        self.openai_port = free_port()
-        ports = [str(free_port()) for _ in range(3)]
-        self.log_path = root / f"strata-{self.openai_port}.log"
-        command = [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
-                   "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                   "--http-address", "127.0.0.1", "--openai-port", str(self.openai_port), *extra]
-        env = {**os.environ, "STRATA_RUNTIME_DIR": str(root / "runtime"), "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                            start_new_session=True)
-        deadline = time.monotonic() + 300
-        while "strata ready" not in self.log_path.read_text(errors="replace"):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"strata serve did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.5)  # waiting on another process's log: nothing to block on
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.openai_port}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
 
 
 def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
@@ -189,12 +142,14 @@ def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: st
         if tier == "g1":
             extra.append("--no-kvbm")
         else:  # G2: the node's shared host pool, a fresh segment per run
-            extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb), "--kvbm-cache-id", f"replay-{os.getpid()}-{tier}-{strategy}"]
-        server = ServerProcess(make_repository(root, args), root, extra)
+            extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb),
+                      "--kvbm-cache-id", f"replay-{os.getpid()}-{tier}-{strategy}"]
+        server = start_strata(make_repository(root, args), root, *extra)
+        url = f"http://127.0.0.1:{server.openai_port}"
         try:
-            timings = drive(server.url, prompts, args.duration_s)
+            timings = drive(url, prompts, args.duration_s)
             result = summarize(timings)
-            result["decisions"] = router_decisions(server.url)
+            result["decisions"] = router_decisions(url)
         finally:
             server.stop()
     return result

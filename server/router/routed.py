@@ -10,9 +10,9 @@ meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`),
 fast from its first request. Workers may join while serving (`add_worker`: remote workers found in Redis, see
 discovery.py).
 
-A dead worker leaves the router at once. Its unfinished requests are migrated (up to `RouterConfig.migration_limit` times
-each): resubmitted to another worker with the prompt plus the tokens generated so far and the rest of max_tokens,
-so a streaming client sees one uninterrupted answer (counted in `strata_router_migrations_total`). Greedy answers
+A dead worker leaves the router at once. Its unfinished requests are migrated (each up to
+`RouterConfig.migration_limit` times): resubmitted to another worker with the prompt plus the tokens generated so
+far and the rest of max_tokens, so a streaming client sees one uninterrupted answer (counted in `strata_router_migrations_total`). Greedy answers
 are the same as without the failure; sampled ones continue from where they were, not as their seed would have
 gone; text a worker held back (a partial UTF-8 character, or the tail kept to match a stop string) is lost.
 """
