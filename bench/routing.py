@@ -490,9 +490,11 @@ def print_replay_serve_table(report: dict) -> None:
               f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}")
     rows = report["results"]
     for tier in sorted({name.split("/")[1].split("#")[0] for name in rows}):
-        kv, rr = rows.get(f"kv-aware/{tier}"), rows.get(f"round-robin/{tier}")
-        if kv and rr and kv["ttft_p50_s"] > 0:
-            print(f"{tier}: round-robin / kv-aware TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
+        rr = rows.get(f"round-robin/{tier}")
+        for kv_name in ("kv-aware", "kv-aware-index-only"):
+            kv = rows.get(f"{kv_name}/{tier}")
+            if kv and rr and kv["ttft_p50_s"] > 0:
+                print(f"{tier}: round-robin / {kv_name} TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
 
 
 # ---- transport: the worker channel against multiprocessing.Pipe ----
@@ -618,7 +620,8 @@ def main() -> None:
     serve.add_argument("--duration-s", type=float, default=120.0, help="the slice's arrivals span this long")
     serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
     serve.add_argument("--host-cache-gb", type=float, default=1.0)
-    serve.add_argument("--strategies", default="kv-aware,round-robin")
+    serve.add_argument("--strategies", default="kv-aware,round-robin",
+                       help="run in this order; also kv-aware-index-only (--no-router-count-in-flight)")
     serve.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
     transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)

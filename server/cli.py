@@ -48,6 +48,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
     llm.add_argument("--router-busy-threshold", type=float, default=0.95,
                      help="skip a worker whose KV use is at or above this fraction, unless all are")
+    llm.add_argument("--router-count-in-flight", action=argparse.BooleanOptionalAction, default=True,
+                     help="count the blocks of a worker's unfinished requests as cached there (a follow-up "
+                          "arriving during its prefix's prefill goes to that worker)")
     llm.add_argument("--migration-limit", type=int, default=3,
                      help="times a request is resumed on another worker when its worker dies mid-request (0: never)")
     llm.add_argument("--accept-remote-workers", action="store_true",

@@ -77,7 +77,7 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
     router = RouterConfig(
         strategy=args.routing_strategy, fallback=args.router_fallback, temperature=args.router_temperature,
         overlap_weight=args.router_overlap_weight, busy_threshold=args.router_busy_threshold,
-        migration_limit=args.migration_limit,
+        count_in_flight=args.router_count_in_flight, migration_limit=args.migration_limit,
     )
     if args.accept_remote_workers and not args.redis_url:
         raise ValueError("--accept-remote-workers: needs --redis-url (remote workers register in Redis)")

@@ -5,6 +5,11 @@ sequence takes 1 token, a sequence still in its prompt takes the next chunk. If 
 sequence's next tokens, the newest running sequence is preempted (blocks freed, recomputed later from its tokens;
 its full blocks stay in the prefix cache, so the recompute is mostly a cache hit). Waiting sequences are admitted,
 in arrival order, while the budget, `max_concurrent_requests` and the pool allow, and never in a step that preempted.
+
+A waiting sequence whose first uncached block is being computed by a running sequence (two turns of one
+conversation, or n requests with one prompt, arriving together) waits: once that block is registered it is a
+prefix hit, instead of the same prefix being prefilled twice in the same steps. Sequences behind it are admitted
+meanwhile; the wait lasts only while the block's owner runs.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvbm.block_hash import BlockHash
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import Sequence, SequenceStatus
 
@@ -32,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # admissions put off because a running sequence was computing the prefix
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,16 +64,39 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
             index += 1
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_concurrent:
-            num_tokens = self._admit(self.waiting[0], budget)
+        if preempted:
+            return chunks
+        in_progress = self._blocks_in_progress() if self.waiting else set()
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_concurrent:
+            seq = self.waiting[index]
+            if in_progress and self._waits_for(seq, in_progress):
+                self.num_prefix_waits += 1
+                index += 1
+                continue
+            num_tokens = self._admit(seq, budget)
             if num_tokens == 0:
                 break
-            seq = self.waiting.popleft()
+            del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
+            in_progress.update(seq.block_hashes[seq.num_registered_blocks:])
         return chunks
+
+    def _blocks_in_progress(self) -> set[BlockHash]:
+        """Hashes of full blocks that running sequences hold but have not yet computed and registered."""
+        return {block_hash for seq in self.running for block_hash in seq.block_hashes[seq.num_registered_blocks:]}
+
+    def _waits_for(self, seq: Sequence, in_progress: set[BlockHash]) -> bool:
+        """True if the first block of `seq` missing from the prefix cache is one a running sequence computes."""
+        cached = self.block_manager.cached
+        limit = (seq.num_tokens - 1) // self.block_manager.block_size  # as match_prefix: the last token is computed
+        for block_hash in seq.block_hashes[:limit]:
+            if block_hash not in cached:
+                return block_hash in in_progress
+        return False
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take the sequence's cached prefix (G1, then lower tiers) and room for its first chunk; 0 if no room."""

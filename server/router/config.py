@@ -18,6 +18,9 @@ class RouterConfig:
     KV capacity is skipped unless every worker is. A lookup slower than `lookup_budget_s` or failing makes
     this decision and those of the next `lookup_cooldown_s` use `fallback`. With no index event for
     `stale_after_s` while requests with full blocks keep coming, the index is declared stale (logged once).
+    With `count_in_flight`, the blocks of requests routed to a worker and not yet finished count as held there
+    in G1 (the index learns of them only once prefilled), so a conversation's next turn or a parallel request
+    with the same prompt follows its prefix even while that prefix is still being computed.
     """
 
     strategy: Strategy = "kv-aware"
@@ -31,6 +34,7 @@ class RouterConfig:
     lookup_budget_s: float = 0.005
     lookup_cooldown_s: float = 1.0
     stale_after_s: float = 30.0
+    count_in_flight: bool = True
     migration_limit: int = 3  # times one request may be resumed on another worker after its worker died
     seed: int | None = None
 

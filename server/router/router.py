@@ -6,7 +6,10 @@ lookup runs outside the router's lock; the choice and the bookkeeping run under 
 Balance: the router adds each request's blocks to its worker's load at once (reports lag), breaks exact ties by
 rotation, skips workers above `busy_threshold` of their KV capacity, and at temperature > 0 samples workers
 with probability softmax(-normalized cost / temperature) -- so one hot shared prefix spreads once its holder is
-loaded by more than the prefix is worth.
+loaded by more than the prefix is worth. With `count_in_flight`, a worker also holds (for the cost) the blocks of
+the requests routed to it and not yet released: the index hears of blocks only after their prefill, but a
+request arriving meanwhile with the same prefix is cheapest where that prefill runs (the engine lets it wait
+for those blocks instead of computing them twice).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvbm.block_hash import BlockHash
-from kvbm.index import PrefixReport
+from kvbm.index import PrefixReport, WorkerPrefix
 from server.engine.api import EngineUnavailable
 from server.router.config import RouterConfig, Strategy
 from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
@@ -52,6 +55,7 @@ class _Routed:
     worker_id: WorkerId
     blocks: int
     pending_prefill: float  # blocks of prefill work until its first token
+    block_hashes: Sequence[BlockHash] = ()  # held in its worker's in-flight blocks (count_in_flight)
 
 
 class Router:
@@ -108,13 +112,16 @@ class Router:
             if report is not None and block_hashes:
                 self.staleness.observe(events, self._clock(), _stores_new_blocks(report, len(block_hashes)))
             candidates = self._candidates()
+            prefixes: dict[str, WorkerPrefix] = {}
             if report is not None:
-                worker, reason = self._pick_kv_aware(candidates, report, len(block_hashes))
+                prefixes = self._prefixes(candidates, report, block_hashes)
+                worker, reason = self._pick_kv_aware(candidates, prefixes, report.g4, len(block_hashes))
                 strategy = self.config.strategy
             else:
                 strategy = self.config.fallback if failure else self.config.strategy
                 worker, reason = self._pick_simple(strategy, candidates), failure or "configured"
-            decision = self._record(request_id, worker, strategy, reason, block_hashes, report)
+            decision = self._record(request_id, worker, strategy, reason, block_hashes,
+                                    prefixes.get(worker.stats.worker_id), report.g4 if report is not None else 0)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable)", request_id, decision.worker_id, strategy,
                      reason, decision.reusable_blocks, decision.num_blocks)
@@ -139,6 +146,7 @@ class Router:
             if load is not None:
                 load.routed_blocks -= routed.blocks
                 load.routed_requests -= 1
+                load.drop(routed.block_hashes)
                 # the last report may have been taken while this request ran: without this, a client's next
                 # turn sent right after this one ends would see its cache holder loaded until the next report
                 load.stats.active_blocks = max(0, load.stats.active_blocks - routed.blocks)
@@ -175,16 +183,30 @@ class Router:
             self.metrics.all_busy.inc()
         return free or loads
 
-    def _pick_kv_aware(self, candidates: list[WorkerLoad], report: PrefixReport, num_blocks: int
-                       ) -> tuple[WorkerLoad, str]:
+    def _prefixes(self, candidates: list[WorkerLoad], report: PrefixReport, block_hashes: Sequence[BlockHash]
+                  ) -> dict[str, WorkerPrefix]:
+        """The index's prefixes per worker, raised to the blocks of its in-flight requests (count_in_flight)."""
         prefixes = report.workers
-        costs = [worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), report.g4, self.config)
+        if not self.config.count_in_flight:
+            return prefixes
+        raised = dict(prefixes)
+        for load in candidates:
+            held = load.in_flight_prefix(block_hashes)
+            known = prefixes.get(load.stats.worker_id)
+            if held and (known is None or known.g1 < held):
+                raised[load.stats.worker_id] = WorkerPrefix(held, max(held, known.g2), max(held, known.g3)) \
+                    if known is not None else WorkerPrefix(held, held, held)
+        return raised
+
+    def _pick_kv_aware(self, candidates: list[WorkerLoad], prefixes: dict[str, WorkerPrefix], g4: int,
+                       num_blocks: int) -> tuple[WorkerLoad, str]:
+        costs = [worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), g4, self.config)
                  for load in candidates]
         if self.config.temperature > 0:
             chosen = candidates[self._sample(costs)]
         else:
             chosen = candidates[self._argmin(costs)]
-        hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), report.g4) > 0
+        hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), g4) > 0
         return chosen, "prefix_hit" if hit else "no_prefix"
 
     def _pick_simple(self, strategy: Strategy, candidates: list[WorkerLoad]) -> WorkerLoad:
@@ -212,14 +234,15 @@ class Router:
         return self._rng.choices(range(len(costs)), weights=weights)[0]
 
     def _record(self, request_id: str, worker: WorkerLoad, strategy: Strategy, reason: str,
-                block_hashes: Sequence[BlockHash], report: PrefixReport | None) -> RouteDecision:
+                block_hashes: Sequence[BlockHash], prefix: WorkerPrefix | None, g4: int) -> RouteDecision:
         worker_id = worker.stats.worker_id
         num_blocks = len(block_hashes)
-        prefix = report.workers.get(worker_id) if report is not None else None
-        g4 = report.g4 if report is not None else 0
         reusable = reusable_blocks(prefix, g4)
         prefill = blocks_to_prefill(num_blocks, prefix, g4, self.config)
-        self._routed[request_id] = _Routed(worker_id, num_blocks + 1, prefill)  # +1: partial block, decode growth
+        held = tuple(block_hashes) if self.config.count_in_flight and self.config.strategy == "kv-aware" else ()
+        # +1 block: the partial last block and decode growth
+        self._routed[request_id] = _Routed(worker_id, num_blocks + 1, prefill, held)
+        worker.hold(held)
         worker.routed_blocks += num_blocks + 1
         worker.routed_requests += 1
         worker.pending_prefill += prefill

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NewType
+
+from kvbm.block_hash import BlockHash
 
 WorkerId = NewType("WorkerId", str)  # the same id the worker's KVBM agent publishes events under
 
@@ -30,6 +33,28 @@ class WorkerLoad:
     pending_prefill: float = 0.0  # prefill work (blocks) of requests routed here that have no first token yet
     prefill_speed: float = 1.0  # relative to the mean of all workers (2.0 = twice as fast)
     decode_speed: float = 1.0
+    in_flight_blocks: dict[BlockHash, int] = field(default_factory=dict)  # hash -> routed requests holding it
+
+    def hold(self, block_hashes: Sequence[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            self.in_flight_blocks[block_hash] = self.in_flight_blocks.get(block_hash, 0) + 1
+
+    def drop(self, block_hashes: Sequence[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            count = self.in_flight_blocks.pop(block_hash) - 1
+            if count:
+                self.in_flight_blocks[block_hash] = count
+
+    def in_flight_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of a request that requests routed here hold (hashes are chained: a match is a prefix)."""
+        held = self.in_flight_blocks
+        count = 0
+        if held:
+            for block_hash in block_hashes:
+                if block_hash not in held:
+                    break
+                count += 1
+        return count
 
     @property
     def active_blocks(self) -> int:

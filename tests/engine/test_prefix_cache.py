@@ -131,3 +131,52 @@ def test_failing_connector_counts_as_miss(prompt_ids):
             assert output.finish_reason in ("stop", "length")
     finally:
         engine.shutdown()
+
+
+def test_waiting_sequence_waits_for_the_prefix_a_running_one_computes():
+    """B shares A's first 3 blocks and arrives with it: B waits one step (C behind it is admitted), then hits."""
+    from server.engine.scheduler import Scheduler
+    from server.engine.sequence import SequenceStatus
+
+    manager = BlockManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(manager, max_num_batched_tokens=64, max_concurrent=8)
+    a, b, c = make_seq(list(range(14))), make_seq(list(range(12)) + [50, 51, 52]), make_seq(list(range(100, 110)))
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [chunk.seq for chunk in first] == [a, c] and list(scheduler.waiting) == [b]
+    for chunk in first:  # what the engine does after the step
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        manager.register_full_blocks(chunk.seq)
+    second = scheduler.schedule()
+    assert second[-1].seq is b and b.status is SequenceStatus.RUNNING
+    assert b.num_cached_tokens == 12 and second[-1].num_tokens == 3
+    assert scheduler.num_prefix_waits == 1
+
+
+def test_requests_arriving_together_share_their_prefix(engine, prompt_ids):
+    """Two turns of one conversation submitted at once: the second reuses the first's prompt blocks instead of
+    prefilling them in the same steps, and both answers are the ones each gets alone."""
+    import queue
+
+    base = prompt_ids[13]
+    follow_up = base + prompt_ids[1]
+    alone = [run(engine, greedy(ids, f"alone-{i}")).new_token_ids for i, ids in enumerate((base, follow_up))]
+    fresh = LLMEngine(engine_config(num_kv_blocks=120))  # an empty prefix cache
+    try:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        for i, ids in enumerate((base, follow_up)):
+            fresh.submit(greedy(ids, f"together-{i}"), outputs.put)
+        tokens, cached, finished = {0: [], 1: []}, {}, 0
+        while finished < 2:
+            output = outputs.get(timeout=300)
+            index = int(output.request_id.rsplit("-", 1)[1])
+            tokens[index].extend(output.new_token_ids)
+            cached[index] = output.num_cached_tokens
+            finished += output.finished
+        assert cached[0] == 0
+        assert cached[1] >= (len(base) // 16 - 1) * 16, cached
+        assert [tokens[0], tokens[1]] == alone
+        assert fresh.scheduler.num_prefix_waits >= 1
+    finally:
+        fresh.shutdown()

@@ -89,11 +89,35 @@ def test_hot_shared_prefix_spreads_over_all_workers() -> None:
 
 def test_queued_prefill_work_counts_as_load() -> None:
     """Requests still waiting for prefill load their worker by the prefill they need, not only their blocks."""
-    router, index = make_router(workers=2)
+    router, index = make_router(workers=2, count_in_flight=False)  # only w0 ever holds the system prompt
     system_prompt = hashes((7, 20))
     store(index, "w0", system_prompt)
     routed = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id for i in range(100))
     assert routed["w0"] > routed["w1"] > 20  # w0's queue is 5 blocks a request, w1's 25: w0 takes more
+
+
+@pytest.mark.parametrize("count_in_flight", [True, False])
+def test_in_flight_prefix_counts_before_the_index_hears_of_it(count_in_flight: bool) -> None:
+    """A follow-up arriving while its prefix is still being prefilled (no event yet) goes where that prefill runs."""
+    router, index = make_router(workers=2, count_in_flight=count_in_flight)
+    busy = router.route("busy", hashes((9, 30)))  # both workers have a 30-block prefill queued
+    first = router.route("turn-1", hashes((1, 30)))
+    assert first.worker_id != busy.worker_id
+    follow_up = router.route("turn-2", hashes((1, 30), (2, 10)))
+    if count_in_flight:  # 10 blocks to prefill where turn-1 runs, 40 on the other worker
+        assert (follow_up.worker_id, follow_up.reason, follow_up.reusable_blocks) == (first.worker_id, "prefix_hit", 30)
+    else:
+        assert (follow_up.reason, follow_up.reusable_blocks) == ("no_prefix", 0)
+    for request_id in ("busy", "turn-1", "turn-2"):
+        router.release(request_id)
+    assert all(not load.in_flight_blocks for load in router._workers.values())
+
+
+def test_in_flight_prefix_of_a_hot_prompt_still_spreads() -> None:
+    """Counting in-flight blocks must not pile a burst of requests with one prompt onto one worker."""
+    router, _ = make_router()
+    counts = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 2))).worker_id for i in range(100))
+    assert set(counts) == {"w0", "w1", "w2", "w3"} and max(counts.values()) - min(counts.values()) <= 2, counts
 
 
 def test_busy_worker_is_skipped_even_with_the_best_prefix() -> None:
