@@ -138,8 +138,8 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
 def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: str, args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
         root = Path(tmp)
-        if strategy == "kv-aware-index-only":  # kv-aware without counting in-flight requests' blocks
-            extra = ["--workers", str(args.workers), "--routing-strategy", "kv-aware", "--no-router-count-in-flight"]
+        if strategy == "kv-aware-in-flight":  # kv-aware, counting in-flight requests' blocks as held
+            extra = ["--workers", str(args.workers), "--routing-strategy", "kv-aware", "--router-count-in-flight"]
         else:
             extra = ["--workers", str(args.workers), "--routing-strategy", strategy]
         if tier == "g1":

@@ -38,7 +38,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     llm = p.add_argument_group("LLM serving (models with backend strata_llm)")
     llm.add_argument("--workers", type=int, default=None,
                      help="engine worker processes per LLM model (default: the model's instance_group count, else 1 "
-                          "in-process engine)")
+                          "in-process engine; 0 with --accept-remote-workers: remote workers only)")
     llm.add_argument("--routing-strategy", choices=["kv-aware", "round-robin", "random", "least-loaded"],
                      default="kv-aware")
     llm.add_argument("--router-fallback", choices=["round-robin", "random", "least-loaded"], default="least-loaded",
@@ -48,7 +48,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
     llm.add_argument("--router-busy-threshold", type=float, default=0.95,
                      help="skip a worker whose KV use is at or above this fraction, unless all are")
-    llm.add_argument("--router-count-in-flight", action=argparse.BooleanOptionalAction, default=True,
+    llm.add_argument("--router-count-in-flight", action=argparse.BooleanOptionalAction, default=False,
                      help="count the blocks of a worker's unfinished requests as cached there (a follow-up "
                           "arriving during its prefix's prefill goes to that worker)")
     llm.add_argument("--migration-limit", type=int, default=3,

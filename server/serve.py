@@ -81,6 +81,10 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
     )
     if args.accept_remote_workers and not args.redis_url:
         raise ValueError("--accept-remote-workers: needs --redis-url (remote workers register in Redis)")
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers: must be >= 0, got {args.workers}")
+    if args.workers == 0 and not args.accept_remote_workers:
+        raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
     return LLMServing(router, args.workers, kvbm_config(args), args.kvbm_service, engine_overrides(args),
                       remote_workers=args.redis_url if args.accept_remote_workers else None)
 

@@ -68,7 +68,8 @@ OUTPUTS = [
 class LLMServing:
     """How `strata serve` deploys LLM models (from its flags).
 
-    workers     engine processes per model; None: the model's instance_group count, else one in-process engine
+    workers     engine processes per model; None: the model's instance_group count, else one in-process engine;
+                0 with remote_workers: none here, the model is served by the remote workers that join
     kvbm        tiers below each engine's pool (None: G1-only prefix caching)
     kvbm_service  address of a standalone `strata kvbm` (multi-node): workers publish to Redis, the router queries it
     overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
@@ -88,7 +89,7 @@ class LLMBackend:
 
     One worker runs the engine in this process; N workers run in child processes behind a `RoutedEngine` whose
     router reads the embedded KV index (fed by the workers' forwarded block events) or the KVBM service. With
-    remote workers accepted, every model is routed (at least one child process) and a `Discovery` thread adds
+    remote workers accepted, every model is routed (N child processes, N >= 0) and a `Discovery` thread adds
     the `strata worker` processes that register for it in Redis.
     """
 
@@ -111,8 +112,12 @@ class LLMBackend:
         config.validate(f"{model.name} (model.json with command-line overrides)")
         if model.name in self.engines:
             self.unload(model.name)
-        workers = self.serving.workers or (model.config.instance_group[0].count if model.config.instance_group else 1)
-        engine = self._build(model.name, config, max(workers, 1))
+        workers = self.serving.workers
+        if workers is None:
+            workers = model.config.instance_group[0].count if model.config.instance_group else 1
+        if self.serving.remote_workers is None:
+            workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
+        engine = self._build(model.name, config, workers)
         remove(self.triton.store / model.name)  # the placeholder that listed the model until now
         self.triton.pytriton.bind(
             model_name=model.name, infer_func=_infer_function(engine), inputs=INPUTS, outputs=OUTPUTS,
@@ -133,10 +138,13 @@ class LLMBackend:
         standalone = self.serving.kvbm_service is not None
         spec = WorkerSpec(build_llm_engine, (config, kvbm), forward_events=not standalone)
         remotes = spawn_workers([WorkerId(f"{name}-w{i}") for i in range(workers)], spec,
-                                event_sink=None if standalone else self.index)
+                                event_sink=None if standalone else self.index) if workers else []
         lookup = KVIndexClient(self.serving.kvbm_service) if standalone else self.index
         router = Router(self.serving.router, lookup, self._router_metrics)
-        routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+        if remotes:
+            routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+        else:  # remote workers only (--workers 0): the layout comes with the first that joins
+            routed = RoutedEngine([], router, None, None, model_name=name, max_model_len=config.max_model_len)
         if self.serving.remote_workers is not None:
             self._discoveries[name] = self._discover(name, routed, event_sink=None if standalone else self.index)
         return routed

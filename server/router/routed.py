@@ -8,7 +8,8 @@ from requests that had their worker to themselves, so that queueing and batching
 worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
 meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
 fast from its first request. Workers may join while serving (`add_worker`: remote workers found in Redis, see
-discovery.py).
+discovery.py); a model served by remote workers alone starts with none (requests get `NoWorkerError`, a 503,
+until one joins) and takes its block size and salt from the first that joins.
 
 A dead worker leaves the router at once. Its unfinished requests are migrated (each up to
 `RouterConfig.migration_limit` times): resubmitted to another worker with the prompt plus the tokens generated so
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from kvbm.block_hash import BlockHash, block_hashes
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
 from server.router.hardware import Speeds
-from server.router.router import Router
+from server.router.router import NoWorkerError, Router
 from server.router.worker import WorkerInfo
 from server.router.workers import WorkerId, WorkerStats
 
@@ -102,11 +103,14 @@ class _InFlight:
 
 
 class RoutedEngine:
-    def __init__(self, workers: Sequence[RoutableWorker], router: Router, block_size: int, salt: BlockHash) -> None:
-        if not workers:
-            raise ValueError("RoutedEngine needs at least one worker")
-        self.model_name = workers[0].model_name
-        self.max_model_len = min(w.max_model_len for w in workers)
+    def __init__(self, workers: Sequence[RoutableWorker], router: Router, block_size: int | None,
+                 salt: BlockHash | None, model_name: str | None = None, max_model_len: int | None = None) -> None:
+        """`block_size`/`salt` None: the first worker's (remote-only models); `model_name` and `max_model_len`
+        default to the first worker's, and are required without one."""
+        if not workers and (model_name is None or max_model_len is None):
+            raise ValueError("RoutedEngine without workers needs model_name and max_model_len")
+        self.model_name = model_name or workers[0].model_name
+        self._max_model_len = max_model_len or min(w.max_model_len for w in workers)
         self.router = router
         self.block_size = block_size
         self.salt = salt
@@ -123,10 +127,12 @@ class RoutedEngine:
         """Route to `worker` from now on (any thread). A worker with the id of one that died replaces it.
         Raises ValueError for a worker of another model or KV layout (its block hashes would not match)."""
         info = getattr(worker, "info", None)
-        problem = self.incompatibility(worker.model_name, info)
-        if problem is not None:
-            raise ValueError(f"worker {worker.worker_id}: {problem}")
         with self._lock:
+            problem = self.incompatibility(worker.model_name, info)
+            if problem is not None:
+                raise ValueError(f"worker {worker.worker_id}: {problem}")
+            if self.block_size is None and info is not None:  # the first worker of a remote-only model
+                self.block_size, self.salt = info.block_size, BlockHash(info.salt) if info.salt is not None else None
             self._speeds[worker.worker_id] = SpeedMeter.seeded(getattr(info, "speeds", None))
             self._workers = {**self._workers, worker.worker_id: worker}
         self.router.metrics.show_worker(self.model_name, worker.worker_id, getattr(info, "hardware", None))
@@ -140,7 +146,7 @@ class RoutedEngine:
         match the index), or None."""
         if model_name != self.model_name:
             return f"serves {model_name!r}, not {self.model_name!r}"
-        if info is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
+        if info is not None and self.block_size is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
             return (f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
                     f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json")
         return None
@@ -150,8 +156,14 @@ class RoutedEngine:
         return worker is not None and worker.alive
 
     @property
+    def max_model_len(self) -> int:
+        """The smallest context of the live workers (the configured one while none is live)."""
+        return min((w.max_model_len for w in self._workers.values() if w.alive), default=self._max_model_len)
+
+    @property
     def max_tokens_limit(self) -> int:
-        return min(getattr(w, "max_tokens_limit", w.max_model_len) for w in self._workers.values())
+        return min((getattr(w, "max_tokens_limit", w.max_model_len) for w in self._workers.values() if w.alive),
+                   default=self._max_model_len)
 
     def encode(self, text: str) -> list[int]:
         return self._any_worker().encode(text)
@@ -160,6 +172,8 @@ class RoutedEngine:
         return self._any_worker().apply_chat_template(messages)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        if self.block_size is None:
+            raise NoWorkerError(f"no worker serves {self.model_name} yet")
         hashes = block_hashes(request.prompt_token_ids, self.block_size, self.salt)
         decision = self.router.route(request.request_id, hashes)
         worker = self._workers[decision.worker_id]
@@ -288,6 +302,8 @@ class RoutedEngine:
     def _any_worker(self) -> RoutableWorker:
         """A live worker for tokenizing, in turn (all workers serve the same model)."""
         live = [w for w in self._workers.values() if w.alive] or list(self._workers.values())
+        if not live:
+            raise NoWorkerError(f"no worker serves {self.model_name} yet")
         self._turn += 1
         return live[self._turn % len(live)]
 

@@ -89,7 +89,7 @@ def test_hot_shared_prefix_spreads_over_all_workers() -> None:
 
 def test_queued_prefill_work_counts_as_load() -> None:
     """Requests still waiting for prefill load their worker by the prefill they need, not only their blocks."""
-    router, index = make_router(workers=2, count_in_flight=False)  # only w0 ever holds the system prompt
+    router, index = make_router(workers=2)  # only w0 ever holds the system prompt (in-flight blocks not counted)
     system_prompt = hashes((7, 20))
     store(index, "w0", system_prompt)
     routed = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id for i in range(100))
@@ -115,7 +115,7 @@ def test_in_flight_prefix_counts_before_the_index_hears_of_it(count_in_flight: b
 
 def test_in_flight_prefix_of_a_hot_prompt_still_spreads() -> None:
     """Counting in-flight blocks must not pile a burst of requests with one prompt onto one worker."""
-    router, _ = make_router()
+    router, _ = make_router(count_in_flight=True)
     counts = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 2))).worker_id for i in range(100))
     assert set(counts) == {"w0", "w1", "w2", "w3"} and max(counts.values()) - min(counts.values()) <= 2, counts
 

@@ -37,6 +37,11 @@ def test_serve_accept_remote_workers_needs_redis(tmp_path: Path) -> None:
     assert result.returncode == 2 and "--accept-remote-workers: needs --redis-url" in result.stderr
 
 
+def test_serve_workers_0_needs_remote_workers(tmp_path: Path) -> None:
+    result = run_cli("serve", "--model-repository", str(tmp_path), "--workers", "0")
+    assert result.returncode == 2 and "--workers 0: serves LLMs by remote workers only" in result.stderr
+
+
 @pytest.fixture
 def short_tmp(tmp_path_factory) -> Path:
     """A short folder name: Triton's unix socket paths under it must stay under the AF_UNIX limit."""
@@ -102,6 +107,32 @@ def test_remote_worker_joins_serves_is_routed_around_and_rejoins(short_tmp, redi
         os.kill(local_pid, signal.SIGKILL)
         wait_for(lambda: 'worker="smollm2-w0"' not in worker_metrics(server), 15, what="local worker dropped")
         assert complete(client, "Only the remote worker can answer this.") == 3
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_model_served_by_remote_workers_only(short_tmp, redis_url, workers) -> None:
+    """`--workers 0`: no engine in the server; 503 until a `strata worker` joins, then it serves (tokenizing
+    and chat templates included, both done by the worker)."""
+    repository = copy_models(short_tmp / "repo", "smollm2")
+    server = start_strata(repository, short_tmp, "--workers", "0", "--no-kvbm", "--redis-url", redis_url,
+                          "--accept-remote-workers")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
+                           max_retries=0)
+    try:
+        assert [model.id for model in client.models.list()] == ["smollm2"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            complete(client, "Is anyone there?")
+        assert refused.value.status_code == 503 and "no worker serves smollm2" in str(refused.value)
+        assert "worker smollm2-w0 up" not in server.log()  # no local engine was started
+
+        workers(repository, redis_url, "only-a")
+        wait_for(lambda: "remote worker only-a joined" in server.log(), 90, what="only-a joined")
+        assert complete(client, "Tell me about tea.") == 3
+        chat = client.chat.completions.create(model="smollm2", max_tokens=3, temperature=0,
+                                              messages=[{"role": "user", "content": "Hi!"}])
+        assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content
     finally:
         client.close()
         server.stop()
