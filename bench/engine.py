@@ -10,6 +10,8 @@ Measures (medians over --reps where repeated):
               transformers: one batched `generate` over the same requests (left padding, greedy, no early EOS);
               --reps rounds, each ours then theirs on fresh prompts, medians
   prefix TTFT 2048-token prompt whose first 2032 tokens are cached (a previous request) vs a fresh one
+  shared prompt  4 requests with one fresh 1,008-token prompt submitted together: time until the last first token,
+              with the scheduler waiting for the prefix a running request computes vs computing it 4 times
   RSS         peak and current resident memory after every quarter of --requests short requests (steady = no growth)
 Prints a table, then one JSON line.
 """
@@ -139,6 +141,22 @@ def bench_prefix_ttft(runner: Runner, reps: int) -> tuple[float, float]:
     return statistics.median(fresh), statistics.median(cached)
 
 
+def bench_shared_prompt(runner: Runner, reps: int, n: int = 4) -> tuple[float, float]:
+    """n requests with one fresh 1,008-token prompt submitted together (OpenAI `n`, or parallel agents):
+    seconds until every first token, with the scheduler's wait for a running prefix, then without it."""
+    timings = {True: [], False: []}
+    scheduler = runner.engine.scheduler
+    try:
+        for _ in range(reps):
+            for wait in (True, False):
+                scheduler.wait_for_running_prefix = wait  # read by the engine thread at its next step
+                prompt = runner.tokens(1008)
+                timings[wait].append(max(runner.run_batch([runner.request(prompt, 1) for _ in range(n)])[1]))
+    finally:
+        scheduler.wait_for_running_prefix = True
+    return statistics.median(timings[True]), statistics.median(timings[False])
+
+
 def rss_mib() -> tuple[float, float]:
     """(current, peak) resident set size of this process, MiB."""
     fields = dict(
@@ -201,8 +219,10 @@ def run_all(runner: Runner, model, args) -> dict:
     decode = bench_decode(runner, model, args.reps)
     serving = {c: bench_serving(runner, model, c, args.reps) for c in (8, 32)}
     fresh, cached = bench_prefix_ttft(runner, args.reps)
+    shared = bench_shared_prompt(runner, args.reps)
     rss = bench_rss(runner, args.requests)
-    return {"prefill": prefill, "decode": decode, "serving": serving, "ttft": (fresh, cached), "rss": rss}
+    return {"prefill": prefill, "decode": decode, "serving": serving, "ttft": (fresh, cached), "shared": shared,
+            "rss": rss}
 
 
 def print_report(results: dict, args) -> None:
@@ -222,6 +242,9 @@ def print_report(results: dict, args) -> None:
         )
     fresh, cached = results["ttft"]
     rows.append(("TTFT 2048 uncached / cached s", f"{fresh:.3f}", f"{cached:.3f}", f"{fresh / cached:.1f}x"))
+    waited, duplicated = results["shared"]
+    rows.append(("4 x one 1008-token prompt, last TTFT s (prefix wait off / on)", f"{duplicated:.3f}", f"{waited:.3f}",
+                 f"{duplicated / waited:.2f}x"))
     for done, current, peak in results["rss"]:
         rows.append((f"RSS after {done} requests MiB", f"{current:.0f}", f"peak {peak:.0f}", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -237,6 +260,8 @@ def print_report(results: dict, args) -> None:
         "serving_tok_s": {str(k): round(v[0], 1) for k, v in results["serving"].items()},
         "serving_ratio": {str(k): round(v[0] / v[1], 3) for k, v in results["serving"].items()},
         "ttft_uncached_s": round(fresh, 4), "ttft_cached_s": round(cached, 4), "ttft_ratio": round(fresh / cached, 2),
+        "shared_prompt_last_ttft_s": {"wait": round(waited, 4), "no_wait": round(duplicated, 4)},
+        "shared_prompt_ratio": round(duplicated / waited, 2),
         "rss_mib": [[d, round(c), round(p)] for d, c, p in rss],
         "rss_growth_mib": round(rss[-1][1] - rss[0][1], 1),
     }  # fmt: skip

@@ -491,7 +491,7 @@ def print_replay_serve_table(report: dict) -> None:
     rows = report["results"]
     for tier in sorted({name.split("/")[1].split("#")[0] for name in rows}):
         rr = rows.get(f"round-robin/{tier}")
-        for kv_name in ("kv-aware", "kv-aware-in-flight"):
+        for kv_name in sorted({name.split("/")[0] for name in rows if name.startswith("kv-aware")}):
             kv = rows.get(f"{kv_name}/{tier}")
             if kv and rr and kv["ttft_p50_s"] > 0:
                 print(f"{tier}: round-robin / {kv_name} TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
@@ -621,7 +621,8 @@ def main() -> None:
     serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
     serve.add_argument("--host-cache-gb", type=float, default=1.0)
     serve.add_argument("--strategies", default="kv-aware,round-robin",
-                       help="run in this order; also kv-aware-in-flight (--router-count-in-flight)")
+                       help="run in this order; also kv-aware-in-flight (--router-count-in-flight); a suffix @W sets "
+                            "--router-overlap-weight W (kv-aware@4)")
     serve.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
     transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)

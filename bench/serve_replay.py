@@ -138,10 +138,12 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
 def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: str, args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
         root = Path(tmp)
-        if strategy == "kv-aware-in-flight":  # kv-aware, counting in-flight requests' blocks as held
-            extra = ["--workers", str(args.workers), "--routing-strategy", "kv-aware", "--router-count-in-flight"]
+        name, _, weight = strategy.partition("@")  # kv-aware@4: --router-overlap-weight 4
+        extra = ["--workers", str(args.workers)] + (["--router-overlap-weight", weight] if weight else [])
+        if name == "kv-aware-in-flight":  # kv-aware, counting in-flight requests' blocks as held
+            extra += ["--routing-strategy", "kv-aware", "--router-count-in-flight"]
         else:
-            extra = ["--workers", str(args.workers), "--routing-strategy", strategy]
+            extra += ["--routing-strategy", name]
         if tier == "g1":
             extra.append("--no-kvbm")
         else:  # G2: the node's shared host pool, a fresh segment per run

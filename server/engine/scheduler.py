@@ -39,6 +39,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prefix_waits = 0  # admissions put off because a running sequence was computing the prefix
+        self.wait_for_running_prefix = True  # bench/engine.py turns it off for its baseline
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -66,7 +67,7 @@ class Scheduler:
             index += 1
         if preempted:
             return chunks
-        in_progress = self._blocks_in_progress() if self.waiting else set()
+        in_progress = self._blocks_in_progress() if self.waiting and self.wait_for_running_prefix else set()
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_concurrent:
             seq = self.waiting[index]
@@ -82,7 +83,8 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
-            in_progress.update(seq.block_hashes[seq.num_registered_blocks:])
+            if self.wait_for_running_prefix:
+                in_progress.update(seq.block_hashes[seq.num_registered_blocks:])
         return chunks
 
     def _blocks_in_progress(self) -> set[BlockHash]:
