@@ -38,7 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_prefix_waits = 0  # admissions put off because a running sequence was computing the prefix
+        self.num_prefix_waits = 0  # times (per step) a waiting sequence was held back for a prefix being computed
         self.wait_for_running_prefix = True  # bench/engine.py turns it off for its baseline
 
     def has_work(self) -> bool:
