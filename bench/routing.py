@@ -452,25 +452,41 @@ def print_replay_real_table(report: dict) -> None:
               f"{row['ttft_mean_s']:>8.2f}{row['errors']:>8}")
 
 
-def trace_prompts(args: argparse.Namespace) -> tuple[list[tuple[float, list[int], int]], float]:
-    """(arrival_s, prompt token ids, max_tokens) of the chosen slice, and its oracle hit rate."""
+def oracle_sources(requests: list[TraceRequest]) -> list[tuple[int, int]]:
+    """Per request: (blocks the unlimited cache would hit, index of the latest earlier request holding the last of
+    them, -1 with no hit) -- the request whose prefill must have finished, on the same worker, for the hit."""
+    holder: dict[int, int] = {}  # block id -> latest request index containing it
+    sources = []
+    for i, request in enumerate(requests):
+        hits = 0
+        for block_id in request.hash_ids:
+            if block_id not in holder:
+                break
+            hits += 1
+        sources.append((hits, holder[request.hash_ids[hits - 1]] if hits else -1))
+        holder.update((block_id, i) for block_id in request.hash_ids)
+    return sources
+
+
+def trace_prompts(args: argparse.Namespace) -> tuple[list[tuple[float, list[int], int]], float, list[tuple[int, int]]]:
+    """(arrival_s, prompt token ids, max_tokens) of the chosen slice, its oracle hit rate and oracle sources."""
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
     kept = [TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens) for r in requests]
     prompts = [(r.arrival_s, [t for block_id in r.hash_ids for t in _block_tokens(block_id, args.block_tokens)],
                 max(1, r.output_tokens)) for r in kept]
-    return prompts, oracle_hit_rate(kept)
+    return prompts, oracle_hit_rate(kept), oracle_sources(kept)
 
 
 def replay_serve_command(args: argparse.Namespace) -> dict:
     from bench.serve_replay import run_one
 
-    prompts, oracle = trace_prompts(args)
+    prompts, oracle, sources = trace_prompts(args)
     results: dict[str, dict] = {}
     for tier in args.tiers.split(","):
         for strategy in args.strategies.split(","):
             key = f"{strategy}/{tier}"
             key = key if key not in results else f"{key}#{len(results)}"
-            results[key] = run_one(prompts, strategy, tier, args)
+            results[key] = run_one(prompts, sources, strategy, tier, args)
             print(f"{key}: {results[key]}", file=sys.stderr, flush=True)
     scale = (f"{len(prompts)} requests of {args.conversations} conversations (>= {args.min_turns} turns), 1 hash id = "
              f"{args.block_tokens} tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= "
@@ -484,10 +500,11 @@ def print_replay_serve_table(report: dict) -> None:
     print(f"replay through strata serve: {report['scale']}")
     print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
     print(f"{'strategy/tiers':<22}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'ITL p50 ms':>11}{'tok/s':>8}"
-          f"{'errors':>7}")
+          f"{'errors':>7}   lost to the oracle (ceiling): queued/decoding/finished source")
     for name, row in report["results"].items():
         print(f"{name:<22}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
-              f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}")
+              f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}   ({row['ceiling']:.1%}) "
+              f"{row['lost_queued']:.1%}/{row['lost_decoding']:.1%}/{row['lost_finished']:.1%}")
     rows = report["results"]
     for tier in sorted({name.split("/")[1].split("#")[0] for name in rows}):
         rr = rows.get(f"round-robin/{tier}")
@@ -620,6 +637,8 @@ def main() -> None:
     serve.add_argument("--duration-s", type=float, default=120.0, help="the slice's arrivals span this long")
     serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
     serve.add_argument("--host-cache-gb", type=float, default=1.0)
+    serve.add_argument("--keep-logs", default="", help="directory for each run's server log (router decisions "
+                       "at DEBUG) and per-request timings, to see where hits were lost")
     serve.add_argument("--strategies", default="kv-aware,round-robin",
                        help="run in this order; also kv-aware-in-flight (--router-count-in-flight); a suffix @W sets "
                             "--router-overlap-weight W (kv-aware@4)")

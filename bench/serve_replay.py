@@ -9,7 +9,9 @@ and the server is stopped. Fresh servers keep one run's cache from helping the n
 
 Per run: TTFT p50/p90 (submit -> first streamed token), ITL p50 (gaps between streamed chunks of one request),
 throughput (output tokens / time from first submit to last finish), prefix-hit rate (the usage's
-`prompt_tokens_details.cached_tokens` / prompt tokens), errors, and the router's decision counts from /metrics.
+`prompt_tokens_details.cached_tokens` / prompt tokens), errors, and the router's decision counts from /metrics;
+and where the oracle's hits were lost (`hit_losses`): by whether the request holding the prefix had produced its
+first token, or finished, when the request that missed it was sent.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import statistics
 import tempfile
 import threading
@@ -117,6 +120,32 @@ def router_decisions(url: str) -> dict[str, int]:
     return decisions
 
 
+def hit_losses(timings: list[StreamTiming], sources: list[tuple[int, int]], block_tokens: int) -> dict[str, float]:
+    """Where the oracle's hits were lost, as shares of all prompt tokens.
+
+    For each request, the oracle's hit (capped as the engine caps it: the last prompt token is always computed)
+    minus the cached tokens it got, filed by the state of its source request (the latest earlier one holding the
+    hit prefix) when it was sent: still before its first token (`queued`: its prefix not yet computed anywhere),
+    decoding, or finished. `ceiling` is the capped oracle itself: the hit rate an engine could reach.
+    """
+    lost = {"queued": 0, "decoding": 0, "finished": 0}
+    ceiling = prompt = 0
+    for timing, (hits, source) in zip(timings, sources, strict=True):
+        if timing.error is not None:
+            continue
+        expected = min(hits, (timing.prompt_tokens - 1) // block_tokens) * block_tokens
+        ceiling += expected
+        prompt += timing.prompt_tokens
+        if expected <= timing.cached_tokens or source < 0:
+            continue
+        before = timings[source]
+        state = ("queued" if before.first_token is None or before.first_token > timing.submitted
+                 else "decoding" if before.finished is None or before.finished > timing.submitted else "finished")
+        lost[state] += expected - timing.cached_tokens
+    prompt = max(1, prompt)
+    return {"ceiling": round(ceiling / prompt, 4)} | {f"lost_{k}": round(v / prompt, 4) for k, v in lost.items()}
+
+
 def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
     ok = [t for t in timings if t.error is None and t.first_token is not None]
     ttft = sorted(t.first_token - t.submitted for t in ok)
@@ -135,7 +164,8 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
             "first_errors": [t.error for t in timings if t.error][:3]}
 
 
-def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: str, args: Any) -> dict[str, Any]:
+def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int, int]], strategy: str, tier: str,
+            args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
         root = Path(tmp)
         name, _, weight = strategy.partition("@")  # kv-aware@4: --router-overlap-weight 4
@@ -149,12 +179,22 @@ def run_one(prompts: list[tuple[float, list[int], int]], strategy: str, tier: st
         else:  # G2: the node's shared host pool, a fresh segment per run
             extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb),
                       "--kvbm-cache-id", f"replay-{os.getpid()}-{tier}-{strategy}"]
+        if args.keep_logs:
+            extra += ["--log-verbose", "1"]  # the router's per-decision debug lines
         server = start_strata(make_repository(root, args), root, *extra)
         url = f"http://127.0.0.1:{server.openai_port}"
         try:
             timings = drive(url, prompts, args.duration_s)
-            result = summarize(timings)
+            result = summarize(timings) | hit_losses(timings, sources, args.block_tokens)
             result["decisions"] = router_decisions(url)
         finally:
             server.stop()
+            if args.keep_logs:
+                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                shutil.copy(server.log_path, Path(args.keep_logs) / f"{strategy}-{tier}.log")
+                (Path(args.keep_logs) / f"{strategy}-{tier}.requests.jsonl").write_text("".join(
+                    json.dumps({"submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
+                                "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                                "oracle_blocks": hits, "source": source}) + "\n"
+                    for t, (hits, source) in zip(timings, sources, strict=True)))
     return result

@@ -50,10 +50,18 @@ class RoutableWorker(Engine, Protocol):
 @dataclass(slots=True)
 class SpeedMeter:
     """Smoothed prefill and decode throughput of one worker, tokens per second; 0 (unknown, counted as an
-    average worker by the router) until `min_samples` samples, so one lucky or unlucky request cannot skew it."""
+    average worker by the router) until `min_samples` samples, so one lucky or unlucky request cannot skew it.
+
+    A sample must be big enough for throughput to dominate the fixed cost of a request (a round trip, a step's
+    setup, attention over the cached context): a prompt found almost all in cache prefills a handful of tokens
+    in a step-sized time, and counting that as prefill speed made the worker holding a conversation look several
+    times slower than the others, so the router sent the conversation's next turns elsewhere (seen in
+    bench/routing.py replay-serve's decision log)."""
 
     alpha: float = 0.2
     min_samples: int = 3
+    min_prefill_tokens: int = 256
+    min_decode_tokens: int = 4
     _prefill: float = 0.0
     _decode: float = 0.0
     _prefill_samples: int = 0
@@ -68,12 +76,12 @@ class SpeedMeter:
         return self._decode if self._decode_samples >= self.min_samples else 0.0
 
     def add_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        if tokens >= self.min_prefill_tokens and seconds > 0:
             self._prefill = _smooth(self._prefill, tokens / seconds, self.alpha)
             self._prefill_samples += 1
 
     def add_decode(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        if tokens >= self.min_decode_tokens and seconds > 0:
             self._decode = _smooth(self._decode, tokens / seconds, self.alpha)
             self._decode_samples += 1
 

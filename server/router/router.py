@@ -123,9 +123,22 @@ class Router:
             decision = self._record(request_id, worker, strategy, reason, block_hashes,
                                     prefixes.get(worker.stats.worker_id), report.g4 if report is not None else 0)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable)", request_id, decision.worker_id, strategy,
-                     reason, decision.reusable_blocks, decision.num_blocks)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_decision(request_id, decision, prefixes, report.g4 if report is not None else 0)
         return decision
+
+    def _log_decision(self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix],
+                      g4: int) -> None:
+        """One line per decision, with what the other workers held and which were skipped as busy."""
+        with self._lock:
+            others = {worker_id: (reusable_blocks(prefixes.get(worker_id), g4), load.active_blocks,
+                                  round(load.pending_prefill, 1), round(load.prefill_speed, 2),
+                                  round(load.decode_speed, 2), load.is_busy(self.config.busy_threshold))
+                      for worker_id, load in self._workers.items()}
+        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable); workers (reusable, active, pending, "
+                     "prefill speed, decode speed, busy): %s",
+                     request_id, decision.worker_id, decision.strategy, decision.reason, decision.reusable_blocks,
+                     decision.num_blocks, others)
 
     def prefill_done(self, request_id: str) -> None:
         """The request produced its first token: its prefill no longer queues ahead of new requests."""

@@ -11,7 +11,7 @@ from router_fakes import SALT, StepEngine
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
 from server.router.config import RouterConfig
-from server.router.routed import RoutedEngine
+from server.router.routed import RoutedEngine, SpeedMeter
 from server.router.router import Router
 from server.router.workers import WorkerId
 
@@ -98,7 +98,7 @@ def test_a_dead_worker_leaves_the_router() -> None:
 def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> None:
     routed, _, _ = _setup(workers=1)
     speed = routed._speeds[WorkerId("w0")]
-    speed.min_samples = 1
+    speed.min_samples, speed.min_prefill_tokens, speed.min_decode_tokens = 1, 1, 1  # the step engine's tiny prompts
     first: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     routed.submit(_request("first", list(range(40)), max_tokens=50), first.put)
     first.get(timeout=10)
@@ -119,9 +119,22 @@ def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> N
 def test_speed_is_unknown_until_enough_samples() -> None:
     routed, _, _ = _setup(workers=1)
     speed = routed._speeds[WorkerId("w0")]
+    speed.min_prefill_tokens = speed.min_decode_tokens = 1
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     for i in range(3):
         assert speed.prefill_tok_s == 0
         routed.submit(_request(f"r{i}", list(range(i * 50, i * 50 + 40))), outputs.put)
         _finish(outputs)
     assert speed.prefill_tok_s > 0 and speed.decode_tok_s > 0
+
+
+def test_a_mostly_cached_prompt_is_not_a_prefill_speed_sample() -> None:
+    """16 uncached tokens in a step's time would read as a slow worker and push its conversations away."""
+    speed = SpeedMeter(min_samples=1)
+    speed.add_prefill(512, 1.0)
+    speed.add_prefill(16, 0.2)  # a follow-up turn that found 496 of 512 tokens cached: 80 tok/s
+    assert speed.prefill_tok_s == 512
+    speed.add_decode(2, 1.0)  # one decode step after the first token: mostly request overhead
+    assert speed.decode_tok_s == 0
+    speed.add_decode(16, 0.5)
+    assert speed.decode_tok_s == 32
