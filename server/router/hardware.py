@@ -12,12 +12,15 @@ prefill step costs the model; decode speed is the per-request rate of their few 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import platform
 import queue
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestId, SamplingParams
@@ -25,6 +28,7 @@ from server.engine.api import Engine, GenerationOutput, GenerationRequest, Reque
 CALIBRATION_PROMPT_TOKENS = 128  # prefill tokens in total (summed over the short prompts)
 CALIBRATION_OUTPUT_TOKENS = 4  # per prompt: the first comes from prefill, the rest from decode steps
 _CALIBRATION_TIMEOUT_S = 30.0
+CALIBRATION_LOCK = Path(tempfile.gettempdir()) / "strata-calibration.lock"  # one calibration at a time per host
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +80,17 @@ def describe_hardware(engine: Engine) -> HardwareInfo:
 def calibrate(engine: Engine) -> Speeds:
     """A short prefill and a few decode steps on the real engine (~0.7 s for SmolLM2 fp32 on 2 CPU cores).
 
+    Workers on one host calibrate one at a time (an exclusive lock on a file in the temp directory): when
+    `--workers 4` calibrated together on 2 cores, identical workers measured decode speeds 2x apart, and the
+    router sent them work in those proportions.
     Unmeasured (zeros) when the engine's blocks are too small to hold a calibration sequence in one block.
     """
+    with open(CALIBRATION_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        return _calibrate(engine)
+
+
+def _calibrate(engine: Engine) -> Speeds:
     block_size = getattr(getattr(engine, "layout", None), "block_size", 0)
     prompt_len = block_size - 1 - CALIBRATION_OUTPUT_TOKENS
     if prompt_len < 1:
