@@ -44,6 +44,7 @@ class StreamTiming:
     completion_tokens: int = 0
     finished: float | None = None
     error: str | None = None
+    response_id: str = ""  # "cmpl-<request id>": the router's decision log names the request by it
 
 
 def make_repository(root: Path, args: Any) -> Path:
@@ -73,6 +74,7 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
+                timing.response_id = chunk.get("id", timing.response_id)
                 if chunk.get("choices"):
                     timing.chunk_times.append(now)
                     if timing.first_token is None:
@@ -193,7 +195,7 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
                 Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
                 shutil.copy(server.log_path, Path(args.keep_logs) / f"{strategy}-{tier}.log")
                 (Path(args.keep_logs) / f"{strategy}-{tier}.requests.jsonl").write_text("".join(
-                    json.dumps({"submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
+                    json.dumps({"id": t.response_id, "submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
                                 "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
                                 "oracle_blocks": hits, "source": source}) + "\n"
                     for t, (hits, source) in zip(timings, sources, strict=True)))
