@@ -19,7 +19,9 @@ sees the same requests; round-robin is the baseline, the oracle hit rate (unlimi
 feed the router's index), kv-aware against round-robin, fresh workers for each; minutes of CPU.
 
 `replay-serve`: the same kind of slice against `strata serve --workers N` over the OpenAI API (serve_replay.py):
-TTFT p50/p90, ITL p50, throughput and hit rate of each strategy with each tier setting, fresh server per run.
+TTFT p50/p90, ITL p50, throughput and hit rate of each strategy with each tier setting, fresh server per run;
+the oracle hits each run lost, by the state of the request holding the prefix when the one that missed was sent
+(queued, decoding, finished); `--keep-logs DIR` keeps each server's router decision log and per-request timings.
 
 `transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
 and over multiprocessing.Pipe, the alternative it was chosen over.

@@ -129,7 +129,9 @@ class Router:
 
     def _log_decision(self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix],
                       g4: int) -> None:
-        """One line per decision, with what the other workers held and which were skipped as busy."""
+        """One line per decision: each worker's reusable prefix, load (this request already counted on its
+        worker), relative speeds, and whether it was skipped as busy. Read by bench/routing.py replay-serve
+        --keep-logs to tell where cache hits were lost."""
         with self._lock:
             others = {worker_id: (reusable_blocks(prefixes.get(worker_id), g4), load.active_blocks,
                                   round(load.pending_prefill, 1), round(load.prefill_speed, 2),
