@@ -470,7 +470,8 @@ def oracle_sources(requests: list[TraceRequest]) -> list[tuple[int, int]]:
     return sources
 
 
-def trace_prompts(args: argparse.Namespace) -> tuple[list[tuple[float, list[int], int]], float, list[tuple[int, int]]]:
+def trace_prompts(args: argparse.Namespace
+                  ) -> tuple[list[tuple[float, list[int], int]], float, list[tuple[int, int]]]:
     """(arrival_s, prompt token ids, max_tokens) of the chosen slice, its oracle hit rate and oracle sources."""
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
     kept = [TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens) for r in requests]

@@ -192,11 +192,15 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
         finally:
             server.stop()
             if args.keep_logs:
-                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
-                shutil.copy(server.log_path, Path(args.keep_logs) / f"{strategy}-{tier}.log")
-                (Path(args.keep_logs) / f"{strategy}-{tier}.requests.jsonl").write_text("".join(
-                    json.dumps({"id": t.response_id, "submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
-                                "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
-                                "oracle_blocks": hits, "source": source}) + "\n"
-                    for t, (hits, source) in zip(timings, sources, strict=True)))
+                keep_logs(Path(args.keep_logs) / f"{strategy}-{tier}", server.log_path, timings, sources)
     return result
+
+
+def keep_logs(stem: Path, server_log: Path, timings: list[StreamTiming], sources: list[tuple[int, int]]) -> None:
+    """`<stem>.log`: the server's log (the router's decision lines); `<stem>.requests.jsonl`: one line a request."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(server_log, stem.with_name(stem.name + ".log"))
+    rows = ({"id": t.response_id, "submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
+             "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens, "oracle_blocks": hits,
+             "source": source} for t, (hits, source) in zip(timings, sources, strict=True))
+    stem.with_name(stem.name + ".requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
