@@ -47,7 +47,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                      help="0: pick the cheapest worker; >0: sample by softmax of -cost")
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
     llm.add_argument("--router-busy-threshold", type=float, default=0.95,
-                     help="skip a worker whose KV use is at or above this fraction, unless all are")
+                     help="skip a worker whose reported KV in use (running requests) is at or above this "
+                          "fraction of its pool, unless all are; requests queued there count in the cost")
     llm.add_argument("--router-count-in-flight", action=argparse.BooleanOptionalAction, default=False,
                      help="count the blocks of a worker's unfinished requests as cached there (a follow-up "
                           "arriving during its prefix's prefill goes to that worker)")

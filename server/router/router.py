@@ -4,7 +4,8 @@ Thread-safety: `route`, `release`, `update_worker` and `remove_worker` may be ca
 lookup runs outside the router's lock; the choice and the bookkeeping run under it.
 
 Balance: the router adds each request's blocks to its worker's load at once (reports lag), breaks exact ties by
-rotation, skips workers above `busy_threshold` of their KV capacity, and at temperature > 0 samples workers
+rotation, skips workers whose last report shows `busy_threshold` of their KV in use by running requests (queued
+ones count in the cost, as pending prefill), and at temperature > 0 samples workers
 with probability softmax(-normalized cost / temperature) -- so one hot shared prefix spreads once its holder is
 loaded by more than the prefix is worth. With `count_in_flight`, a worker also holds (for the cost) the blocks of
 the requests routed to it and not yet released: the index hears of blocks only after their prefill, but a
@@ -134,11 +135,12 @@ class Router:
         --keep-logs to tell where cache hits were lost."""
         with self._lock:
             others = {worker_id: (reusable_blocks(prefixes.get(worker_id), g4), load.active_blocks,
-                                  round(load.pending_prefill, 1), round(load.prefill_speed, 2),
-                                  round(load.decode_speed, 2), load.is_busy(self.config.busy_threshold))
+                                  load.stats.active_blocks, round(load.pending_prefill, 1),
+                                  round(load.prefill_speed, 2), round(load.decode_speed, 2),
+                                  load.is_busy(self.config.busy_threshold))
                       for worker_id, load in self._workers.items()}
-        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable); workers (reusable, active, pending, "
-                     "prefill speed, decode speed, busy): %s",
+        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable); workers (reusable, active, KV in use, "
+                     "pending, prefill speed, decode speed, busy): %s",
                      request_id, decision.worker_id, decision.strategy, decision.reason, decision.reusable_blocks,
                      decision.num_blocks, others)
 

@@ -66,8 +66,12 @@ class WorkerLoad:
         return max(self.stats.in_flight, self.routed_requests)
 
     def is_busy(self, threshold: float) -> bool:
+        """The worker's last report (every heartbeat) shows `threshold` of its KV held by running requests:
+        anything routed here now waits for one of them to finish. Requests the router sent that have not started
+        hold no KV; they load the cost as pending prefill instead (counting them here turned conversations away
+        from the worker holding their prefix during every burst, see bench/routing.py replay-serve)."""
         capacity = self.stats.kv_capacity_blocks
-        return capacity > 0 and self.active_blocks >= threshold * capacity
+        return capacity > 0 and self.stats.active_blocks >= threshold * capacity
 
 
 def relative_speeds(speeds: list[float]) -> list[float]:

@@ -122,17 +122,33 @@ def test_in_flight_prefix_of_a_hot_prompt_still_spreads() -> None:
 
 def test_busy_worker_is_skipped_even_with_the_best_prefix() -> None:
     router, index = make_router(capacity=100, busy_threshold=0.5, overlap_weight=100.0)
-    system_prompt = hashes((7, 25))
-    store(index, "w0", system_prompt)
-    chosen = [router.route(f"r{i}", hashes((7, 25), (100 + i, 1))).worker_id for i in range(6)]
-    assert chosen[:2] == ["w0", "w0"]  # 0 -> 27 -> 54 blocks: busy from here on
-    assert "w0" not in chosen[2:]
+    store(index, "w0", hashes((7, 25)))
+    assert router.route("r0", hashes((7, 25), (100, 1))).worker_id == "w0"
+    router.update_worker(WorkerStats(WorkerId("w0"), 100, active_blocks=50))  # its report: half its KV in use
+    chosen = [router.route(f"r{i}", hashes((7, 25), (100 + i, 1))).worker_id for i in range(1, 6)]
+    assert "w0" not in chosen
+    router.update_worker(WorkerStats(WorkerId("w0"), 100, active_blocks=27))
+    assert router.route("again", hashes((7, 25), (99, 1))).worker_id == "w0"  # free again
+
+
+def test_queued_requests_do_not_make_their_worker_busy() -> None:
+    """Requests routed to a worker but not running there hold no KV: a follow-up still finds its prefix's holder
+    (the queue counts in the cost, as pending prefill) until the worker reports its KV in use."""
+    router, index = make_router(workers=2, capacity=100, busy_threshold=0.5, overlap_weight=100.0)
+    store(index, "w0", hashes((7, 25)))
+    chosen = [router.route(f"r{i}", hashes((7, 25), (100 + i, 1))).worker_id for i in range(4)]
+    assert chosen == ["w0"] * 4  # 108 blocks routed to w0 (over the threshold), none reported in use
+    router.update_worker(WorkerStats(WorkerId("w0"), 100, active_blocks=60))
+    assert router.route("r4", hashes((7, 25), (104, 1))).worker_id == "w1"
 
 
 def test_all_busy_still_routes() -> None:
     router, _ = make_router(workers=2, capacity=10, busy_threshold=0.5)
+    for worker in ("w0", "w1"):
+        router.update_worker(WorkerStats(WorkerId(worker), 10, active_blocks=5))
     chosen = Counter(router.route(f"r{i}", hashes((i, 9))).worker_id for i in range(6))
     assert sum(chosen.values()) == 6
+    assert "strata_router_all_busy_total 6.0" in _metric_lines(router)
 
 
 def test_equal_workers_share_ties_evenly() -> None:
