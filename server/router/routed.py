@@ -7,7 +7,7 @@ arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are m
 from requests that had their worker to themselves, so that queueing and batching are not mistaken for a slow
 worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
 meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
-fast from its first request. Workers may join while serving (`add_worker`: remote workers found in Redis, see
+fast from its first request; workers with the same hardware on one host share a meter (`speed_class`). Workers may join while serving (`add_worker`: remote workers found in Redis, see
 discovery.py); a model served by remote workers alone starts with none (requests get `NoWorkerError`, a 503,
 until one joins) and takes its block size and salt from the first that joins.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -85,16 +85,27 @@ class SpeedMeter:
             self._decode = _smooth(self._decode, tokens / seconds, self.alpha)
             self._decode_samples += 1
 
-    @classmethod
-    def seeded(cls, speeds: Speeds | None) -> SpeedMeter:
-        """A meter that starts from calibrated speeds (counted as `min_samples` samples each); traffic refines
-        them. Unmeasured (0) speeds stay unknown."""
-        meter = cls()
+    def seed(self, speeds: Speeds | None) -> None:
+        """Take a worker's calibrated speeds: the start of an unmeasured meter (counted as `min_samples` samples
+        each), or one more sample of a measured one. Unmeasured (0) speeds are ignored."""
         if speeds is not None and speeds.prefill_tok_s > 0:
-            meter._prefill, meter._prefill_samples = speeds.prefill_tok_s, meter.min_samples
+            self._prefill = _smooth(self._prefill, speeds.prefill_tok_s, self.alpha)
+            self._prefill_samples = max(self._prefill_samples + 1, self.min_samples)
         if speeds is not None and speeds.decode_tok_s > 0:
-            meter._decode, meter._decode_samples = speeds.decode_tok_s, meter.min_samples
-        return meter
+            self._decode = _smooth(self._decode, speeds.decode_tok_s, self.alpha)
+            self._decode_samples = max(self._decode_samples + 1, self.min_samples)
+
+
+def speed_class(worker_id: WorkerId, info: WorkerInfo | None) -> Hashable:
+    """Workers that share one meter: those on one host with the same hardware and threads. On a shared machine a
+    wall-clock sample measures the host's load at that moment as much as the worker, and separate meters let one
+    unlucky sample steer traffic for a whole run: in bench/routing.py replay-serve a worker that calibrated while
+    its three twins were still loading measured 152 prefill tok/s against their 271-273 and kept 0.6x of their
+    share of work. A worker without a hardware description is a class of its own."""
+    hw = info.hardware if info is not None else None
+    if hw is None:
+        return worker_id
+    return hw.host, hw.device.partition(":")[0], hw.device_name, hw.torch_threads
 
 
 @dataclass(slots=True)
@@ -124,7 +135,8 @@ class RoutedEngine:
         self.salt = salt
         # replaced, never mutated, when a worker joins: readers iterate a snapshot without the lock
         self._workers: dict[WorkerId, RoutableWorker] = {}
-        self._speeds: dict[WorkerId, SpeedMeter] = {}
+        self._speeds: dict[WorkerId, SpeedMeter] = {}  # one meter per speed_class, shared by its workers
+        self._meters: dict[Hashable, SpeedMeter] = {}
         self._in_flight: dict[RequestId, _InFlight] = {}
         self._lock = threading.Lock()
         self._turn = 0
@@ -141,10 +153,14 @@ class RoutedEngine:
                 raise ValueError(f"worker {worker.worker_id}: {problem}")
             if self.block_size is None and info is not None:  # the first worker of a remote-only model
                 self.block_size, self.salt = info.block_size, BlockHash(info.salt) if info.salt is not None else None
-            self._speeds[worker.worker_id] = SpeedMeter.seeded(getattr(info, "speeds", None))
+            meter = self._meters.setdefault(speed_class(worker.worker_id, info), SpeedMeter())
+            meter.seed(getattr(info, "speeds", None))
+            self._speeds[worker.worker_id] = meter
             self._workers = {**self._workers, worker.worker_id: worker}
         self.router.metrics.show_worker(self.model_name, worker.worker_id, getattr(info, "hardware", None))
-        self.router.update_worker(self._stats_of(worker))
+        for twin in self._workers.values():  # its calibration moved its class's shared meter
+            if self._speeds[twin.worker_id] is meter:
+                self.router.update_worker(self._stats_of(twin))
         add_listener = getattr(worker, "add_listener", None)
         if add_listener is not None:
             add_listener(self.on_beat, self.on_death)

@@ -11,8 +11,10 @@ from router_fakes import SALT, StepEngine
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
 from server.router.config import RouterConfig
+from server.router.hardware import HardwareInfo, Speeds
 from server.router.routed import RoutedEngine, SpeedMeter
 from server.router.router import Router
+from server.router.worker import WorkerInfo
 from server.router.workers import WorkerId
 
 
@@ -138,3 +140,26 @@ def test_a_mostly_cached_prompt_is_not_a_prefill_speed_sample() -> None:
     assert speed.decode_tok_s == 0
     speed.add_decode(16, 0.5)
     assert speed.decode_tok_s == 32
+
+
+def _described(worker_id: str, index: KVIndex, host: str, prefill_tok_s: float) -> LocalWorker:
+    worker = LocalWorker(worker_id, index)
+    hardware = HardwareInfo(host, "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
+    worker.info = WorkerInfo(worker.model_name, worker.max_model_len, None, 4, SALT, 1, hardware,  # type: ignore[attr-defined]
+                             Speeds(prefill_tok_s, 20.0))
+    return worker
+
+
+def test_twin_workers_on_one_host_share_their_speed_meter() -> None:
+    """One unlucky calibration (taken while its twins were loading) must not make one of identical workers on a
+    shared machine look slow for the whole run; another host's worker keeps its own speed."""
+    index = KVIndex()
+    router = Router(RouterConfig(), index)
+    workers = [_described("a0", index, "host-a", 150.0), _described("a1", index, "host-a", 270.0),
+               _described("b0", index, "host-b", 600.0)]
+    routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
+    a0, a1, b0 = (routed._speeds[WorkerId(w)] for w in ("a0", "a1", "b0"))
+    assert a0 is a1 and a0 is not b0
+    assert a0.prefill_tok_s == 150.0 * 0.8 + 270.0 * 0.2  # the second calibration is one more sample
+    loads = {load.stats.worker_id: load for load in router._workers.values()}
+    assert loads["a0"].prefill_speed == loads["a1"].prefill_speed < loads["b0"].prefill_speed
