@@ -4,6 +4,7 @@
     python bench/routing.py replay [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 4]
     python bench/routing.py replay-real [--conversations 10] [--workers 2] [--duration-s 60]
     python bench/routing.py replay-serve [--conversations 12] [--workers 2] [--tiers g1,g2] [--duration-s 120]
+                                         [--repeats 1]
     python bench/routing.py transport [--round-trips 5000]
 
 `decision`: the time `Router.route` takes (index lookup included) with a KVBM index (`kvbm.index.KVIndex`)
@@ -21,7 +22,8 @@ feed the router's index), kv-aware against round-robin, fresh workers for each; 
 `replay-serve`: the same kind of slice against `strata serve --workers N` over the OpenAI API (serve_replay.py):
 TTFT p50/p90, ITL p50, throughput and hit rate of each strategy with each tier setting, fresh server per run;
 the oracle hits each run lost, by the state of the request holding the prefix when the one that missed was sent
-(queued, decoding, finished); `--keep-logs DIR` keeps each server's router decision log and per-request timings.
+(queued, decoding, finished); `--keep-logs DIR` keeps each server's router decision log and per-request timings;
+`--repeats N` runs N rounds of every strategy and tier and reports medians (these machines are noisy).
 
 `transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
 and over multiprocessing.Pipe, the alternative it was chosen over.
@@ -484,19 +486,32 @@ def replay_serve_command(args: argparse.Namespace) -> dict:
     from bench.serve_replay import run_one
 
     prompts, oracle, sources = trace_prompts(args)
-    results: dict[str, dict] = {}
-    for tier in args.tiers.split(","):
-        for strategy in args.strategies.split(","):
-            key = f"{strategy}/{tier}"
-            key = key if key not in results else f"{key}#{len(results)}"
-            results[key] = run_one(prompts, sources, strategy, tier, args)
-            print(f"{key}: {results[key]}", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {}
+    for round_ in range(args.repeats):  # rounds interleave the strategies, so drift in the machine hits all alike
+        for tier in args.tiers.split(","):
+            for strategy in args.strategies.split(","):
+                key = f"{strategy}/{tier}"
+                log_name = f"{strategy}-{tier}" + (f"-r{round_}" if args.repeats > 1 else "")
+                runs.setdefault(key, []).append(run_one(prompts, sources, strategy, tier, args, log_name))
+                print(f"{key} (round {round_ + 1}/{args.repeats}): {runs[key][-1]}", file=sys.stderr, flush=True)
+    results = {key: median_run(rows) for key, rows in runs.items()}
     scale = (f"{len(prompts)} requests of {args.conversations} conversations (>= {args.min_turns} turns), 1 hash id = "
              f"{args.block_tokens} tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= "
              f"{args.max_output} tokens, trace compressed to {args.duration_s:g} s; `strata serve --workers "
              f"{args.workers}`, SmolLM2 fp32, {args.threads_per_worker} thread(s) and {args.kv_blocks} KV blocks "
              f"per worker; g2 = --kvbm-host-cache-gb {args.host_cache_gb:g}")
     return {"bench": "routing.replay_serve", "scale": scale, "oracle_hit_rate": round(oracle, 3), "results": results}
+
+
+def median_run(rows: list[dict]) -> dict:
+    """The median of each figure over repeated runs, and each run's hit rate and TTFT p50 (`runs`)."""
+    if len(rows) == 1:
+        return rows[0]
+    numbers = [name for name, value in rows[0].items() if isinstance(value, int | float)]
+    merged = {name: round(statistics.median(row[name] for row in rows), 4) for name in numbers}
+    merged["runs"] = [{"hit_rate": row["hit_rate"], "ttft_p50_s": row["ttft_p50_s"]} for row in rows]
+    merged["first_errors"] = [error for row in rows for error in row["first_errors"]][:3]
+    return merged
 
 
 def print_replay_serve_table(report: dict) -> None:
@@ -515,6 +530,11 @@ def print_replay_serve_table(report: dict) -> None:
             kv = rows.get(f"{kv_name}/{tier}")
             if kv and rr and kv["ttft_p50_s"] > 0:
                 print(f"{tier}: round-robin / {kv_name} TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
+            if kv and rr and "runs" in kv:  # each round's own ratio: the two ran minutes apart, under like noise
+                paired = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(rr["runs"], kv["runs"], strict=True)]
+                hits = [f"{run['hit_rate']:.1%}" for run in kv["runs"]]
+                print(f"{tier}: {kv_name} per round: hit rate {', '.join(hits)}; TTFT p50 ratio "
+                      f"{', '.join(f'{ratio:.2f}x' for ratio in paired)}")
 
 
 # ---- transport: the worker channel against multiprocessing.Pipe ----
@@ -640,6 +660,8 @@ def main() -> None:
     serve.add_argument("--duration-s", type=float, default=120.0, help="the slice's arrivals span this long")
     serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
     serve.add_argument("--host-cache-gb", type=float, default=1.0)
+    serve.add_argument("--repeats", type=int, default=1, help="rounds of every strategy and tier; the table shows "
+                       "medians, and each round's hit rate and TTFT ratio")
     serve.add_argument("--keep-logs", default="", help="directory for each run's server log (router decisions "
                        "at DEBUG) and per-request timings, to see where hits were lost")
     serve.add_argument("--strategies", default="kv-aware,round-robin",

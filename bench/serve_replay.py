@@ -167,7 +167,9 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
 
 
 def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int, int]], strategy: str, tier: str,
-            args: Any) -> dict[str, Any]:
+            args: Any, log_name: str = "") -> dict[str, Any]:
+    """One fresh `strata serve` replaying the slice; with --keep-logs its logs go to `log_name` (or
+    `<strategy>-<tier>`) in that directory."""
     with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
         root = Path(tmp)
         name, _, weight = strategy.partition("@")  # kv-aware@4: --router-overlap-weight 4
@@ -192,7 +194,8 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
         finally:
             server.stop()
             if args.keep_logs:
-                keep_logs(Path(args.keep_logs) / f"{strategy}-{tier}", server.log_path, timings, sources)
+                keep_logs(Path(args.keep_logs) / (log_name or f"{strategy}-{tier}"), server.log_path, timings,
+                          sources)
     return result
 
 
