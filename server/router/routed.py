@@ -7,8 +7,8 @@ arrives. Worker stats reach the router from heartbeats (`on_beat`); speeds are m
 from requests that had their worker to themselves, so that queueing and batching are not mistaken for a slow
 worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
 meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
-fast from its first request; workers with the same hardware on one host share a meter (`speed_class`). Workers may join while serving (`add_worker`: remote workers found in Redis, see
-discovery.py); a model served by remote workers alone starts with none (requests get `NoWorkerError`, a 503,
+fast from its first request; workers with the same hardware on one host share a meter (`speed_class`).
+Workers may join while serving (`add_worker`: remote workers found in Redis, see discovery.py); a model served by remote workers alone starts with none (requests get `NoWorkerError`, a 503,
 until one joins) and takes its block size and salt from the first that joins.
 
 A dead worker leaves the router at once. Its unfinished requests are migrated (each up to
