@@ -8,12 +8,14 @@ from requests that had their worker to themselves, so that queueing and batching
 worker (an idle worker would otherwise measure fast, win more traffic, and the skew would feed itself). Each
 meter starts from the speeds the worker measured at start (`WorkerInfo.speeds`), so a fast worker is known as
 fast from its first request; workers with the same hardware on one host share a meter (`speed_class`).
-Workers may join while serving (`add_worker`: remote workers found in Redis, see discovery.py); a model served by remote workers alone starts with none (requests get `NoWorkerError`, a 503,
-until one joins) and takes its block size and salt from the first that joins.
+Workers may join while serving (`add_worker`: remote workers found in Redis, see discovery.py); a model served
+by remote workers alone starts with none (requests get `NoWorkerError`, a 503, until one joins) and takes its
+block size and salt from the first that joins.
 
 A dead worker leaves the router at once. Its unfinished requests are migrated (each up to
 `RouterConfig.migration_limit` times): resubmitted to another worker with the prompt plus the tokens generated so
-far and the rest of max_tokens, so a streaming client sees one uninterrupted answer (counted in `strata_router_migrations_total`). Greedy answers
+far and the rest of max_tokens, so a streaming client sees one uninterrupted answer (counted in
+`strata_router_migrations_total`). Greedy answers
 are the same as without the failure; sampled ones continue from where they were, not as their seed would have
 gone; text a worker held back (a partial UTF-8 character, or the tail kept to match a stop string) is lost.
 """
