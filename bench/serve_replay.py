@@ -166,6 +166,9 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
             "first_errors": [t.error for t in timings if t.error][:3]}
 
 
+_RUNS = itertools.count()  # numbers each run's G2 segment
+
+
 def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int, int]], strategy: str, tier: str,
             args: Any, log_name: str = "") -> dict[str, Any]:
     """One fresh `strata serve` replaying the slice; with --keep-logs its logs go to `log_name` (or
@@ -180,9 +183,9 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
             extra += ["--routing-strategy", name]
         if tier == "g1":
             extra.append("--no-kvbm")
-        else:  # G2: the node's shared host pool, a fresh segment per run
-            extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb),
-                      "--kvbm-cache-id", f"replay-{os.getpid()}-{tier}-{strategy}"]
+        else:  # G2: the node's shared host pool, a fresh segment per run (a reused one would start warm)
+            cache_id = f"replay-{os.getpid()}-{next(_RUNS)}"
+            extra += ["--kvbm-host-cache-gb", str(args.host_cache_gb), "--kvbm-cache-id", cache_id]
         if args.keep_logs:
             extra += ["--log-verbose", "1"]  # the router's per-decision debug lines
         server = start_strata(make_repository(root, args), root, *extra)
@@ -193,6 +196,9 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
             result["decisions"] = router_decisions(url)
         finally:
             server.stop()
+            if tier != "g1":  # segments outlive their server by design (a restart finds its blocks); not this one
+                for segment in Path("/dev/shm").glob(f"strata-kvbm-{cache_id}-*"):
+                    segment.unlink()
             if args.keep_logs:
                 keep_logs(Path(args.keep_logs) / (log_name or f"{strategy}-{tier}"), server.log_path, timings,
                           sources)
