@@ -15,9 +15,9 @@ block size and salt from the first that joins.
 A dead worker leaves the router at once. Its unfinished requests are migrated (each up to
 `RouterConfig.migration_limit` times): resubmitted to another worker with the prompt plus the tokens generated so
 far and the rest of max_tokens, so a streaming client sees one uninterrupted answer (counted in
-`strata_router_migrations_total`). Greedy answers
-are the same as without the failure; sampled ones continue from where they were, not as their seed would have
-gone; text a worker held back (a partial UTF-8 character, or the tail kept to match a stop string) is lost.
+`strata_router_migrations_total`). Greedy answers are the same as without the failure; sampled ones continue
+from where they were, not as their seed would have gone; text a worker held back (a partial UTF-8 character, or
+the tail kept to match a stop string) is lost.
 """
 
 from __future__ import annotations
