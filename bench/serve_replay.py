@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from kvbm.host_pool import remove_segments
 from tests.conftest import copy_models, start_strata
 
 
@@ -196,9 +197,8 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
             result["decisions"] = router_decisions(url)
         finally:
             server.stop()
-            if tier != "g1":  # segments outlive their server by design (a restart finds its blocks); not this one
-                for segment in Path("/dev/shm").glob(f"strata-kvbm-{cache_id}-*"):
-                    segment.unlink()
+            if tier != "g1":
+                remove_segments(cache_id)
             if args.keep_logs:
                 keep_logs(Path(args.keep_logs) / (log_name or f"{strategy}-{tier}"), server.log_path, timings,
                           sources)

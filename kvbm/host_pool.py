@@ -95,6 +95,13 @@ def segment_path(shm_dir: Path, cache_id: str, fingerprint: str) -> Path:
     return Path(shm_dir) / f"strata-kvbm-{cache_id}-{layout_tag(fingerprint)}"
 
 
+def remove_segments(cache_id: str, shm_dir: Path = Path("/dev/shm")) -> None:
+    """Delete every segment named `cache_id` (any layout). Segments outlive their processes by design, so that a
+    restarted node finds its blocks; a throwaway cache (a test, a benchmark run) is removed with this."""
+    for path in Path(shm_dir).glob(f"strata-kvbm-{cache_id}-*"):
+        path.unlink(missing_ok=True)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from kvbm_testing import small_layout
 
+from kvbm.host_pool import remove_segments
 from server.engine.kv_connector import KVLayout
 
 
@@ -20,5 +20,4 @@ def cache_id() -> Iterator[str]:
     """A unique G2 segment name; the segment is removed after the test."""
     name = f"test-{uuid.uuid4().hex[:12]}"
     yield name
-    for path in Path("/dev/shm").glob(f"strata-kvbm-{name}-*"):
-        path.unlink(missing_ok=True)
+    remove_segments(name)
