@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 10_000  # join/leave events kept per model (servers only read new ones)
 
+# Remove a registration whose lease is gone and announce it, as one step: Redis runs a script atomically, so a
+# worker renewing its lease meanwhile keeps its record, and nobody sees the record gone before the "leave" event.
+# KEYS: registrations hash, the worker's lease, the events stream. ARGV: worker id, stream length.
+_REMOVE_EXPIRED = """
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'event', 'leave', 'worker', ARGV[1],
+           'reason', 'lease expired')
+return 1
+"""
+
 
 def registrations_key(model: str) -> str:
     return f"strata:workers:{model}"
@@ -101,9 +111,11 @@ class Registration:
         self._thread.start()
 
     def announce(self, event: str, reason: str = "") -> None:
-        self._link.call(lambda r: r.xadd(events_key(self.model), {"event": event, "worker": self.record.worker_id,
-                                                                  "reason": reason},
-                                         maxlen=STREAM_MAXLEN, approximate=True), None)
+        self._link.call(lambda r: self._announce(r, event, reason), None)
+
+    def _announce(self, client: redis.Redis | redis.client.Pipeline, event: str, reason: str) -> None:
+        client.xadd(events_key(self.model), {"event": event, "worker": self.record.worker_id, "reason": reason},
+                    maxlen=STREAM_MAXLEN, approximate=True)
 
     def release_claim(self, server_id: str) -> None:
         """The server `server_id` let go (or went silent): free the worker for the next server at once."""
@@ -123,13 +135,13 @@ class Registration:
         worker_id = self.record.worker_id
 
         def remove(r: redis.Redis) -> None:
-            pipe = r.pipeline(transaction=False)
+            pipe = r.pipeline(transaction=True)  # MULTI: the record and its "leave" event go together
             pipe.hdel(registrations_key(self.model), worker_id)
             pipe.delete(lease_key(self.model, worker_id), claim_key(self.model, worker_id))
+            self._announce(pipe, "leave", reason)
             pipe.execute()
 
         self._link.call(remove, None)
-        self.announce("leave", reason)
         self._link.close()
 
     def _lease_loop(self) -> None:
@@ -224,12 +236,10 @@ class Directory:
         self._link.close()
 
     def _remove_expired(self, worker_id: str) -> None:
-        removed = self._link.call(lambda r: r.hdel(registrations_key(self.model), worker_id), 0)
+        keys = [registrations_key(self.model), lease_key(self.model, worker_id), events_key(self.model)]
+        removed = self._link.call(lambda r: r.eval(_REMOVE_EXPIRED, len(keys), *keys, worker_id, STREAM_MAXLEN), 0)
         if removed:
             log.warning("%s: worker %s's lease expired; registration removed", self.model, worker_id)
-            self._link.call(lambda r: r.xadd(events_key(self.model), {"event": "leave", "worker": worker_id,
-                                                                      "reason": "lease expired"},
-                                             maxlen=STREAM_MAXLEN, approximate=True), None)
 
 
 def _exist(client: redis.Redis, keys: list[str]) -> list[bool]:

@@ -199,3 +199,20 @@ def test_an_unreadable_registration_is_skipped(redis_url) -> None:
         assert directory.live_records() == [] and directory.record("junk") is None
     finally:
         directory.close()
+
+
+def test_an_expired_registration_goes_with_its_leave_event_and_a_renewed_one_stays(redis_url) -> None:
+    client = redis.Redis.from_url(redis_url)
+    for worker_id in ("dead", "renewed"):
+        client.hset(registrations_key("step"), worker_id, b"{}")
+    client.set(lease_key("step", "renewed"), b"1", px=10_000)  # renewed after the server saw it lapse
+    directory = Directory(redis_url, "step")
+    try:
+        directory._remove_expired("renewed")
+        directory._remove_expired("dead")
+        directory._remove_expired("dead")  # a second server that looked at the same time: no second event
+    finally:
+        directory.close()
+    assert client.hkeys(registrations_key("step")) == [b"renewed"]
+    events = [fields for _, fields in client.xrange(events_key("step"))]
+    assert events == [{b"event": b"leave", b"worker": b"dead", b"reason": b"lease expired"}]
