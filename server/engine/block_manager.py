@@ -5,7 +5,9 @@
 
 A block whose `ref_count` drops to 0 keeps its hash and stays findable until `allocate` pops it from the head of
 the free queue; only then is it evicted (offloaded to the connector, BlockRemoved). A freed sequence gives its
-blocks back tail first, so the end of a prefix is reused before its beginning.
+blocks back tail first, so the end of a prefix is reused before its beginning. A request joining the queue
+touches its cached prefix (moves it to the recent end), so the prefix the router sent it here for is still there
+when its turn comes.
 """
 
 from __future__ import annotations
@@ -103,6 +105,14 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def touch(self, hits: list[KVBlock]) -> None:
+        """Make free prefix-hit blocks the most recently used, first block last (so a prefix's tail still goes
+        first): a queued request's cached prefix then outlives the blocks that requests ahead of it evict."""
+        for block in reversed(hits):
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+                self.free_queue.append(block)
 
     def num_allocatable(self, hits: list[KVBlock]) -> int:
         """Free blocks left after taking `hits` (free hits leave the free queue)."""

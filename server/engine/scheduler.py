@@ -45,6 +45,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        self.block_manager.touch(self.block_manager.match_prefix(seq))  # keep it cached while seq waits
         self.waiting.append(seq)
 
     def schedule(self) -> list[ScheduledChunk]:

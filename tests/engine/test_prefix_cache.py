@@ -180,3 +180,20 @@ def test_requests_arriving_together_share_their_prefix(engine, prompt_ids):
         assert fresh.scheduler.num_prefix_waits >= 1
     finally:
         fresh.shutdown()
+
+
+def test_a_queued_request_keeps_its_cached_prefix_while_others_evict():
+    """X's prefix is the oldest free one when X queues; allocations for requests ahead of it evict others."""
+    from server.engine.scheduler import Scheduler
+
+    manager = BlockManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(manager, max_num_batched_tokens=64, max_concurrent=8)
+    older = computed(manager, make_seq(list(range(13))))  # 3 full blocks + a partial one
+    newer = computed(manager, make_seq([100 + i for i in range(13)]))
+    manager.free(older)
+    manager.free(newer)
+    queued = make_seq(list(range(12)) + [99])
+    scheduler.add(queued)
+    manager.grow(make_seq([200 + i for i in range(20)]), 20)  # 5 blocks: the 2 partial ones, then 3 cached
+    assert len(manager.match_prefix(queued)) == 3
+    assert manager.match_prefix(make_seq([100 + i for i in range(13)])) == []
