@@ -6,8 +6,7 @@
 A block whose `ref_count` drops to 0 keeps its hash and stays findable until `allocate` pops it from the head of
 the free queue; only then is it evicted (offloaded to the connector, BlockRemoved). A freed sequence gives its
 blocks back tail first, so the end of a prefix is reused before its beginning. A request joining the queue
-touches its cached prefix (moves it to the recent end), so the prefix the router sent it here for is still there
-when its turn comes.
+touches its cached prefix (moves it to the recent end), so requests ahead of it evict other free blocks first.
 """
 
 from __future__ import annotations
