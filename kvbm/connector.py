@@ -32,7 +32,7 @@ from kvbm.block_hash import BlockHash
 from kvbm.config import KVBMConfig
 from kvbm.disk_pool import DiskPool
 from kvbm.events import G1, G2, G3, G4, EventSink, TierEvent
-from kvbm.host_pool import EvictedBlock, HostPool
+from kvbm.host_pool import SHM_DIR, EvictedBlock, HostPool
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
 from kvbm.redis_pool import RedisPool
@@ -70,7 +70,7 @@ class KVBMConnector:
         worker_id: str = "worker-0",
         metrics: KVBMMetrics | None = None,
         events: EventSink | None = None,
-        shm_dir: Path = Path("/dev/shm"),
+        shm_dir: Path = SHM_DIR,
     ) -> None:
         config.validate()
         self.config = config

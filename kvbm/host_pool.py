@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 MAGIC = 0x4D42564B41525453  # "STRAKVBM"
 VERSION = 1
 PAGE = 4096
+SHM_DIR = Path("/dev/shm")  # a file there can carry an fcntl lock
 EMPTY, WRITING, READY = 0, 1, 2
 SLOT_HEADER = np.dtype(
     [
@@ -95,7 +96,7 @@ def segment_path(shm_dir: Path, cache_id: str, fingerprint: str) -> Path:
     return Path(shm_dir) / f"strata-kvbm-{cache_id}-{layout_tag(fingerprint)}"
 
 
-def remove_segments(cache_id: str, shm_dir: Path = Path("/dev/shm")) -> None:
+def remove_segments(cache_id: str, shm_dir: Path = SHM_DIR) -> None:
     """Delete every segment named `cache_id` (any layout). Segments outlive their processes by design, so that a
     restarted node finds its blocks; a throwaway cache (a test, a benchmark run) is removed with this."""
     for path in Path(shm_dir).glob(f"strata-kvbm-{cache_id}-*"):
@@ -119,7 +120,7 @@ class HostPool:
         num_slots: int,
         owner: str = "",
         spill: SpillFn | None = None,
-        shm_dir: Path = Path("/dev/shm"),
+        shm_dir: Path = SHM_DIR,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"G2 host pool needs at least one slot (got {num_slots}); raise host_cache_gb")
