@@ -58,13 +58,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from kvbm.api import KVLayout  # noqa: E402
 from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.client import KVIndexClient  # noqa: E402
 from kvbm.config import GIB, KVBMConfig  # noqa: E402
 from kvbm.connector import KVBMConnector  # noqa: E402
 from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
-from server.engine.kv_connector import KVLayout  # noqa: E402
 
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
 

@@ -55,8 +55,8 @@ from kvbm.index import KVIndex  # noqa: E402
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams  # noqa: E402
 from server.router.config import RouterConfig  # noqa: E402
 from server.router.router import Router  # noqa: E402
-from server.router.transport import Channel, ChannelAddress  # noqa: E402
-from server.router.workers import WorkerId, WorkerStats  # noqa: E402
+from server.workers.protocol import WorkerId, WorkerStats  # noqa: E402
+from server.workers.transport import Channel, ChannelAddress  # noqa: E402
 
 PROMPT_BLOCKS = 128
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
@@ -366,9 +366,9 @@ class _Timing:
 
 def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     from server.engine.config import EngineConfig
-    from server.router.remote import spawn_workers
     from server.router.routed import RoutedEngine
-    from server.router.worker import WorkerSpec, build_llm_engine
+    from server.workers.remote import spawn_workers
+    from server.workers.worker import WorkerSpec, build_llm_engine
 
     engine_config = EngineConfig(cache_dir=args.model_cache, dtype="float32", device="cpu", block_size=args.block_tokens,
                                  num_kv_blocks=args.kv_blocks, max_model_len=4096, max_tokens_limit=64,

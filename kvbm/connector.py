@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import KVBMConfig
 from kvbm.disk_pool import DiskPool
@@ -37,7 +38,6 @@ from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
 from kvbm.redis_pool import RedisPool
 from kvbm.tier import BlockTier
-from server.engine.kv_connector import BlockEvent, BlockRemoved, BlockStored, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def block_rows(kv_cache: torch.Tensor, num_blocks: int) -> np.ndarray:
         )
     if not kv_cache.is_contiguous():
         raise ValueError(
-            "KVBMConnector.bind: kv_cache must be contiguous (block-major layout, see kv_connector.py)"
+            "KVBMConnector.bind: kv_cache must be contiguous (block-major layout, see kvbm/api.py)"
         )
     return kv_cache.view(torch.uint8).reshape(num_blocks, -1).numpy()
 
@@ -62,7 +62,7 @@ def _file_name(worker_id: str) -> str:
 
 
 class KVBMConnector:
-    """Implements `server.engine.kv_connector.KVConnector`. All calls come from the engine thread."""
+    """Implements `kvbm.api.KVConnector`. All calls come from the engine thread."""
 
     def __init__(
         self,

@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(args)
     if args.command == "worker":
-        from server.router.remote_worker import run_worker
+        from server.workers.remote_worker import run_worker
 
         return run_worker(args)
     if args.command == "kvbm":

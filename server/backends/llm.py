@@ -38,15 +38,15 @@ from server.engine.api import Engine, EngineUnavailable
 from server.engine.stream import aiterate_outputs
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
-from server.router.discovery import Discovery
 from server.router.metrics import RouterMetrics
-from server.router.registry import Directory, WorkerRecord
-from server.router.remote import RemoteEngine, spawn_workers
 from server.router.routed import RoutedEngine
 from server.router.router import Router
-from server.router.worker import WorkerSpec, build_llm_engine
-from server.router.workers import WorkerId
 from server.triton import TritonServer
+from server.workers.discovery import Discovery
+from server.workers.protocol import WorkerId
+from server.workers.registry import Directory, WorkerRecord
+from server.workers.remote import RemoteEngine, spawn_workers
+from server.workers.worker import WorkerSpec, build_llm_engine
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvbm.api import BlockRemoved, BlockStored, KVConnector
 from kvbm.block_hash import BlockHash
-from server.engine.kv_connector import BlockRemoved, BlockStored, KVConnector
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.detokenizer import Detokenizer
-from server.engine.kv_connector import KVConnector, KVLayout
 from server.engine.loader import ModelFiles, load_config, load_weights, prepare_model
 from server.engine.model import LlamaModel, ModelShape
 from server.engine.model_runner import ModelRunner

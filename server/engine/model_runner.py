@@ -1,6 +1,6 @@
 """Owns the model and the KV pool; turns a list of scheduled chunks into one forward pass.
 
-KV pool layout (mandatory, shared with the KVBM connector, see kv_connector.py):
+KV pool layout (mandatory, shared with the KVBM connector, see kvbm/api.py):
 
     kv_cache[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]   block-major, one tensor
 

@@ -1,20 +1,13 @@
-"""KV-aware request routing over worker processes.
+"""KV-aware request routing over workers (the workers themselves live in `server.workers`).
 
     config.py    RouterConfig: strategy, fallback, cost weights, busy threshold, lookup budget, staleness
     router.py    Router.route(request_id, block_hashes) -> RouteDecision; prefill_done / release bookkeeping
     cost.py      the cost of a request on a worker (blocks to prefill per tier + load, scaled by speed)
-    workers.py   WorkerId, WorkerStats (a worker's report), WorkerLoad (the router's view of it)
+    load.py      WorkerLoad: the router's view of a worker (its last WorkerStats + what was routed there)
     metrics.py   RouterMetrics: decisions by strategy and reason, per-worker load, index staleness
     lookup.py    OverlapLookup: what the router needs from the KVBM index (KVIndex, KVIndexClient)
     staleness.py says loudly when the index stops receiving events while requests flow
-    transport.py Channel: ZMQ PUSH/PULL between the server and one worker (ipc, or TCP bound by a remote worker)
-    worker.py    the worker process (engine behind the channel), WorkerSpec, WorkerInfo, build_llm_engine
-    hardware.py  HardwareInfo and calibrated Speeds a worker reports in its hello
-    remote.py    RemoteEngine: the Engine Protocol over a spawned or connected worker; spawn_workers
     routed.py    RoutedEngine: the Engine Protocol over N workers, routing each request; add_worker
-    registry.py  remote workers in Redis: Registration (worker side), Directory (server side), key layout
-    discovery.py Discovery: adds the remote workers that register for a model to its RoutedEngine
-    remote_worker.py  `strata worker`: one engine serving one claimed server at a time
 
 Embedded wiring (one process tree, no Redis):
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvbm.index import WorkerPrefix
 from server.router.config import RouterConfig
-from server.router.workers import WorkerLoad
+from server.router.load import WorkerLoad
 
 _NO_PREFIX = WorkerPrefix()
 

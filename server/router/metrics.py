@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from server.router.hardware import HardwareInfo
+from server.workers.hardware import HardwareInfo
 
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 

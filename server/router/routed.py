@@ -31,10 +31,10 @@ from typing import Any, Protocol
 
 from kvbm.block_hash import BlockHash, block_hashes
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
-from server.router.hardware import Speeds
 from server.router.router import NoWorkerError, Router
-from server.router.worker import WorkerInfo
-from server.router.workers import WorkerId, WorkerStats
+from server.workers.hardware import Speeds
+from server.workers.protocol import WorkerId, WorkerStats
+from server.workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,11 @@ from kvbm.index import PrefixReport, WorkerPrefix
 from server.engine.api import EngineUnavailable
 from server.router.config import RouterConfig, Strategy
 from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
+from server.router.load import WorkerLoad, relative_speeds
 from server.router.lookup import OverlapLookup
 from server.router.metrics import RouterMetrics
 from server.router.staleness import StalenessCheck
-from server.router.workers import WorkerId, WorkerLoad, WorkerStats, relative_speeds
+from server.workers.protocol import WorkerId, WorkerStats
 
 logger = logging.getLogger(__name__)
 

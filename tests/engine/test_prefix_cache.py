@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from conftest import engine_config, greedy, run
 
+from kvbm.api import BlockRemoved, BlockStored
 from kvbm.block_hash import BlockHash, model_salt
 from server.engine import LLMEngine
 from server.engine.api import RequestId, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.detokenizer import Detokenizer
-from server.engine.kv_connector import BlockRemoved, BlockStored
 from server.engine.sequence import Sequence
 
 

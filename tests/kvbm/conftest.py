@@ -6,8 +6,8 @@ from collections.abc import Iterator
 import pytest
 from kvbm_testing import small_layout
 
+from kvbm.api import KVLayout
 from kvbm.host_pool import remove_segments
-from server.engine.kv_connector import KVLayout
 
 
 @pytest.fixture

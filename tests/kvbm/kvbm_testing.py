@@ -13,7 +13,7 @@ import numpy as np
 import redis
 import torch
 
-from server.engine.kv_connector import KVLayout
+from kvbm.api import KVLayout
 
 
 def redis_server_binary() -> str:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from kvbm_testing import RedisServer, make_kv_cache, small_layout
 
+from kvbm.api import BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
-from server.engine.kv_connector import BlockRemoved, BlockStored, KVLayout
 
 NUM_BLOCKS = 64
 

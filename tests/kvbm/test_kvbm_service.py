@@ -14,6 +14,7 @@ import redis
 from kvbm_testing import RedisServer, make_kv_cache, small_layout, spawned_offload
 
 from kvbm.agent import build_connector
+from kvbm.api import BlockStored
 from kvbm.block_hash import BlockHash
 from kvbm.channel import STREAM
 from kvbm.client import KVIndexClient
@@ -21,7 +22,6 @@ from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.index import WorkerPrefix
 from kvbm.service import KVBMService
-from server.engine.kv_connector import BlockStored
 
 SPAWN = multiprocessing.get_context("spawn")
 BLOCKS = [BlockHash(h) for h in range(1, 9)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import threading
 
-from router_fakes import SALT
 from test_routed_engine import LocalWorker
 
 from kvbm.index import KVIndex
@@ -13,6 +12,7 @@ from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, R
 from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine
 from server.router.router import Router
+from tests.workers.worker_fakes import SALT
 
 
 class MortalWorker(LocalWorker):

@@ -6,16 +6,15 @@ import queue
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from router_fakes import SALT, StepEngine
-
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
 from server.router.config import RouterConfig
-from server.router.hardware import HardwareInfo, Speeds
 from server.router.routed import RoutedEngine, SpeedMeter
 from server.router.router import Router
-from server.router.worker import WorkerInfo
-from server.router.workers import WorkerId
+from server.workers.hardware import HardwareInfo, Speeds
+from server.workers.protocol import WorkerId
+from server.workers.worker import WorkerInfo
+from tests.workers.worker_fakes import SALT, StepEngine
 
 
 class LocalWorker:

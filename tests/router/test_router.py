@@ -14,7 +14,7 @@ from kvbm.events import G1, G3, G4, TierEvent
 from kvbm.index import KVIndex, PrefixReport
 from server.router.config import RouterConfig
 from server.router.router import NoWorkerError, Router
-from server.router.workers import WorkerId, WorkerStats
+from server.workers.protocol import WorkerId, WorkerStats
 
 SALT = model_salt("test-model")
 BLOCK = 16

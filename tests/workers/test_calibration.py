@@ -5,9 +5,8 @@ from __future__ import annotations
 import fcntl
 import threading
 
-from router_fakes import StepEngine
-
-from server.router.hardware import CALIBRATION_LOCK, Speeds, calibrate
+from server.workers.hardware import CALIBRATION_LOCK, Speeds, calibrate
+from tests.workers.worker_fakes import StepEngine
 
 
 def test_calibration_waits_for_another_on_the_same_host() -> None:

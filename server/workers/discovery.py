@@ -13,19 +13,30 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
-from server.router.registry import Directory, WorkerRecord
-from server.router.remote import RemoteEngine, WorkerDied
-from server.router.routed import RoutedEngine
-from server.router.workers import WorkerId
+from server.workers.protocol import WorkerId
+from server.workers.registry import Directory, WorkerRecord
+from server.workers.remote import RemoteEngine, WorkerDied
+from server.workers.worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 Connect = Callable[[WorkerRecord, str], RemoteEngine]  # (record, server id) -> an attached RemoteEngine
 
 
+class WorkerPool(Protocol):
+    """Where joining workers go (server.router.routed.RoutedEngine); workers never import the router."""
+
+    def has_live_worker(self, worker_id: WorkerId) -> bool: ...
+
+    def incompatibility(self, model_name: str, info: WorkerInfo | None) -> str | None: ...
+
+    def add_worker(self, worker: RemoteEngine) -> None: ...
+
+
 class Discovery:
-    def __init__(self, directory: Directory, engine: RoutedEngine, connect: Connect) -> None:
+    def __init__(self, directory: Directory, engine: WorkerPool, connect: Connect) -> None:
         self.directory = directory
         self.engine = engine
         self._connect = connect

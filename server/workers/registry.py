@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 import redis
 
 from kvbm.redis_link import RedisLink
-from server.router.transport import ChannelAddress
-from server.router.worker import WorkerInfo
+from server.workers.transport import ChannelAddress
+from server.workers.worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 from kvbm.block_hash import block_hashes, model_salt
 from kvbm.events import G1, EventSink, TierEvent
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
-from server.router.hardware import Speeds
+from server.workers.hardware import Speeds
 
 SALT = model_salt("step-engine")
 
@@ -99,8 +99,8 @@ def run_remote_step_worker(worker_id: str, redis_url: str, lease_s: float = 1.5,
     import logging
     import signal
 
-    from server.router.remote_worker import RemoteWorker, RemoteWorkerOptions
-    from server.router.worker import ChannelEvents, describe
+    from server.workers.remote_worker import RemoteWorker, RemoteWorkerOptions
+    from server.workers.worker import ChannelEvents, describe
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s")
     events = ChannelEvents(None)

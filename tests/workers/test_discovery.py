@@ -15,21 +15,21 @@ from dataclasses import dataclass
 import pytest
 import redis
 from prometheus_client import generate_latest
-from router_fakes import FAKE_SPEEDS, SALT, StepEngine, run_remote_step_worker
 
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.router.config import RouterConfig
-from server.router.discovery import Discovery
-from server.router.registry import Directory, WorkerRecord, events_key, lease_key, registrations_key
-from server.router.remote import RemoteEngine
 from server.router.routed import RoutedEngine
 from server.router.router import Router
-from server.router.transport import Channel
-from server.router.worker import WorkerSpec
-from server.router.workers import WorkerId
+from server.workers.discovery import Discovery
+from server.workers.protocol import WorkerId
+from server.workers.registry import Directory, WorkerRecord, events_key, lease_key, registrations_key
+from server.workers.remote import RemoteEngine
+from server.workers.transport import Channel
+from server.workers.worker import WorkerSpec
 from tests.conftest import wait_for
+from tests.workers.worker_fakes import FAKE_SPEEDS, SALT, StepEngine, run_remote_step_worker
 
 LEASE_S = 1.5
 
@@ -142,7 +142,7 @@ def test_a_restarted_worker_rejoins(server, remote_workers) -> None:
 
 
 def test_sigterm_says_bye_and_deregisters(server, remote_workers, redis_url, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="server.router.remote")
+    caplog.set_level(logging.INFO, logger="server.workers.remote")
     process = remote_workers("r1")
     wait_for(lambda: served_by(server, "r1"), 20, 0.05, what="r1 in the router")
     process.terminate()

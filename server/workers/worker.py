@@ -34,8 +34,8 @@ from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestError, RequestId
 from server.engine.config import EngineConfig
-from server.router.hardware import HardwareInfo, Speeds, calibrate, describe_hardware
-from server.router.transport import Channel, ChannelAddress
+from server.workers.hardware import HardwareInfo, Speeds, calibrate, describe_hardware
+from server.workers.transport import Channel, ChannelAddress
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from kvbm.block_hash import BlockHash, block_hashes
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
-from server.router.remote import RemoteEngine
-from server.router.worker import WorkerSpec, build_llm_engine
-from server.router.workers import WorkerId
+from server.workers.protocol import WorkerId
+from server.workers.remote import RemoteEngine
+from server.workers.worker import WorkerSpec, build_llm_engine
 
 MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  # shared with tests/engine
 

@@ -31,9 +31,9 @@ from server.engine.api import (
     RequestError,
     RequestId,
 )
-from server.router.transport import Channel, ChannelAddress
-from server.router.worker import WorkerInfo, WorkerSpec, worker_main
-from server.router.workers import WorkerId
+from server.workers.protocol import WorkerId
+from server.workers.transport import Channel, ChannelAddress
+from server.workers.worker import WorkerInfo, WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 

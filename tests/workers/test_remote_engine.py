@@ -16,7 +16,6 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
-from router_fakes import SALT, StepEngine, broken_factory
 
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
@@ -25,11 +24,12 @@ from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
 from server.router.config import RouterConfig
 from server.router.metrics import RouterMetrics
-from server.router.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.router.routed import RoutedEngine
 from server.router.router import Router
-from server.router.worker import WorkerSpec
-from server.router.workers import WorkerId
+from server.workers.protocol import WorkerId
+from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
+from server.workers.worker import WorkerSpec
+from tests.workers.worker_fakes import SALT, StepEngine, broken_factory
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 3) -> GenerationRequest:

@@ -36,9 +36,9 @@ from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.repository.model_config import LLM
 from server.repository.scan import BrokenModel, read_model
-from server.router.registry import Registration, WorkerIdTaken, WorkerRecord
-from server.router.transport import Channel, ChannelAddress
-from server.router.worker import (
+from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
+from server.workers.transport import Channel, ChannelAddress
+from server.workers.worker import (
     ChannelEvents,
     WorkerInfo,
     calibrate_logged,
