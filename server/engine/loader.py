@@ -25,15 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from server import settings
+
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "STRATA_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """The one place that reads STRATA_CACHE_DIR; falls back to ~/.cache/strata."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "strata")
-
 
 @dataclass(slots=True)
 class ModelFiles:
@@ -66,7 +60,7 @@ def prepare_model(spec: str, cache_dir: Path | None = None) -> ModelFiles:
     if path.suffix != ".gguf":
         raise ValueError(f"model spec {spec!r}: expected a .gguf file or a Hugging Face folder")
     stat = path.stat()
-    target = (cache_dir or default_cache_dir()) / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    target = (cache_dir or settings.cache_dir()) / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if not (target / "model.safetensors").exists():
         _convert_gguf(path, target)
     return ModelFiles(folder=target, name=path.stem)
@@ -126,10 +120,3 @@ def load_weights(files: ModelFiles) -> dict[str, torch.Tensor]:
     for shard in shards:
         weights.update(load_file(shard))
     return weights
-
-
-def load_tokenizer(files: ModelFiles):
-    """The model's tokenizer (transformers fast tokenizer) from local files only."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(files.folder, local_files_only=True)

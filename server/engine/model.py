@@ -159,7 +159,7 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         tied = shape.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = self._pack(self.embed if tied else get("lm_head.weight"))
-        self.layers = [self._layer(get, weights, i) for i in range(shape.num_layers)]
+        self.layers = [self._layer(get, i) for i in range(shape.num_layers)]
         positions = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, _rope_inv_freq(shape))
         table = torch.cat((freqs, freqs), dim=-1)
@@ -168,7 +168,7 @@ class LlamaModel:
         self.scale = shape.head_dim**-0.5
         self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(4)]
 
-    def _layer(self, get, weights: dict, i: int) -> LayerWeights:
+    def _layer(self, get, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         bias = None
         if self.shape.qkv_bias:

@@ -1,0 +1,37 @@
+"""The import rules between Strata's parts (docs/ARCHITECTURE.md), as contracts in pyproject.toml.
+
+import-linter checks them on the real import graph (grimp), so a new `from server.router import ...` inside kvbm or
+the engine fails here, not in a review.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import server.engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _contracts() -> list[dict]:
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        return tomllib.load(file)["tool"]["importlinter"]["contracts"]
+
+
+def test_import_contracts_are_kept():
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint_imports), "--no-cache", "pyproject.toml"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[result.stdout.find("Broken contracts"):] + result.stderr
+
+
+def test_the_frontend_rule_names_every_engine_module_but_the_protocol():
+    """The frontend contract lists server.engine's modules one by one; a new engine module must be added there."""
+    engine_modules = {f"server.engine.{info.name}" for info in pkgutil.iter_modules(server.engine.__path__)}
+    frontend = next(c for c in _contracts() if c["source_modules"] == ["server.openai"])
+    forbidden = set(frontend["forbidden_modules"])
+    assert engine_modules - forbidden == {"server.engine.api"}
