@@ -3,10 +3,14 @@
 Mount with `build_app({"smollm2": engine}, FrontendMetrics.create(registry))` and serve with uvicorn (Triton's
 OpenAI frontend listens on 9000). Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 GET /health, GET /metrics (Prometheus text of the metrics' registry), GET /docs.
+
+With `api_key` set (`--api-key`, as vLLM), every `/v1/*` route needs `Authorization: Bearer <key>`; anything else is
+a 401 in OpenAI's error shape. `/health`, `/metrics` and the docs stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
@@ -26,12 +30,15 @@ from server.openai.serving import OpenAIError, OpenAIServing, internal_error
 logger = logging.getLogger(__name__)
 
 
-def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = None) -> FastAPI:
+def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = None,
+              api_key: str | None = None) -> FastAPI:
     """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`."""
     metrics = metrics or FrontendMetrics.create()
     serving = OpenAIServing(models, metrics)
     app = FastAPI(title="Strata OpenAI-compatible API")
     _add_error_handlers(app, serving)
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -58,6 +65,31 @@ def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = No
         return await _respond(serving.completion(body, lambda: _client_gone(request)))
 
     return app
+
+
+class RequireAPIKey:
+    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (compared in constant time).
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would buffer streamed responses through a task.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        info = p.ErrorInfo(message="Incorrect or missing API key: send 'Authorization: Bearer <key>' (--api-key)",
+                           type="invalid_request_error", code="invalid_api_key")
+        response = _error(401, info)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        return hmac.compare_digest(given, self._expected)
 
 
 async def _respond(result: Awaitable[Any]) -> Response:
