@@ -65,9 +65,47 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                          "--accept-remote-workers, remote workers register there")
     kv.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
                     help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)")
-    p.add_argument("--access-token", default=settings.access_token(),
-                   help="require header triton-access-token for repository/statistics/shm/trace/logging APIs "
-                        "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
+    _security_flags(p.add_argument_group("access control and TLS (docs/SECURITY.md)"))
+
+
+def _security_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--access-token", default=settings.access_token(),
+                       help="short form of --http-restricted-api and --grpc-restricted-protocol "
+                            "model-repository,shared-memory,statistics,trace,logging:triton-access-token=TOKEN "
+                            "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
+    group.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API]:KEY=VALUE",
+                       help="tritonserver's flag, passed through: these HTTP APIs need header KEY: VALUE; repeat")
+    group.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="PROTOCOL[,...]:KEY=VALUE",
+                       help="tritonserver's flag, passed through: these gRPC protocols need metadata KEY: VALUE")
+    group.add_argument("--grpc-use-ssl", action="store_true", help="TLS on the gRPC port (tritonserver's flag)")
+    group.add_argument("--grpc-use-ssl-mutual", action="store_true", help="mutual TLS on the gRPC port")
+    group.add_argument("--grpc-server-cert", default=None, help="PEM certificate of the gRPC port")
+    group.add_argument("--grpc-server-key", default=None, help="PEM private key of the gRPC port")
+    group.add_argument("--grpc-root-cert", default=None, help="PEM root certificate (clients' CA for mutual TLS)")
+    group.add_argument("--api-key", default=settings.api_key(),
+                       help="OpenAI port: require 'Authorization: Bearer KEY' on /v1/* (default: $STRATA_API_KEY)")
+    group.add_argument("--ssl-keyfile", default=None, help="OpenAI port: TLS private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="OpenAI port: TLS certificate (PEM)")
+
+
+def triton_access(args: argparse.Namespace) -> dict[str, object]:
+    """TritonSettings fields of the access-control and gRPC TLS flags; ValueError names the flag at fault."""
+    from server.triton import GrpcSSL, Restriction
+
+    ssl = None
+    if args.grpc_use_ssl or args.grpc_use_ssl_mutual:
+        if not (args.grpc_server_cert and args.grpc_server_key):
+            raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
+        ssl = GrpcSSL(args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    return {
+        "access_token": args.access_token,
+        "http_restricted": tuple(Restriction.parse("--http-restricted-api", v) for v in args.http_restricted_api),
+        "grpc_restricted": tuple(Restriction.parse("--grpc-restricted-protocol", v)
+                                 for v in args.grpc_restricted_protocol),
+        "grpc_ssl": ssl,
+    }
 
 
 def _engine_flags(group: argparse._ArgumentGroup) -> None:

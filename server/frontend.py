@@ -18,11 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIFrontend:
-    def __init__(self, engines: Mapping[str, Engine], address: str, port: int, registry: CollectorRegistry) -> None:
-        app = build_app(engines, FrontendMetrics.create(registry))
-        config = uvicorn.Config(app, host=address, port=port, log_level="warning", access_log=False)
+    def __init__(self, engines: Mapping[str, Engine], address: str, port: int, registry: CollectorRegistry,
+                 api_key: str | None = None, ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
+        """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile)."""
+        app = build_app(engines, FrontendMetrics.create(registry), api_key=api_key)
+        config = uvicorn.Config(app, host=address, port=port, log_level="warning", access_log=False,
+                                ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
         self._server = uvicorn.Server(config)
         self._address = address
+        self._tls = ssl_certfile is not None
         self.port = port
         self._thread: threading.Thread | None = None
 
@@ -36,7 +40,7 @@ class OpenAIFrontend:
             target=self._server.run, kwargs={"sockets": [listener]}, name="openai-frontend", daemon=True
         )
         self._thread.start()
-        log.info("OpenAI frontend on port %d", self.port)
+        log.info("OpenAI frontend on port %d (%s)", self.port, "https" if self._tls else "http")
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -1,4 +1,8 @@
-"""`strata serve`: start Triton, bring the repositories in, serve until SIGTERM/SIGINT, then shut down cleanly."""
+"""`strata serve`: start Triton, bring the repositories in, serve until SIGTERM/SIGINT, then shut down cleanly.
+
+The wiring lives here: the LLM deployment (server.deployment) runs the engines, the backend registry
+(server.backends.registry) is handed to the repository manager, and the OpenAI frontend serves the same engines.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from server.backends.llm import LLMBackend, LLMServing
-from server.cli import engine_overrides, kvbm_config
+from server import backends
+from server.backends.llm import LLMBackend
+from server.cli import engine_overrides, kvbm_config, triton_access
+from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
 from server.router.config import RouterConfig
@@ -29,14 +35,15 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     try:
         serving = llm_serving(args)
-    except ValueError as exc:  # KVBMConfigError, RouterConfig: the message names the setting
+        triton_settings = TritonSettings(
+            http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+            address=args.http_address, strict_readiness=args.strict_readiness,
+            exit_timeout_secs=args.exit_timeout_secs, log_verbose=args.log_verbose, **triton_access(args),
+        )
+        triton_settings.control_token()  # a restriction that would lock Strata out of its own Triton fails here
+    except ValueError as exc:  # KVBMConfigError, RouterConfig, access flags: the message names the setting
         log.error("%s", exc)
         return 2
-    triton_settings = TritonSettings(
-        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        address=args.http_address, strict_readiness=args.strict_readiness,
-        exit_timeout_secs=args.exit_timeout_secs, log_verbose=args.log_verbose, access_token=args.access_token,
-    )
     try:
         if args.allow_openai:
             check_ports_free(args.http_address, {"--openai-port": args.openai_port})
@@ -48,14 +55,15 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.set())
     registry = CollectorRegistry()
-    llm = LLMBackend(triton, serving, registry)
+    deployment = LLMDeployment(serving, registry)
     manager = RepositoryManager(
-        [r.resolve() for r in args.model_repository], triton, ControlMode(args.model_control_mode),
-        args.repository_poll_secs, args.load_model, llm,
+        [r.resolve() for r in args.model_repository], backends.registry(triton, LLMBackend(triton, deployment)),
+        ControlMode(args.model_control_mode), args.repository_poll_secs, args.load_model,
     )
     frontend = None
     if args.allow_openai:
-        frontend = OpenAIFrontend(llm.engines, args.http_address, args.openai_port, registry)
+        frontend = OpenAIFrontend(deployment.engines, args.http_address, args.openai_port, registry,
+                                  api_key=args.api_key, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     try:
         triton.start()
         if frontend is not None:
@@ -69,7 +77,7 @@ def serve(args: argparse.Namespace) -> int:
         log.info("signal received, shutting down (exit timeout %d s)", args.exit_timeout_secs)
         return 0
     finally:
-        _shutdown(manager, frontend, llm, triton, args.exit_timeout_secs)
+        _shutdown(manager, frontend, deployment, triton, args.exit_timeout_secs)
 
 
 def llm_serving(args: argparse.Namespace) -> LLMServing:
@@ -89,8 +97,8 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
                       remote_workers=args.redis_url if args.accept_remote_workers else None)
 
 
-def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, llm: LLMBackend, triton: TritonServer,
-              exit_timeout_secs: int) -> None:
+def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, deployment: LLMDeployment,
+              triton: TritonServer, exit_timeout_secs: int) -> None:
     """Stop within the exit timeout: a timer ends the process if a part hangs."""
     deadline = threading.Timer(exit_timeout_secs + 5, _force_exit)
     deadline.daemon = True
@@ -98,7 +106,7 @@ def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, llm: 
     if frontend is not None:
         frontend.stop()
     manager.stop()
-    llm.stop()
+    deployment.close()
     triton.stop()
     deadline.cancel()
     log.info("stopped")

@@ -20,3 +20,8 @@ def runtime_dir() -> Path:
 def access_token() -> str | None:
     """Token that protects Triton's repository/statistics/shm/trace/logging APIs (STRATA_ACCESS_TOKEN)."""
     return os.environ.get("STRATA_ACCESS_TOKEN") or None
+
+
+def api_key() -> str | None:
+    """Bearer key required on the OpenAI port's /v1/* routes (STRATA_API_KEY; vLLM reads VLLM_API_KEY)."""
+    return os.environ.get("STRATA_API_KEY") or None

@@ -4,6 +4,11 @@ Strata owns Triton's model store (PyTriton's workspace `model-store`, a fresh fo
 models there and Strata loads them through Triton's repository API; the LLM backend binds callables through
 PyTriton, which writes its proxy models into the same store. So `tritonclient`'s repository index, load and unload
 see one repository.
+
+Access control is tritonserver's own: `--http-restricted-api` / `--grpc-restricted-protocol` values
+(`API[,API...]:HEADER=VALUE`) go to the binary unchanged; `--access-token T` is the short form for the APIs
+PyTriton protects by default. Strata's and PyTriton's own control calls (load, unload, health, logging) send
+`triton-access-token`, so a restriction on those APIs must use that header (checked at start, naming the flag).
 """
 
 from __future__ import annotations
@@ -29,12 +34,52 @@ from server import settings
 log = logging.getLogger(__name__)
 
 ACCESS_HEADER = "triton-access-token"
-PROTECTED_APIS = ["model-repository", "shared-memory", "statistics", "trace", "logging"]
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # tritonserver reads a gRPC restriction's KEY from this metadata key
+PROTECTED_APIS = ("model-repository", "shared-memory", "statistics", "trace", "logging")  # --access-token's APIs
+# tritonserver's restrictable API groups (HTTP) and protocols (gRPC) share these names
+RESTRICTABLE_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+                     "statistics", "trace", "logging")
+_CONTROL_APIS = {"health", "metadata", "model-config", "model-repository", "logging"}  # what Strata itself calls
 _SHM_DIR = Path("/dev/shm")
 
 
 class PortInUse(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """One `--http-restricted-api` / `--grpc-restricted-protocol` value: these APIs need `header: value`."""
+
+    apis: tuple[str, ...]
+    header: str
+    value: str
+
+    @classmethod
+    def parse(cls, flag: str, text: str) -> Restriction:
+        """`API[,API...]:HEADER=VALUE`, as tritonserver takes it; ValueError names the flag and the problem."""
+        apis, sep, credential = text.partition(":")
+        header, eq, value = credential.partition("=")
+        if not (sep and eq and apis and header and value):
+            raise ValueError(f"{flag} {text!r}: expected API[,API...]:HEADER=VALUE")
+        names = tuple(api.strip() for api in apis.split(","))
+        unknown = sorted(set(names) - set(RESTRICTABLE_APIS))
+        if unknown:
+            raise ValueError(f"{flag}: unknown API {unknown[0]!r}; one of {', '.join(RESTRICTABLE_APIS)}")
+        return cls(names, header.strip(), value)
+
+    def __str__(self) -> str:
+        return f"{','.join(self.apis)}:{self.header}={self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcSSL:
+    """tritonserver's gRPC TLS flags (paths to PEM files); `mutual` also requires client certificates."""
+
+    server_cert: str
+    server_key: str
+    root_cert: str | None = None
+    mutual: bool = False
 
 
 @dataclass(slots=True)
@@ -46,10 +91,45 @@ class TritonSettings:
     strict_readiness: bool = False
     exit_timeout_secs: int = 30
     log_verbose: int = 0
-    access_token: str | None = None  # None: repository and control APIs are open, as in plain tritonserver
+    access_token: str | None = None  # short form: PROTECTED_APIS need triton-access-token on HTTP and gRPC
+    http_restricted: tuple[Restriction, ...] = ()
+    grpc_restricted: tuple[Restriction, ...] = ()
+    grpc_ssl: GrpcSSL | None = None
 
     def ports(self) -> dict[str, int]:
         return {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
+
+    def restrictions(self) -> tuple[tuple[Restriction, ...], tuple[Restriction, ...]]:
+        """(HTTP, gRPC) restrictions, --access-token expanded into both."""
+        if self.access_token is None:
+            return self.http_restricted, self.grpc_restricted
+        short = (Restriction(PROTECTED_APIS, ACCESS_HEADER, self.access_token),)
+        return self.http_restricted + short, self.grpc_restricted + short
+
+    def control_token(self) -> str | None:
+        """The triton-access-token value Strata's own control calls send (None: they need none).
+
+        Raises ValueError when a restriction would lock Strata out of its own Triton: APIs it calls restricted
+        by another header, or by two different values, or the same API restricted twice (tritonserver refuses)."""
+        tokens: set[str] = set()
+        for flag, restrictions in zip(("--http-restricted-api", "--grpc-restricted-protocol"), self.restrictions(), strict=True):
+            seen: set[str] = set()
+            for restriction in restrictions:
+                twice = seen & set(restriction.apis)
+                if twice:
+                    raise ValueError(f"{flag}: {sorted(twice)[0]} is restricted twice (with --access-token?)")
+                seen |= set(restriction.apis)
+                if not _CONTROL_APIS & set(restriction.apis):
+                    continue
+                if restriction.header != ACCESS_HEADER:
+                    raise ValueError(f"{flag} {','.join(restriction.apis)}: Strata's own control calls "
+                                     f"({', '.join(sorted(_CONTROL_APIS))}) send the header {ACCESS_HEADER}; "
+                                     f"restrict these APIs with {ACCESS_HEADER}=<token>")
+                tokens.add(restriction.value)
+        if len(tokens) > 1:
+            raise ValueError(f"the APIs Strata calls itself ({', '.join(sorted(_CONTROL_APIS))}) must share one "
+                             f"{ACCESS_HEADER} value across --http-restricted-api and --grpc-restricted-protocol")
+        return tokens.pop() if tokens else None
 
 
 def check_ports_free(address: str, ports: dict[str, int]) -> None:
@@ -61,6 +141,21 @@ def check_ports_free(address: str, ports: dict[str, int]) -> None:
                 probe.bind((address, port))
             except OSError as exc:
                 raise PortInUse(f"port {port} ({flag}) is already in use on {address}: {exc.strerror}") from exc
+
+
+def _access_flags(c: TritonSettings) -> dict[str, object]:
+    """TritonConfig fields for the restrictions and gRPC TLS (lists become repeated tritonserver flags)."""
+    http, grpc = c.restrictions()
+    flags: dict[str, object] = {}
+    if http:
+        flags["http_restricted_api"] = [str(r) for r in http]
+    if grpc:
+        flags["grpc_restricted_protocol"] = [str(r) for r in grpc]
+    if c.grpc_ssl is not None:
+        ssl = c.grpc_ssl
+        flags.update(grpc_use_ssl=True, grpc_use_ssl_mutual=ssl.mutual or None, grpc_server_cert=ssl.server_cert,
+                     grpc_server_key=ssl.server_key, grpc_root_cert=ssl.root_cert)
+    return flags
 
 
 def _pid_alive(pid: int) -> bool:
@@ -127,10 +222,10 @@ class TritonServer:
             exit_timeout_secs=c.exit_timeout_secs,
             log_verbose=c.log_verbose,
             allow_gpu_metrics=False,
+            **_access_flags(c),
         )
-        security = TritonSecurityConfig(
-            access_token=c.access_token, restricted_endpoints=list(PROTECTED_APIS) if c.access_token else []
-        )
+        # PyTriton's own clients send the token; the restrictions themselves are the flags above, not PyTriton's
+        security = TritonSecurityConfig(access_token=c.control_token(), restricted_endpoints=[])
         self._triton = Triton(
             config=triton_config,
             workspace=self._workspace,
@@ -149,7 +244,14 @@ class TritonServer:
     @contextmanager
     def client(self) -> Iterator[InferenceServerClient]:
         """A gRPC client to this Triton for control calls (load, unload, index)."""
-        client = InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
+        ssl = self.config.grpc_ssl
+        if ssl is None:
+            client = InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
+        else:  # the certificate names the server's host, not 127.0.0.1: check it against localhost
+            client = InferenceServerClient(
+                f"localhost:{self.config.grpc_port}", ssl=True, root_certificates=ssl.root_cert or ssl.server_cert,
+                private_key=ssl.server_key if ssl.mutual else None,
+                certificate_chain=ssl.server_cert if ssl.mutual else None)
         try:
             yield client
         finally:
@@ -157,7 +259,9 @@ class TritonServer:
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return {ACCESS_HEADER: self.config.access_token} if self.config.access_token else None
+        """gRPC metadata for Strata's control calls (the client above is gRPC)."""
+        token = self.config.control_token()
+        return {GRPC_HEADER_PREFIX + ACCESS_HEADER: token} if token else None
 
     def load(self, name: str) -> None:
         """Load (or reload) a model from the store; raises InferenceServerException with Triton's reason."""
