@@ -1,16 +1,37 @@
 """Backends: how a model of each kind becomes something Triton serves.
 
-File-based backends (python, pytorch) *stage* a model: they write a folder under Triton's model store that Triton's
-own Python backend loads. The LLM backend binds Strata's engine through PyTriton instead.
+The interface is declared on the repository's side (server.repository.backend), so the repository imports no
+backend: a `ModelBackend` stages a model (lists it in Triton's index), loads it (serves its chosen versions, or
+raises LoadError with the reason) and unloads it; the `Placeholder` lists a model nothing can serve as UNAVAILABLE
+with its reason.
+
+One file per kind of model:
+
+    python.py       Triton Python-backend models (model.py), staged for Triton's own Python backend
+    pytorch.py      TorchScript models, staged with a runner for the same Python backend
+    llm.py          LLM models: Strata's engine bound through PyTriton with the vLLM backend's inputs and outputs
+    unavailable.py  the placeholder for broken models (and for LLM models whose engine is not running)
+
+python and pytorch share `staging.StagedBackend` and differ only in how the folder is staged. `registry` maps the
+backend names of server.repository.model_config to these; `strata serve` builds it and hands it to the
+`RepositoryManager`. A new kind of model is a new file here, a name in model_config and an entry in `registry`.
 """
 
-from pathlib import Path
-from typing import Protocol
+from __future__ import annotations
 
-from server.repository.scan import ModelSource
+from server.backends import python, pytorch
+from server.backends.staging import ModelLoader, StagedBackend
+from server.backends.unavailable import UnavailableBackend
+from server.repository.backend import BackendRegistry, ModelBackend
+from server.repository.model_config import LIBTORCH, LLM, PYTHON
 
 
-class FileBackend(Protocol):
-    def stage(self, model: ModelSource, store: Path) -> None:
-        """Write (or refresh) `store/<model.name>/` so that Triton can load the model's chosen versions."""
-        ...
+def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendRegistry:
+    """The backends of this server by name; `llm` (server.backends.llm.LLMBackend) serves LLM models if given."""
+    backends: dict[str, ModelBackend] = {
+        PYTHON: StagedBackend(triton, python.stage),
+        LIBTORCH: StagedBackend(triton, pytorch.stage),
+    }
+    if llm is not None:
+        backends[LLM] = llm
+    return BackendRegistry(backends, UnavailableBackend(triton))

@@ -1,7 +1,8 @@
 """A model Strata cannot serve, staged so that Triton's repository index shows it UNAVAILABLE with Strata's reason.
 
 The staged model's `initialize` raises the error text (file, line, message), so `get_model_repository_index()` and
-a `load_model()` through tritonclient report exactly what the log says.
+a `load_model()` through tritonclient report exactly what the log says. `UnavailableBackend` is the repository's
+`Placeholder`; the LLM backend stages the same placeholder while a model's engine is not running.
 """
 
 from __future__ import annotations
@@ -9,16 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from google.protobuf import text_format
+from tritonclient.utils import InferenceServerException
 
-from server.backends.staging import link, prune, write_atomic
+from server.backends.staging import ModelLoader, link, prune, unload_staged, write_atomic
 from server.repository.model_config import ModelConfig
-from server.repository.scan import BrokenModel
 
 RUNNER = Path(__file__).parent / "stubs" / "unavailable_model.py"
 
 
-def stage(model: BrokenModel, store: Path) -> None:
-    stage_reason(model.name, str(model.error), store)
+class UnavailableBackend:
+    """Lists models that cannot be served (see server.repository.backend.Placeholder)."""
+
+    def __init__(self, triton: ModelLoader) -> None:
+        self.triton = triton
+
+    def stage(self, name: str, reason: str) -> None:
+        stage_reason(name, reason, self.triton.store)
+
+    def load(self, name: str) -> None:
+        try:
+            self.triton.load(name)
+        except InferenceServerException:
+            pass  # fails by design: Triton now lists the model UNAVAILABLE with the reason
+
+    def unload(self, name: str) -> None:
+        unload_staged(self.triton, name)
 
 
 def stage_reason(name: str, reason: str, store: Path) -> None:

@@ -6,52 +6,31 @@
   A broken edit never replaces a serving version: the old one keeps serving and the error is logged.
 - explicit: stage every model (so the repository index lists them all) but load only `startup_models`
   (`*` for all) and what clients ask for through Triton's repository API.
+
+The manager decides when a model is staged, loaded and unloaded; how is up to the backend the `BackendRegistry`
+holds for the model's backend name. A model that cannot be served (a `BrokenModel`, or a backend this server does
+not run) goes to the registry's placeholder, which shows it UNAVAILABLE with the reason.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
 
-from tritonclient.utils import InferenceServerException
-
-from server.backends import python, pytorch, unavailable
-from server.backends.staging import remove
-from server.repository.model_config import LIBTORCH, LLM, PYTHON
+from server.repository.backend import BackendRegistry, LoadError, ModelBackend
 from server.repository.scan import BrokenModel, Fingerprint, ModelSource, scan
 
 log = logging.getLogger(__name__)
 
-_STAGERS: dict[str, Callable[[ModelSource, Path], None]] = {PYTHON: python.stage, LIBTORCH: pytorch.stage}
 
-
-class ControlMode(str, Enum):
+class ControlMode(StrEnum):
     NONE = "none"
     POLL = "poll"
     EXPLICIT = "explicit"
-
-
-class ModelLoader(Protocol):
-    """What the manager needs from Triton (see server.triton.TritonServer)."""
-
-    store: Path
-
-    def load(self, name: str) -> None: ...
-
-    def unload(self, name: str) -> None: ...
-
-
-class LLMBackend(Protocol):
-    """Serves `strata_llm` models (engine + PyTriton binding); see server.backends.llm."""
-
-    def load(self, model: ModelSource) -> None: ...
-
-    def unload(self, name: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -65,18 +44,16 @@ class RepositoryManager:
     def __init__(
         self,
         repositories: Sequence[Path],
-        triton: ModelLoader,
+        backends: BackendRegistry,
         mode: ControlMode = ControlMode.NONE,
         poll_secs: float = 15.0,
         startup_models: Sequence[str] = (),
-        llm: LLMBackend | None = None,
     ) -> None:
         self.repositories = list(repositories)
-        self.triton = triton
+        self.backends = backends
         self.mode = mode
         self.poll_secs = poll_secs
         self.startup_models = list(startup_models)
-        self.llm = llm
         self.entries: dict[str, ModelEntry] = {}
         self._pending: dict[str, Fingerprint] = {}
         self._stop = threading.Event()
@@ -148,55 +125,47 @@ class RepositoryManager:
 
     def _stage(self, name: str) -> None:
         entry = self.entries[name]
-        model = entry.model
-        if isinstance(model, BrokenModel):
-            entry.error = str(model.error)
+        backend = self._backend_of(entry.model)
+        if backend is None:
+            entry.error = _why_unservable(entry.model)
             log.error("%s: cannot serve: %s", name, entry.error)
-            unavailable.stage(model, self.triton.store)
-        elif model.backend in _STAGERS:
-            _STAGERS[model.backend](model, self.triton.store)
-        elif model.backend == LLM and entry.serving is None:
-            # listed by the repository index until Strata binds its engine (PyTriton then owns the folder)
-            reason = (f"{name} is an LLM model: Strata starts its engine (--load-model {name}, or the none/poll "
-                      "control modes); Triton's load_model can only reload an engine Strata already started")
-            unavailable.stage_reason(name, reason, self.triton.store)
+            self.backends.placeholder.stage(name, entry.error)
+        else:
+            backend.stage(entry.model)
 
     def _load(self, name: str) -> None:
         entry = self.entries[name]
         model = entry.model
+        backend = self._backend_of(model)
+        if backend is None:
+            self.backends.placeholder.load(name)  # fails by design; _stage logged why
+            return
         try:
-            if isinstance(model, ModelSource) and model.backend == LLM:
-                self._load_llm(model)
-            else:
-                self.triton.load(name)
-        except InferenceServerException as exc:
-            if isinstance(model, ModelSource):  # a BrokenModel's placeholder fails by design; _stage logged why
-                entry.error = exc.message()
-                log.error("%s: load failed: %s", name, entry.error)
+            backend.load(model)
+        except LoadError as exc:
+            entry.error = str(exc)
+            log.error("%s: load failed: %s", name, entry.error, exc_info=exc.__cause__)
             return
-        except Exception as exc:  # an LLM engine that cannot start (bad model.json, weights, worker): not fatal
-            entry.error = f"{name}: engine failed to start: {exc}"
-            log.exception("%s", entry.error)
-            if entry.serving is None:
-                unavailable.stage_reason(name, entry.error, self.triton.store)
-            return
-        if isinstance(model, ModelSource):
-            entry.serving, entry.error = model.fingerprint, None
-            log.info("%s: serving version(s) %s", name, ", ".join(map(str, model.versions)))
-
-    def _load_llm(self, model: ModelSource) -> None:
-        if self.llm is None:
-            raise InferenceServerException(f"{model.name}: the LLM backend is not enabled in this server")
-        self.llm.load(model)
+        entry.serving, entry.error = model.fingerprint, None
+        log.info("%s: serving version(s) %s", name, ", ".join(map(str, model.versions)))
 
     def _remove(self, name: str) -> None:
         entry = self.entries.pop(name)
         log.info("%s: removed from the repository, unloading", name)
-        try:
-            if isinstance(entry.model, ModelSource) and entry.model.backend == LLM and self.llm is not None:
-                self.llm.unload(name)
-            elif entry.serving is not None or isinstance(entry.model, BrokenModel):
-                self.triton.unload(name)
-        except InferenceServerException as exc:
-            log.error("%s: unload failed: %s", name, exc.message())
-        remove(self.triton.store / name)
+        backend = self._backend_of(entry.model)
+        if backend is None:
+            self.backends.placeholder.unload(name)
+        else:
+            backend.unload(name)
+
+    def _backend_of(self, model: ModelSource | BrokenModel) -> ModelBackend | None:
+        """The backend that serves `model`; None for a broken model or a backend this server does not run."""
+        if isinstance(model, BrokenModel):
+            return None
+        return self.backends.backends.get(model.backend)
+
+
+def _why_unservable(model: ModelSource | BrokenModel) -> str:
+    if isinstance(model, BrokenModel):
+        return str(model.error)
+    return f'backend "{model.backend}" is not enabled in this server'

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from server import backends
 from server.repository.manager import ControlMode, RepositoryManager
 from server.repository.scan import BrokenModel, ModelSource, read_model, scan
 from tests.conftest import EXAMPLE_REPOSITORY
@@ -101,7 +102,8 @@ def test_duplicate_name_across_repositories(tmp_path):
 
 
 class RecordingLoader:
-    """Stands in for Triton to test the manager's poll logic alone (the server tests use real Triton)."""
+    """Stands in for Triton to test the manager's poll logic with the real file backends (the server tests use
+    real Triton)."""
 
     def __init__(self, store: Path) -> None:
         self.store = store
@@ -121,7 +123,7 @@ def started_poll_manager(tmp_path: Path) -> tuple[Path, RecordingLoader, Reposit
     make_model(repo)
     loader = RecordingLoader(tmp_path / "store")
     loader.store.mkdir()
-    manager = RepositoryManager([repo], loader, ControlMode.POLL, poll_secs=3600)
+    manager = RepositoryManager([repo], backends.registry(loader), ControlMode.POLL, poll_secs=3600)
     manager.start()
     manager.stop()
     return repo, loader, manager
@@ -154,3 +156,17 @@ def test_poll_keeps_serving_version_when_config_breaks(tmp_path):
     assert loader.loads == ["m"]
     assert (loader.store / "m" / "config.pbtxt").read_text() == staged_config
     assert "bogus_field" in manager.entries["m"].error
+
+
+def test_a_model_no_backend_serves_is_listed_with_its_reason(tmp_path):
+    repo = tmp_path / "repo"
+    make_model(repo, GOOD.replace("max_batch_size: 4", "max_batch_size 4"), name="broken")
+    make_model(repo, 'name: "llm"\nbackend: "strata_llm"\n', name="llm", filename="model.json")
+    loader = RecordingLoader(tmp_path / "store")
+    loader.store.mkdir()
+    manager = RepositoryManager([repo], backends.registry(loader), ControlMode.NONE)  # no LLM backend here
+    manager.start()
+    assert sorted(loader.loads) == ["broken", "llm"]  # the placeholders: Triton's load fails with the reason
+    assert "broken/config.pbtxt:3:16" in (loader.store / "broken" / "config.pbtxt").read_text()
+    assert 'backend \\"strata_llm\\" is not enabled' in (loader.store / "llm" / "config.pbtxt").read_text()
+    assert manager.entries["llm"].serving is None
