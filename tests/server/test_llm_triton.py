@@ -34,14 +34,20 @@ def post(server, path: str, body: dict) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+ALL_OUTPUTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+               "return_num_cached_tokens": True}
+OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
+
+
 def test_generate_endpoint(server):
     status, body = post(server, "/v2/models/smollm2/generate",
-                        {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 12}})
+                        {"text_input": PROMPT, **ALL_OUTPUTS, "parameters": {"temperature": 0, "max_tokens": 12}})
     assert status == 200, body
     answer = json.loads(body)
     assert answer["text_output"].startswith(PROMPT) and len(answer["text_output"]) > len(PROMPT)
     assert answer["finish_reason"] == "length"
     assert answer["num_output_tokens"] == 12 and answer["num_input_tokens"] > 0
+    assert 0 <= answer["num_cached_tokens"] <= answer["num_input_tokens"]
 
     status, body = post(server, "/v2/models/smollm2/generate",
                         {"text_input": PROMPT, "exclude_input_in_output": True,
@@ -49,56 +55,105 @@ def test_generate_endpoint(server):
     assert json.loads(body)["text_output"] == answer["text_output"][len(PROMPT):]
 
 
+def test_optional_outputs_only_when_asked_for(server):
+    params = {"temperature": 0, "max_tokens": 3}
+    _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, "parameters": params})
+    assert set(json.loads(body)) == {"model_name", "model_version", "text_output"}
+    for flag, output in zip(ALL_OUTPUTS, OPTIONAL_OUTPUTS, strict=True):
+        _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: True, "parameters": params})
+        assert set(json.loads(body)) - {"model_name", "model_version"} == {"text_output", output}, flag
+        _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: False, "parameters": params})
+        assert output not in json.loads(body), flag
+
+
 def test_generate_stream_endpoint_matches_non_streaming(server):
     params = {"temperature": 0, "max_tokens": 10}
     _, whole = post(server, "/v2/models/smollm2/generate",
                     {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": params})
     status, body = post(server, "/v2/models/smollm2/generate_stream",
-                        {"text_input": PROMPT, "stream": True, "parameters": params})
+                        {"text_input": PROMPT, "stream": True, "return_finish_reason": True,
+                         "return_num_output_tokens": True, "parameters": params})
     assert status == 200
     events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == json.loads(whole)["text_output"]
-    assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == 10
+    # as in the vLLM backend: each response counts its own tokens; the reason is "None" until the last
+    assert sum(e["num_output_tokens"] for e in events) == 10
+    assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
 
 
-def test_grpc_streaming_with_sampling_parameters(server):
+def test_streaming_with_the_prompt_in_the_output_is_rejected(server):
+    status, body = post(server, "/v2/models/smollm2/generate_stream",
+                        {"text_input": PROMPT, "stream": True, "exclude_input_in_output": False,
+                         "parameters": {"max_tokens": 2}})
+    assert status == 400 and "exclude_input_in_output" in body, body
+
+
+def stream_over_grpc(server, requests: dict[str, dict[str, tuple[np.ndarray, str]]]) -> dict[str, list]:
+    """Send each request (id -> inputs) on one gRPC stream; every non-final response of each, by id."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        for request_id in ("a", "b"):
+        for request_id, named in requests.items():
             inputs = []
-            for name, value, dtype in (("text_input", np.array([PROMPT.encode()], dtype=object), "BYTES"),
-                                       ("stream", np.array([True]), "BOOL"),
-                                       ("sampling_parameters",
-                                        np.array([json.dumps({"temperature": 0, "max_tokens": 6}).encode()],
-                                                 dtype=object), "BYTES")):
+            for name, (value, dtype) in named.items():
                 tensor = grpcclient.InferInput(name, [1], dtype)
                 tensor.set_data_from_numpy(value)
                 inputs.append(tensor)
             client.async_stream_infer("smollm2", inputs, request_id=request_id, enable_empty_final_response=True)
-        texts: dict[str, list[str]] = {"a": [], "b": []}
+        results: dict[str, list] = {request_id: [] for request_id in requests}
         finished = set()
-        while len(finished) < 2:
+        while len(finished) < len(requests):
             result, error = responses.get(timeout=120)
             assert error is None, error
             response = result.get_response()
             if response.parameters["triton_final_response"].bool_param:
                 finished.add(response.id)
-                continue
-            texts[response.id].append(result.as_numpy("text_output")[0].decode())
-        assert "".join(texts["a"]) == "".join(texts["b"]) and texts["a"]
+            else:
+                results[response.id].append(result)
+        return results
     finally:
         client.stop_stream()
         client.close()
 
 
+def grpc_inputs(max_tokens: int, **flags: bool) -> dict[str, tuple[np.ndarray, str]]:
+    sampling = json.dumps({"temperature": 0, "max_tokens": max_tokens}).encode()
+    return {"text_input": (np.array([PROMPT.encode()], dtype=object), "BYTES"),
+            "stream": (np.array([True]), "BOOL"),
+            "sampling_parameters": (np.array([sampling], dtype=object), "BYTES"),
+            **{name: (np.array([value]), "BOOL") for name, value in flags.items()}}
+
+
+def test_grpc_streaming_with_sampling_parameters(server):
+    results = stream_over_grpc(server, {"a": grpc_inputs(6), "b": grpc_inputs(6)})
+    texts = {request_id: "".join(r.as_numpy("text_output")[0].decode() for r in got)
+             for request_id, got in results.items()}
+    assert texts["a"] == texts["b"] and texts["a"]
+    assert all(r.as_numpy(name) is None for got in results.values() for r in got for name in OPTIONAL_OUTPUTS)
+
+
+def test_grpc_streaming_sends_the_optional_outputs_asked_for(server):
+    results = stream_over_grpc(server, {"all": grpc_inputs(6, **ALL_OUTPUTS),
+                                        "some": grpc_inputs(6, return_finish_reason=True,
+                                                            return_num_output_tokens=False)})
+    every = results["all"]
+    assert all(all(r.as_numpy(name) is not None for name in OPTIONAL_OUTPUTS) for r in every)
+    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in every) == 6
+    assert every[-1].as_numpy("finish_reason")[0] == b"length"
+    assert len({int(r.as_numpy("num_input_tokens")[0]) for r in every}) == 1
+    some = results["some"]
+    assert all(r.as_numpy("finish_reason") is not None and r.as_numpy("num_output_tokens") is None for r in some)
+
+
 def test_cached_prefix_is_reported(server):
     long_prompt = "Strata serves models from a repository. " * 20
     params = {"temperature": 0, "max_tokens": 2}
-    first = json.loads(post(server, "/v2/models/smollm2/generate", {"text_input": long_prompt, "parameters": params})[1])
-    second = json.loads(post(server, "/v2/models/smollm2/generate", {"text_input": long_prompt, "parameters": params})[1])
+    body = {"text_input": long_prompt, "return_num_cached_tokens": True, "return_num_input_tokens": True,
+            "parameters": params}
+    first = json.loads(post(server, "/v2/models/smollm2/generate", body)[1])
+    second = json.loads(post(server, "/v2/models/smollm2/generate", body)[1])
     assert first["num_cached_tokens"] == 0 or first["num_cached_tokens"] < second["num_cached_tokens"]
     assert second["num_cached_tokens"] >= second["num_input_tokens"] - 16
 

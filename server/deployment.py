@@ -1,0 +1,161 @@
+"""How `strata serve` runs each LLM model: the engine, workers, router, KVBM tiers and discovery behind one `Engine`.
+
+`LLMServing` is what the flags decide for every model; `LLMDeployment.plan` adds what one model's repository entry
+decides (model.json, instance_group) and `start` builds it:
+
+    one worker, no remote workers   LLMEngine in this process, with its KVBM connector (tiers below its pool)
+    N workers                       N worker processes behind a RoutedEngine; the router reads the embedded KV index
+                                    (fed by the workers' forwarded block events) or the `strata kvbm` service
+    remote workers accepted         every model routed (N >= 0 processes here) and a Discovery thread adding the
+                                    `strata worker` processes that register for the model in Redis
+
+`engines` holds the running engines by model name; the Triton binding (server.backends.llm) and the OpenAI frontend
+both serve from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvbm.agent import build_connector
+from kvbm.block_hash import BlockHash
+from kvbm.client import KVIndexClient
+from kvbm.config import KVBMConfig
+from kvbm.connector import KVBMConnector
+from kvbm.index import KVIndex
+from kvbm.metrics import KVBMMetrics
+from server.engine import EngineConfig, LLMEngine
+from server.engine.api import Engine
+from server.repository.scan import ModelSource
+from server.router.config import RouterConfig
+from server.router.metrics import RouterMetrics
+from server.router.routed import RoutedEngine
+from server.router.router import Router
+from server.workers.discovery import Discovery
+from server.workers.protocol import WorkerId
+from server.workers.registry import Directory, WorkerRecord
+from server.workers.remote import RemoteEngine, spawn_workers
+from server.workers.worker import WorkerSpec, build_llm_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LLMServing:
+    """How `strata serve` deploys LLM models (from its flags).
+
+    workers     engine processes per model; None: the model's instance_group count, else one in-process engine;
+                0 with remote_workers: none here, the model is served by the remote workers that join
+    kvbm        tiers below each engine's pool (None: G1-only prefix caching)
+    kvbm_service  address of a standalone `strata kvbm` (multi-node): workers publish to Redis, the router queries it
+    overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
+    remote_workers  Redis URL where `strata worker` processes register (--accept-remote-workers); None: local only
+    """
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    workers: int | None = None
+    kvbm: KVBMConfig | None = None
+    kvbm_service: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    remote_workers: str | None = None
+
+
+@dataclass(slots=True)
+class EnginePlan:
+    """What one LLM model runs: its latest chosen version's model.json with the flags' overrides, on `workers`."""
+
+    name: str
+    version: int
+    config: EngineConfig
+    workers: int  # engine processes; 1 without remote workers means in this process; 0: remote workers only
+
+
+class LLMDeployment:
+    """Builds, holds and stops the engine of each LLM model; `engines` is what the server serves from."""
+
+    def __init__(self, serving: LLMServing, registry: CollectorRegistry | None = None) -> None:
+        self.serving = serving
+        self.engines: dict[str, Engine] = {}
+        self._kvbm_metrics = KVBMMetrics(registry)  # tiers of an in-process engine; index size and event lag
+        self._index = KVIndex(metrics=self._kvbm_metrics)
+        self._router_metrics = RouterMetrics.create(registry)
+        self._connectors: dict[str, KVBMConnector] = {}
+        self._discoveries: dict[str, Discovery] = {}
+
+    def plan(self, model: ModelSource) -> EnginePlan:
+        """Read and validate the model's engine settings; ValueError names model.json and the field."""
+        version = model.versions[-1]
+        config = EngineConfig.from_json(model.path / str(version) / model.model_filename)
+        config.model_name = model.name
+        for key, value in self.serving.overrides.items():
+            setattr(config, key, value)
+        config.validate(f"{model.name} (model.json with command-line overrides)")
+        workers = self.serving.workers
+        if workers is None:
+            workers = model.config.instance_group[0].count if model.config.instance_group else 1
+        if self.serving.remote_workers is None:
+            workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
+        return EnginePlan(model.name, version, config, workers)
+
+    def start(self, plan: EnginePlan) -> Engine:
+        """Build the model's engine and add it to `engines` (stop the running one first)."""
+        if plan.workers == 1 and self.serving.remote_workers is None:
+            engine = self._in_process(plan)
+        else:
+            engine = self._routed(plan)
+        self.engines[plan.name] = engine
+        return engine
+
+    def stop(self, name: str) -> None:
+        """Stop the model's discovery, engine and KVBM connector (whichever it has)."""
+        discovery = self._discoveries.pop(name, None)
+        if discovery is not None:
+            discovery.stop()
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.close()
+        connector = self._connectors.pop(name, None)
+        if connector is not None:
+            connector.close()
+
+    def close(self) -> None:
+        """Stop every model's engine (server shutdown)."""
+        for name in list(self.engines):
+            self.stop(name)
+
+    def _in_process(self, plan: EnginePlan) -> Engine:
+        connector = None
+        if self.serving.kvbm is not None:
+            connector = build_connector(self.serving.kvbm, f"{plan.name}-0", index=self._index,
+                                        metrics=self._kvbm_metrics)
+            self._connectors[plan.name] = connector
+        return LLMEngine(plan.config, connector)
+
+    def _routed(self, plan: EnginePlan) -> RoutedEngine:
+        standalone = self.serving.kvbm_service is not None
+        event_sink = None if standalone else self._index
+        spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
+        worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
+        remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
+        lookup = KVIndexClient(self.serving.kvbm_service) if standalone else self._index
+        router = Router(self.serving.router, lookup, self._router_metrics)
+        if remotes:
+            routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+        else:  # remote workers only (--workers 0): the layout comes with the first that joins
+            routed = RoutedEngine([], router, None, None, model_name=plan.name, max_model_len=plan.config.max_model_len)
+        if self.serving.remote_workers is not None:
+            self._discoveries[plan.name] = self._discover(plan.name, routed, event_sink)
+        return routed
+
+    def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
+        """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""
+
+        def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
+            return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id,
+                                        event_sink=event_sink)
+
+        return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()
