@@ -3,7 +3,8 @@
 Running them inside the Python backend bundled with PyTriton's Triton gives them the real
 `triton_python_backend_utils` (every API a model may use) and the bare binary's round trip (~0.4 ms here), where a
 PyTriton-bound callable costs ~1.7 ms. The staged folder holds a copy of the validated config and symlinks to the
-chosen version folders and any other files of the model, so nothing is copied.
+chosen version folders and any other files of the model, so nothing is copied. `stage` is all this backend adds to
+`staging.StagedBackend`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 The PyTriton wheel bundles no libtorch backend, so Strata serves TorchScript through Triton's Python backend with a
 small runner (`stubs/torchscript_model.py`) that loads the module with torch in the backend's process. The staged
 config says backend "python" and carries the TorchScript file name in the parameter `strata_torchscript_file`.
+`stage` is all this backend adds to `staging.StagedBackend`.
 """
 
 from __future__ import annotations
