@@ -51,6 +51,7 @@ import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -63,9 +64,13 @@ from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.client import KVIndexClient  # noqa: E402
 from kvbm.config import GIB, KVBMConfig  # noqa: E402
 from kvbm.connector import KVBMConnector  # noqa: E402
+from kvbm.disk_pool import DiskPool  # noqa: E402
 from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
+from kvbm.host_pool import HostPool  # noqa: E402
+from kvbm.redis_pool import RedisPool  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
 
+T = TypeVar("T")
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
 
 
@@ -128,6 +133,11 @@ def connector_for(num_blocks: int, **config) -> tuple[KVBMConnector, torch.Tenso
     return kvbm, kv_cache
 
 
+def tier_of(kvbm: KVBMConnector, kind: type[T]) -> T:
+    """The connector's tier of class `kind` (a floor reads its file or keys)."""
+    return next(tier for tier in kvbm.tiers if isinstance(tier, kind))
+
+
 def random_hashes(count: int, rng: random.Random) -> list[BlockHash]:
     return [BlockHash(rng.getrandbits(64)) for _ in range(count)]
 
@@ -169,7 +179,7 @@ def bench_g2(n: int, reps: int, rng: random.Random) -> list[dict]:
         "memcpy, block by block (numpy)": block_by_block,
     }
     ours, *floor_s = timed_onboard(kvbm, kv_cache, hashes, list(floors.values()), reps)
-    kvbm.g2.destroy()
+    tier_of(kvbm, HostPool).destroy()
     row = {"tier": "G2->G1", "bytes": n * bb, "ours_s": ours}
     return [{**row, "floor": name, "floor_s": seconds} for name, seconds in zip(floors, floor_s, strict=True)]
 
@@ -180,7 +190,7 @@ def bench_g3(n: int, reps: int, rng: random.Random, warm: bool) -> dict:
         kvbm, kv_cache = connector_for(n, host_cache_gb=0, disk_cache_gb=1.1 * n * bb / GIB, disk_path=disk)
         hashes = random_hashes(n, rng)
         kvbm.offload(hashes, list(range(n)))
-        blocks_file = kvbm.g3.dir / "blocks.dat"
+        blocks_file = tier_of(kvbm, DiskPool).dir / "blocks.dat"
         drop = None if warm else (lambda: drop_cache(blocks_file))
         buffer = np.empty(n * bb, np.uint8)
         fd = os.open(blocks_file, os.O_RDONLY)
@@ -202,7 +212,7 @@ def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> dict:
     kvbm, kv_cache = connector_for(n, host_cache_gb=0, redis_url=redis_url)
     hashes = random_hashes(n, rng)
     kvbm.offload(hashes, list(range(n)))
-    client, keys = redis.Redis.from_url(redis_url), [kvbm.g4.key(h) for h in hashes]
+    client, keys = redis.Redis.from_url(redis_url), [tier_of(kvbm, RedisPool).key(h) for h in hashes]
     ours, floor = timed_onboard(kvbm, kv_cache, hashes, [lambda: client.mget(keys)], reps)
     kvbm.close()
     return {"tier": "G4->G1", "floor": "raw redis MGET", "bytes": n * bb, "ours_s": ours, "floor_s": floor}
@@ -338,8 +348,9 @@ def open_engines(args: argparse.Namespace, modes: dict, g1_blocks: int, stack: E
 
 
 def _close_connector(connector: KVBMConnector) -> None:
-    if connector.g2 is not None:
-        connector.g2.destroy()
+    for tier in connector.tiers:
+        if isinstance(tier, HostPool):
+            tier.destroy()  # the run's own segment, not left in /dev/shm
     connector.close()
 
 

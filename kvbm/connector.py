@@ -1,10 +1,12 @@
 """`KVBMConnector`: the engine's KVConnector over G2 host shm, G3 disk and G4 Redis (the per-worker KVBM agent).
 
 Policies:
-  offload   G1 eviction -> G2 (or G3 when there is no G2, or G4 when there is no local tier); blocks G2 has
-            no room for (every way of their set pinned or claimed by the same batch) go straight to G3;
-            with `write_through` every offloaded block is also written to G4.
-  spill     a block G2 evicts goes to G3 if it was used at least `disk_min_uses` times, else it is dropped.
+  offload   G1 eviction -> the first local tier (G2, or G3 when there is no G2), else the remote one (G4);
+            blocks a local tier has no room for (G2: every way of their set pinned or claimed by the same
+            batch) go straight to the next local tier; with `write_through` every offloaded block is also
+            written to the remote tier (G4).
+  spill     a block a local tier evicts goes to the next local tier (G2 -> G3) if it was used at least
+            `disk_min_uses` times, else it is dropped.
   onboard   one batched transfer per tier, fastest first (G2 memcpy, G3 preadv of consecutive slots, G4 one
             MGET pipeline), each tier asked only for the blocks no faster tier delivered, so a block missing or
             corrupt in G3 still comes from G4; the engine gets the leading run of valid blocks.
@@ -23,6 +25,7 @@ import re
 import socket
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +35,12 @@ from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import KVBMConfig
 from kvbm.disk_pool import DiskPool
-from kvbm.events import G1, G2, G3, G4, EventSink, TierEvent
-from kvbm.host_pool import SHM_DIR, EvictedBlock, HostPool
+from kvbm.events import G1, EventKind, EventSink, TierEvent
+from kvbm.host_pool import SHM_DIR, HostPool
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
 from kvbm.redis_pool import RedisPool
-from kvbm.tier import BlockTier
+from kvbm.tier import BlockTier, EvictedBlock
 
 log = logging.getLogger(__name__)
 
@@ -78,31 +81,25 @@ class KVBMConnector:
         self.metrics = metrics if metrics is not None else KVBMMetrics()
         self.events = events
         self.shm_dir = shm_dir
-        self.g2: HostPool | None = None
-        self.g3: DiskPool | None = None
-        self.g4: RedisPool | None = None
+        self.tiers: list[BlockTier] = []  # below G1, fastest first (opened by `bind`)
+        self._chain: list[BlockTier] = []  # the local tiers: offload goes to the first, each spills to the next
+        self._remote: list[BlockTier] = []  # written through
         self._g1: set[BlockHash] = set()
         self._announce_due = False  # set from other threads, served on the engine thread
         self.node = ""  # the G2 segment this worker shares with the others on its host (index events name it)
-
-    @property
-    def tiers(self) -> list[BlockTier]:
-        """Configured tiers below G1, fastest first."""
-        return [tier for tier in (self.g2, self.g3, self.g4) if tier is not None]
 
     def bind(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self._rows = block_rows(kv_cache, kv_cache.shape[0])
-        cfg, bb = self.config, self.block_bytes
-        self.g2 = self._open_host_pool() if cfg.capacity_blocks(cfg.host_cache_gb, bb) > 0 else None
-        self.g3 = self._open_disk_pool() if cfg.capacity_blocks(cfg.disk_cache_gb, bb) > 0 else None
-        self.g4 = self._open_redis_pool() if cfg.redis_url else None
-        self.node = f"{socket.gethostname()}:{self.g2.path.name}" if self.g2 is not None else ""
-        if (cfg.host_cache_gb > 0 and self.g2 is None) or (cfg.disk_cache_gb > 0 and self.g3 is None):
-            log.warning("kvbm: a G2/G3 size below one %d-byte block turns that tier off", bb)
-        self.metrics.set_capacity("G1", len(self._rows), bb)
+        self.tiers = self._open_tiers()
+        self._chain = [tier for tier in self.tiers if not tier.remote]
+        self._remote = [tier for tier in self.tiers if tier.remote]
+        segment = next((tier.segment for tier in self.tiers if tier.segment), "")
+        self.node = f"{socket.gethostname()}:{segment}" if segment else ""
+        self.metrics.set_capacity("G1", len(self._rows), self.block_bytes)
         for tier in self.tiers:
+            tier.on_evict = partial(self._evicted, tier)
             self.metrics.set_capacity(tier.name, tier.capacity_blocks, self.block_bytes)
         log.info(
             "kvbm %s: %d-byte blocks, tiers %s",
@@ -112,42 +109,60 @@ class KVBMConnector:
         )
         self.announce()
 
-    def _open_host_pool(self) -> HostPool:
-        cfg, fingerprint = self.config, self.layout.fingerprint
-        slots = cfg.capacity_blocks(cfg.host_cache_gb, self.block_bytes)
-        return HostPool(
-            cfg.cache_id, fingerprint, self.block_bytes, slots, self.worker_id, self._spill, self.shm_dir
-        )
+    def _open_tiers(self) -> list[BlockTier]:
+        """The configured tiers, fastest first; a G2 or G3 smaller than one block is off."""
+        cfg, bb, fingerprint = self.config, self.block_bytes, self.layout.fingerprint
+        host_slots = cfg.capacity_blocks(cfg.host_cache_gb, bb)
+        disk_slots = cfg.capacity_blocks(cfg.disk_cache_gb, bb)
+        if (cfg.host_cache_gb > 0 and host_slots == 0) or (cfg.disk_cache_gb > 0 and disk_slots == 0):
+            log.warning("kvbm: a G2/G3 size below one %d-byte block turns that tier off", bb)
+        tiers: list[BlockTier] = []
+        if host_slots > 0:
+            owner = self.worker_id
+            tiers.append(HostPool(cfg.cache_id, fingerprint, bb, host_slots, owner, shm_dir=self.shm_dir))
+        if disk_slots > 0:
+            path = cfg.disk_path / _file_name(self.worker_id)
+            tiers.append(DiskPool(path, fingerprint, bb, disk_slots, self.metrics, cfg.disk_fsync))
+        if cfg.redis_url:
+            link, slots = RedisLink(cfg.redis_url, self.metrics), cfg.capacity_blocks(cfg.redis_cache_gb, bb)
+            tiers.append(RedisPool(link, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics))
+        return tiers
 
-    def _open_disk_pool(self) -> DiskPool:
-        cfg, path = self.config, self.config.disk_path / _file_name(self.worker_id)
-        slots = cfg.capacity_blocks(cfg.disk_cache_gb, self.block_bytes)
-        removed = lambda hashes: self._publish("removed", G3, hashes)  # noqa: E731
-        return DiskPool(
-            path, self.layout.fingerprint, self.block_bytes, slots, self.metrics, cfg.disk_fsync, removed
-        )
-
-    def _open_redis_pool(self) -> RedisPool:
-        cfg, link = self.config, RedisLink(self.config.redis_url, self.metrics)
-        slots = cfg.capacity_blocks(cfg.redis_cache_gb, self.block_bytes)
-        removed = lambda hashes: self._publish("removed", G4, hashes)  # noqa: E731
-        fingerprint = self.layout.fingerprint
-        return RedisPool(link, fingerprint, self.block_bytes, slots, cfg.redis_ttl_s, self.metrics, removed)
+    def _below(self, tier: BlockTier) -> BlockTier | None:
+        """The next tier of the offload chain after `tier` (None after the last one, and for a remote tier)."""
+        if tier.remote:
+            return None
+        position = self._chain.index(tier) + 1
+        return self._chain[position] if position < len(self._chain) else None
 
     def _publish(
         self,
-        kind: str,
-        tier: int,
+        kind: EventKind,
+        tier: BlockTier,
         block_hashes: Sequence[BlockHash],
-        from_tier: int = 0,
+        from_tier: BlockTier | None = None,
         worker_id: str | None = None,
     ) -> None:
+        """Tell the index that `worker_id` (default: this worker) stored, removed or moved blocks in `tier`."""
         if self.events is None or not block_hashes:
             return
-        ttl = self.config.redis_ttl_s if tier == G4 else 0
-        worker = worker_id or self.worker_id
-        event = TierEvent(worker, kind, tier, tuple(block_hashes), from_tier, ttl, node=self.node)  # type: ignore[arg-type]
+        event = TierEvent(
+            worker_id=worker_id or self.worker_id,
+            kind=kind,
+            tier=tier.level,
+            block_hashes=tuple(block_hashes),
+            from_tier=from_tier.level if from_tier is not None else 0,
+            ttl_s=tier.ttl_s,
+            node=self.node,
+        )
         self.events.publish(event)
+
+    def _publish_g1(self, kind: EventKind, block_hashes: Sequence[BlockHash]) -> None:
+        if self.events is not None:
+            event = TierEvent(
+                worker_id=self.worker_id, kind=kind, tier=G1, block_hashes=tuple(block_hashes), node=self.node
+            )
+            self.events.publish(event)
 
     def request_announce(self) -> None:
         """Thread-safe: re-announce everything on the engine thread's next call (service restart, Redis back)."""
@@ -161,14 +176,11 @@ class KVBMConnector:
     def announce(self) -> None:
         """Publish everything this worker holds (after bind, and when the KVBM service restarts). The G1 event goes
         out even when empty: it registers the worker, and its G2 node, with the index."""
-        if self.events is not None:
-            self.events.publish(
-                TierEvent(self.worker_id, "stored", G1, tuple(sorted(self._g1)), node=self.node)
-            )
-        if self.g2 is not None:
-            self._publish("stored", G2, self.g2.owned_hashes(self.worker_id))
-        if self.g3 is not None:
-            self._publish("stored", G3, self.g3.hashes())
+        if self.events is None:
+            return
+        self._publish_g1("stored", sorted(self._g1))
+        for tier in self.tiers:
+            self._publish("stored", tier, tier.owned_hashes(self.worker_id))
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         """Leading blocks some tier holds. Each tier, fastest first, is asked only about blocks no faster tier
@@ -194,74 +206,82 @@ class KVBMConnector:
                 break
             start = time.perf_counter()
             ok = tier.get([block_hashes[i] for i in remaining], [self._rows[block_ids[i]] for i in remaining])
-            got = sum(ok)
-            self.metrics.record_transfer(
-                f"{tier.name}->G1", got, got * self.block_bytes, time.perf_counter() - start
-            )
+            self._record_transfer(f"{tier.name}->G1", sum(ok), start)
             remaining = [i for i, good in zip(remaining, ok, strict=True) if not good]
         return remaining[0] if remaining else len(block_hashes)
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         self._announce_if_due()
         blocks = [self._rows[block_id] for block_id in block_ids]
-        local = self.g2 if self.g2 is not None else self.g3
-        if local is not None:
-            self._offload_to(local, block_hashes, blocks)
-        if self.g4 is not None and (self.config.write_through or local is None):
-            present = self.g4.contains(block_hashes)
-            missing = [i for i, here in enumerate(present) if not here]
-            self._offload_to(self.g4, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
+        if self._chain:
+            self._offload_to(self._chain[0], block_hashes, blocks)
+        if self.config.write_through or not self._chain:
+            for tier in self._remote:
+                present = tier.contains(block_hashes)
+                missing = [i for i, here in enumerate(present) if not here]
+                self._offload_to(tier, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
         self._update_used()
 
     def _offload_to(
         self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]
     ) -> None:
+        """Put G1 blocks into `tier`; the ones it has no room for go on to the next tier of the chain."""
         if not block_hashes:
             return
         start = time.perf_counter()
-        if isinstance(tier, HostPool):
-            result = tier.put_detailed(block_hashes, blocks)
-            stored = result.stored
-            if result.rejected and self.g3 is not None:  # G2 full of pinned/new blocks: go straight to disk
-                rejected = result.rejected
-                self._offload_to(self.g3, [block_hashes[i] for i in rejected], [blocks[i] for i in rejected])
-        else:
-            stored = list(block_hashes[: tier.put(block_hashes, blocks)])
-        elapsed = time.perf_counter() - start
-        self.metrics.record_transfer(f"G1->{tier.name}", len(stored), len(stored) * self.block_bytes, elapsed)
-        self._publish("stored", int(tier.name[1]), stored)
+        result = tier.put(block_hashes, blocks)
+        self._record_transfer(f"G1->{tier.name}", len(result.stored), start)
+        self._publish("stored", tier, result.stored)
+        below = self._below(tier)
+        if result.rejected and below is not None:
+            rejected = result.rejected
+            self._offload_to(below, [block_hashes[i] for i in rejected], [blocks[i] for i in rejected])
 
-    def _spill(self, evicted: EvictedBlock) -> None:
-        """G2 is about to reuse the slot of `evicted` (called by HostPool.put, payload still intact)."""
+    def _evicted(self, tier: BlockTier, evicted: list[EvictedBlock]) -> None:
+        """`tier` is dropping these blocks (called from its put, payloads still intact): a block used at least
+        `disk_min_uses` times spills to the next tier of the chain, the others leave their owner's holdings."""
+        below = self._below(tier)
+        dropped: list[EvictedBlock] = []
+        for block in evicted:
+            if below is None or block.payload is None or block.uses < self.config.disk_min_uses:
+                dropped.append(block)
+            else:
+                self._spill(tier, below, block, block.payload)
+        for owner in dict.fromkeys(block.owner for block in dropped):
+            hashes = [block.block_hash for block in dropped if block.owner == owner]
+            self._publish("removed", tier, hashes, worker_id=owner or self.worker_id)
+
+    def _spill(self, tier: BlockTier, below: BlockTier, evicted: EvictedBlock, payload: np.ndarray) -> None:
+        """Copy one block `tier` evicts into `below`: the owner's index entry moves with it."""
         owner = evicted.owner or self.worker_id
-        if self.g3 is None or evicted.uses < self.config.disk_min_uses:
-            self._publish("removed", G2, [evicted.block_hash], worker_id=owner)
-            return
         start = time.perf_counter()
-        stored = self.g3.put([evicted.block_hash], [evicted.payload])
-        self.metrics.record_transfer("G2->G3", stored, stored * self.block_bytes, time.perf_counter() - start)
-        if owner == self.worker_id and stored:
-            self._publish("moved", G3, [evicted.block_hash], from_tier=G2)
+        result = below.put([evicted.block_hash], [payload])
+        self._record_transfer(f"{tier.name}->{below.name}", len(result.stored), start)
+        if owner == self.worker_id and not result.rejected:
+            self._publish("moved", below, [evicted.block_hash], from_tier=tier)
         else:
-            self._publish("removed", G2, [evicted.block_hash], worker_id=owner)
-            self._publish("stored", G3, [evicted.block_hash][:stored])
+            self._publish("removed", tier, [evicted.block_hash], worker_id=owner)
+            self._publish("stored", below, result.stored)
+
+    def _record_transfer(self, direction: str, blocks: int, start: float) -> None:
+        """Metrics of one batched transfer of `blocks` blocks that began at `start` (perf_counter seconds)."""
+        elapsed = time.perf_counter() - start
+        self.metrics.record_transfer(direction, blocks, blocks * self.block_bytes, elapsed)
 
     def on_event(self, event: BlockEvent) -> None:
         self._announce_if_due()
         if isinstance(event, BlockStored):
             self._g1.add(event.block_hash)
-            self._publish("stored", G1, [event.block_hash])
+            self._publish_g1("stored", [event.block_hash])
         elif isinstance(event, BlockRemoved):
             self._g1.difference_update(event.block_hashes)
-            self._publish("removed", G1, event.block_hashes)
+            if event.block_hashes:
+                self._publish_g1("removed", event.block_hashes)
         self.metrics.set_used("G1", len(self._g1), self.block_bytes)  # G1 blocks held by the prefix cache
 
     def _update_used(self) -> None:
-        for tier in (self.g2, self.g3):
-            if tier is not None:
-                self.metrics.set_used(tier.name, tier.used_blocks, self.block_bytes)
-        if self.g4 is not None:
-            self.metrics.set_used("G4", self.g4.last_size, self.block_bytes)
+        for tier in self.tiers:
+            self.metrics.set_used(tier.name, tier.used_blocks, self.block_bytes)
 
     def close(self) -> None:
         """Release files and connections; the G2 segment stays for the node's other workers."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ import xxhash
 from kvbm.block_hash import BlockHash
 from kvbm.lru import SlotLRU
 from kvbm.metrics import KVBMMetrics
-from kvbm.tier import layout_tag
+from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DiskPoolError(RuntimeError):
 class DiskPool:
     """G3 tier (see module docstring). Capacity in blocks is fixed when the files are created."""
 
-    name = "G3"
+    name, level, remote, ttl_s, segment = "G3", 3, False, 0, ""
 
     def __init__(
         self,
@@ -55,7 +55,7 @@ class DiskPool:
         num_slots: int,
         metrics: KVBMMetrics | None = None,
         fsync: bool = False,
-        on_evict: Callable[[list[BlockHash]], None] | None = None,
+        on_evict: EvictFn | None = None,
     ) -> None:
         if num_slots < 1:
             raise DiskPoolError(f"G3 at {disk_path} needs at least one slot; raise disk_cache_gb")
@@ -144,18 +144,21 @@ class DiskPool:
             return None
         self._write_record(victim[1], 0, 0, 0)
         if self.on_evict is not None:
-            self.on_evict([victim[0]])
+            self.on_evict([EvictedBlock(victim[0])])
         return victim[1]
 
-    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        held = 0
-        for block_hash, block in zip(block_hashes, blocks, strict=True):
+    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
+        """A block that finds no slot (every one pinned) or fails to write rejects itself and the rest."""
+        result = PutResult()
+        for index, (block_hash, block) in enumerate(zip(block_hashes, blocks, strict=True)):
             if block_hash in self._lru:
                 self._lru.touch(block_hash)
-            elif not self._store(block_hash, block):
+            elif self._store(block_hash, block):
+                result.stored.append(block_hash)
+            else:
+                result.rejected = list(range(index, len(block_hashes)))
                 break
-            held += 1
-        return held
+        return result
 
     def _store(self, block_hash: BlockHash, block: np.ndarray) -> bool:
         slot = self._take_slot()
@@ -232,7 +235,7 @@ class DiskPool:
         self._write_record(slot, 0, 0, 0)
         self._free.append(slot)
         if self.on_evict is not None:
-            self.on_evict([block_hash])
+            self.on_evict([EvictedBlock(block_hash)])
 
     def evict(self, num_blocks: int) -> list[BlockHash]:
         evicted: list[BlockHash] = []
@@ -243,7 +246,12 @@ class DiskPool:
         return evicted
 
     def hashes(self) -> list[BlockHash]:
+        """Every block held, least recently used first."""
         return self._lru.hashes()
+
+    def owned_hashes(self, owner: str) -> list[BlockHash]:
+        """Every block: a disk cache directory belongs to one worker."""
+        return self.hashes()
 
     def close(self) -> None:
         if self._lock_fd < 0:

@@ -37,15 +37,14 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvbm.block_hash import BlockHash
-from kvbm.tier import copy_blocks, layout_tag
+from kvbm.tier import EvictedBlock, EvictFn, PutResult, copy_blocks, layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -69,29 +68,6 @@ _META_FIELDS = ("magic", "version", "block_bytes", "num_slots", "ways", "clock",
 CLOCK = _META_FIELDS.index("clock")  # LRU clock: bumped by every use, under the lock
 
 
-@dataclass(slots=True)
-class EvictedBlock:
-    """A READY block pushed out of G2 by a put; `payload` stays valid only during the spill callback."""
-
-    block_hash: BlockHash
-    payload: np.ndarray
-    uses: int
-    owner: str
-
-
-SpillFn = Callable[[EvictedBlock], None]
-
-
-@dataclass(slots=True)
-class PutResult:
-    """Outcome of one put: hashes newly stored, indexes of blocks with no free slot (every way of their set was
-    pinned, being written, or claimed earlier in this batch), and blocks evicted to make room."""
-
-    stored: list[BlockHash]
-    rejected: list[int]
-    evicted: list[EvictedBlock]
-
-
 def segment_path(shm_dir: Path, cache_id: str, fingerprint: str) -> Path:
     return Path(shm_dir) / f"strata-kvbm-{cache_id}-{layout_tag(fingerprint)}"
 
@@ -108,9 +84,9 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class HostPool:
-    """G2 tier (see module docstring). `spill` is called for each block a put evicts, before it is overwritten."""
+    """G2 tier (see module docstring). `on_evict` gets the blocks a put evicts, before they are overwritten."""
 
-    name = "G2"
+    name, level, remote, ttl_s = "G2", 2, False, 0
 
     def __init__(
         self,
@@ -119,14 +95,15 @@ class HostPool:
         block_bytes: int,
         num_slots: int,
         owner: str = "",
-        spill: SpillFn | None = None,
+        on_evict: EvictFn | None = None,
         shm_dir: Path = SHM_DIR,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"G2 host pool needs at least one slot (got {num_slots}); raise host_cache_gb")
         self.path = segment_path(shm_dir, cache_id, fingerprint)
+        self.segment = self.path.name  # the workers of this host that map it share its blocks
         self.block_bytes = block_bytes
-        self.spill = spill
+        self.on_evict = on_evict
         self._owner = owner.encode()[:32]
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
@@ -237,10 +214,13 @@ class HostPool:
             return -1
         return int(slots[idle[np.argmin(rows["last_use"][idle])]])
 
-    def _claim(self, block_hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, int]], PutResult]:
-        """Under the lock: touch present blocks, claim a WRITING slot for each absent one (first occurrence)."""
+    def _claim(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> tuple[list[tuple[int, int]], PutResult, list[EvictedBlock]]:
+        """Under the lock: touch present blocks, claim a WRITING slot for each absent one (first occurrence).
+        Returns the (block index, slot) claims, the put's result, and the READY blocks the claims displace."""
         claims: list[tuple[int, int]] = []
-        result = PutResult([], [], [])
+        result, evicted = PutResult(), []
         present = self._find(block_hashes, (READY, WRITING))
         claimed: set[int] = set()
         for index, (block_hash, slot) in enumerate(zip(block_hashes, present.tolist(), strict=True)):
@@ -255,7 +235,7 @@ class HostPool:
                 continue
             header = self._slots[victim]
             if int(header["state"]) == READY:
-                result.evicted.append(
+                evicted.append(
                     EvictedBlock(
                         BlockHash(int(header["hash"])),
                         self.payload(victim),
@@ -268,23 +248,19 @@ class HostPool:
             claims.append((index, victim))
             claimed.add(block_hash)
             result.stored.append(block_hash)
-        return claims, result
+        return claims, result, evicted
 
-    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
-        rejected = self.put_detailed(block_hashes, blocks).rejected
-        return rejected[0] if rejected else len(block_hashes)
-
-    def put_detailed(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
-        """`put` that says what happened; `spill` runs for each evicted block before its slot is reused."""
+    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
+        """A block whose two sets are all pinned, being written, or claimed earlier in this batch is rejected;
+        `on_evict` gets the displaced blocks before their slots are overwritten."""
         if not block_hashes:
-            return PutResult([], [], [])
+            return PutResult()
         with self._locked():
-            claims, result = self._claim(block_hashes)
+            claims, result, evicted = self._claim(block_hashes)
         copied = False
         try:
-            for block in result.evicted:
-                if self.spill is not None:
-                    self.spill(block)
+            if evicted and self.on_evict is not None:
+                self.on_evict(evicted)
             copy_blocks([(self.payload(slot), blocks[index]) for index, slot in claims])
             copied = True
         finally:  # never leave a slot WRITING behind a live pid: it would be lost until the segment is recreated

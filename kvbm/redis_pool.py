@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -22,7 +22,7 @@ import xxhash
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
-from kvbm.tier import layout_tag
+from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("checksum", "<u8"), ("l
 class RedisPool:
     """G4 tier (see module docstring). `capacity_blocks` 0 means bounded only by the server's maxmemory."""
 
-    name = "G4"
+    name, level, remote, segment = "G4", 4, True, ""
 
     def __init__(
         self,
@@ -43,15 +43,15 @@ class RedisPool:
         capacity_blocks: int = 0,
         ttl_s: int = 0,
         metrics: KVBMMetrics | None = None,
-        on_evict: Callable[[list[BlockHash]], None] | None = None,
+        on_evict: EvictFn | None = None,
     ) -> None:
         self.link = link
         self.block_bytes = block_bytes
-        self.ttl_s = ttl_s or None
+        self.ttl_s = ttl_s
         self.metrics = metrics
         self.on_evict = on_evict  # told about blocks our LRU bound deletes
         self._capacity = capacity_blocks
-        self.last_size = 0  # blocks in the LRU set after our last put (a cheap `used_blocks` for metrics)
+        self._last_size = 0  # blocks in the LRU set after our last put
         tag = layout_tag(fingerprint)
         self._layout = int(tag, 16)
         self._prefix = f"kvbm:blk:{tag}:".encode()
@@ -66,7 +66,9 @@ class RedisPool:
 
     @property
     def used_blocks(self) -> int:
-        return self.link.call(lambda r: int(r.zcard(self._lru_key)), 0)
+        """Blocks in the LRU set after this process's last put (no round trip; other writers' later puts and
+        expired keys are not seen)."""
+        return self._last_size
 
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         if not block_hashes:
@@ -86,23 +88,24 @@ class RedisPool:
         )
         return header.tobytes() + block.tobytes()
 
-    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> int:
+    def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
+        """Every block is written (one pipeline), present or not; Redis down rejects them all."""
         if not block_hashes:
-            return 0
+            return PutResult()
         now = time.time()
 
-        def store(r) -> int:
+        def store(r) -> PutResult:
             pipe = r.pipeline(transaction=False)
             for block_hash, block in zip(block_hashes, blocks, strict=True):
-                pipe.set(self.key(block_hash), self.encode(block), ex=self.ttl_s)
+                pipe.set(self.key(block_hash), self.encode(block), ex=self.ttl_s or None)
             pipe.zadd(self._lru_key, {b"%016x" % h: now for h in block_hashes})
             pipe.zcard(self._lru_key)
-            size = self.last_size = pipe.execute()[-1]
+            size = self._last_size = pipe.execute()[-1]
             if self._capacity and size > self._capacity:
                 self._trim(r, size - self._capacity)
-            return len(block_hashes)
+            return PutResult(stored=list(block_hashes))
 
-        return self.link.call(store, 0)
+        return self.link.call(store, PutResult(rejected=list(range(len(block_hashes)))))
 
     def _trim(self, r, excess: int) -> list[BlockHash]:
         oldest = [member for member, _ in r.zpopmin(self._lru_key, excess)]
@@ -111,7 +114,7 @@ class RedisPool:
         r.delete(*(self._prefix + member for member in oldest))
         evicted = [BlockHash(int(member, 16)) for member in oldest]
         if self.on_evict is not None:
-            self.on_evict(evicted)
+            self.on_evict([EvictedBlock(block_hash) for block_hash in evicted])
         return evicted
 
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
@@ -151,6 +154,10 @@ class RedisPool:
 
     def evict(self, num_blocks: int) -> list[BlockHash]:
         return self.link.call(lambda r: self._trim(r, num_blocks), [])
+
+    def owned_hashes(self, owner: str) -> list[BlockHash]:
+        """None: G4 is indexed for everyone by the events of its writes, and listing it would scan Redis."""
+        return []
 
     def close(self) -> None:
         self.link.close()

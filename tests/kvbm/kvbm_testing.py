@@ -8,12 +8,15 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import redis
 import torch
 
 from kvbm.api import KVLayout
+
+T = TypeVar("T")
 
 
 def redis_server_binary() -> str:
@@ -80,6 +83,11 @@ def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Ten
     shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator).to(layout.dtype)
+
+
+def tier_of(connector, kind: type[T]) -> T:
+    """The connector's tier of class `kind` (tests look into its files and counters)."""
+    return next(tier for tier in connector.tiers if isinstance(tier, kind))
 
 
 def small_layout(fingerprint: str = "test-model|fp32|bs4") -> KVLayout:

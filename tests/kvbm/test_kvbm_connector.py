@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbm_testing import RedisServer, make_kv_cache, small_layout
+from kvbm_testing import RedisServer, make_kv_cache, small_layout, tier_of
 
 from kvbm.api import BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
+from kvbm.disk_pool import DiskPool
+from kvbm.host_pool import HostPool
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
+from kvbm.redis_pool import RedisPool
 
 NUM_BLOCKS = 64
 
@@ -69,7 +72,7 @@ def test_g2_eviction_spills_to_g3_and_onboard_reads_both(cache_id: str, tmp_path
     original = kv_cache[:24].clone()
     for start in range(0, 24, 4):  # evictions come a few blocks at a time
         kvbm.offload(block_hashes[start : start + 4], list(range(start, start + 4)))
-    assert kvbm.g2.used_blocks == 16 and kvbm.g3.used_blocks == 8
+    assert tier_of(kvbm, HostPool).used_blocks == 16 and tier_of(kvbm, DiskPool).used_blocks == 8
     assert kvbm.lookup(block_hashes) == 24
     assert onboarded(kvbm, kv_cache, block_hashes, original) == (24, [True] * 24)
     assert sample(kvbm, "kvbm_onboard_blocks_total", direction="G3->G1") == 8
@@ -81,7 +84,7 @@ def test_batch_larger_than_g2_overflows_to_g3(cache_id: str, tmp_path: Path, lay
     kvbm, kv_cache = connector(layout, cache_id, disk_cache_gb=gb(32, layout), disk_path=tmp_path)
     original = kv_cache[:24].clone()
     kvbm.offload(hashes(24), list(range(24)))
-    assert kvbm.g2.used_blocks == 16 and kvbm.g3.used_blocks == 8
+    assert tier_of(kvbm, HostPool).used_blocks == 16 and tier_of(kvbm, DiskPool).used_blocks == 8
     assert onboarded(kvbm, kv_cache, hashes(24), original) == (24, [True] * 24)
     kvbm.close()
 
@@ -91,7 +94,7 @@ def test_disk_min_uses_keeps_single_use_blocks_off_disk(cache_id: str, tmp_path:
     kvbm.offload(hashes(16), list(range(16)))
     kvbm.onboard(hashes(4), [40, 41, 42, 43])  # blocks 1..4 used twice
     kvbm.offload(hashes(16, start=101), list(range(16)))
-    assert sorted(kvbm.g3.hashes()) == hashes(4)
+    assert sorted(tier_of(kvbm, DiskPool).hashes()) == hashes(4)
     kvbm.close()
 
 
@@ -188,11 +191,12 @@ def test_redis_outage_keeps_g2_g3_working(cache_id: str, tmp_path: Path, layout)
         assert onboarded(kvbm, kv_cache, hashes(24), original) == (24, [True] * 24)
         server.start()
         deadline = time.monotonic() + 20
-        while not kvbm.g4.contains([BlockHash(100)])[0] and time.monotonic() < deadline:
+        g2, g4 = tier_of(kvbm, HostPool), tier_of(kvbm, RedisPool)
+        while not g4.contains([BlockHash(100)])[0] and time.monotonic() < deadline:
             kvbm.offload([BlockHash(100)], [0])
-            kvbm.g2.evict(16)  # force the next offload to really write again
+            g2.evict(16)  # force the next offload to really write again
             time.sleep(0.05)
-        assert kvbm.g4.contains([BlockHash(100)]) == [True]
+        assert g4.contains([BlockHash(100)]) == [True]
         kvbm.close()
     finally:
         server.stop()
@@ -225,9 +229,10 @@ def test_corrupt_g3_block_is_taken_from_g4_instead(
     )  # fmt: skip
     original = kv_cache[:4].clone()
     kvbm.offload(hashes(4), [0, 1, 2, 3])
-    slot = kvbm.g3._lru.slot(BlockHash(2))
-    with open(kvbm.g3.dir / "blocks.dat", "r+b") as blocks_file:
-        blocks_file.seek(slot * kvbm.g3.slot_stride + 8)
+    disk = tier_of(kvbm, DiskPool)
+    slot = disk._lru.slot(BlockHash(2))
+    with open(disk.dir / "blocks.dat", "r+b") as blocks_file:
+        blocks_file.seek(slot * disk.slot_stride + 8)
         blocks_file.write(b"\x00\x01\x02\x03")
     assert onboarded(kvbm, kv_cache, hashes(4), original) == (4, [True] * 4)
     assert sample(kvbm, "kvbm_checksum_failures_total", tier="G3") == 1

@@ -1,4 +1,4 @@
-"""G2 host pool: shared-memory slots, set-associative LRU, pins, spill callback."""
+"""G2 host pool: shared-memory slots, set-associative LRU, pins, eviction callback."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from kvbm.block_hash import BlockHash
 from kvbm.host_pool import HostPool
+from kvbm.tier import PutResult
 
 BLOCK = 1000  # bytes, deliberately not a page multiple
 
@@ -19,7 +20,7 @@ def test_round_trip_is_byte_identical(cache_id: str) -> None:
     pool = HostPool(cache_id, "fp", BLOCK, 16)
     data = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(10)]
     hashes = [BlockHash(1000 + i) for i in range(10)]
-    assert pool.put(hashes, data) == 10
+    assert pool.put(hashes, data) == PutResult(stored=hashes)
     dests = [np.zeros(BLOCK, np.uint8) for _ in range(10)]
     assert pool.get(hashes, dests) == [True] * 10
     assert all(np.array_equal(a, b) for a, b in zip(data, dests, strict=True))
@@ -30,7 +31,7 @@ def test_round_trip_is_byte_identical(cache_id: str) -> None:
 def test_lru_evicts_least_recently_used_and_spills_intact_payload(cache_id: str) -> None:
     spilled: list[tuple[int, int, int]] = []
     pool = HostPool(cache_id, "fp", BLOCK, 4, owner="w0")
-    pool.spill = lambda e: spilled.append((e.block_hash, int(e.payload[0]), e.uses))
+    pool.on_evict = lambda evicted: spilled.extend((e.block_hash, int(e.payload[0]), e.uses) for e in evicted)
     pool.put([BlockHash(h) for h in range(4)], blocks(range(4)))
     pool.get([BlockHash(0)], [np.zeros(BLOCK, np.uint8)])  # 0 becomes most recent, used twice
     pool.put([BlockHash(10)], blocks(range(10, 11)))
@@ -43,10 +44,10 @@ def test_pinned_block_is_never_evicted(cache_id: str) -> None:
     pool = HostPool(cache_id, "fp", BLOCK, 2)
     pool.put([BlockHash(1), BlockHash(2)], blocks(range(1, 3)))
     pool._slots["pins"][:] = 1  # as if two onboards were in flight
-    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == 0
+    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == PutResult(rejected=[0])
     assert pool.contains([BlockHash(1), BlockHash(2)]) == [True, True]
     pool._slots["pins"][:] = 0
-    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == 1
+    assert pool.put([BlockHash(3)], blocks(range(3, 4))) == PutResult(stored=[BlockHash(3)])
     pool.destroy()
 
 
@@ -86,12 +87,12 @@ def test_failed_spill_leaves_no_slot_stuck(cache_id: str) -> None:
     def broken_spill(_evicted) -> None:
         raise OSError("disk gone")
 
-    pool.spill = broken_spill
+    pool.on_evict = broken_spill
     with pytest.raises(OSError):
         pool.put([BlockHash(2)], blocks(range(1)))
-    pool.spill = None
+    pool.on_evict = None
     assert pool.contains([BlockHash(2)]) == [False]
-    assert pool.put([BlockHash(3)], blocks(range(1))) == 1
+    assert pool.put([BlockHash(3)], blocks(range(1))).stored == [3]
     pool.destroy()
 
 
@@ -103,6 +104,6 @@ def test_prefixes_filling_two_thirds_of_the_pool_stay_whole(cache_id: str, seed:
     chains = [[BlockHash(int(h)) for h in rng.integers(0, 2**63, 69)] for _ in range(5)]
     pool = HostPool(cache_id, "fp", 64, 512)
     for chain in chains:
-        assert pool.put(chain, [np.zeros(64, np.uint8)] * len(chain)) == len(chain)
+        assert pool.put(chain, [np.zeros(64, np.uint8)] * len(chain)).rejected == []
     assert all(pool.contains(chain) == [True] * len(chain) for chain in chains)
     pool.destroy()

@@ -33,7 +33,7 @@ def read(pool: RedisPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarra
 def test_round_trip(redis_url: str) -> None:
     pool = pool_for(redis_url)
     blocks = data(3)
-    assert pool.put([BlockHash(h) for h in (1, 2, 3)], blocks) == 3
+    assert pool.put([BlockHash(h) for h in (1, 2, 3)], blocks).stored == [1, 2, 3]
     assert pool.contains([BlockHash(h) for h in (1, 2, 3, 4)]) == [True, True, True, False]
     ok, dests = read(pool, [3, 4, 1])
     assert ok == [True, False, True]
@@ -63,7 +63,7 @@ def test_other_layout_never_reads_these_blocks(redis_url: str) -> None:
 
 def test_capacity_trims_least_recently_used(redis_url: str) -> None:
     evicted: list[int] = []
-    pool = pool_for(redis_url, capacity_blocks=3, on_evict=evicted.extend)
+    pool = pool_for(redis_url, capacity_blocks=3, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone))
     pool.put([BlockHash(1), BlockHash(2), BlockHash(3)], data(3))
     time.sleep(0.01)  # the LRU score has wall-clock resolution
     read(pool, [1])
@@ -88,14 +88,14 @@ def test_outage_is_skipped_and_recovers() -> None:
         pool.put([BlockHash(1)], blocks[:1])
         server.stop()
         started = time.monotonic()
-        assert pool.put([BlockHash(2)], blocks[1:]) == 0
+        assert pool.put([BlockHash(2)], blocks[1:]).rejected == [0]
         assert read(pool, [1])[0] == [False]
         assert pool.contains([BlockHash(1)]) == [False]
         assert time.monotonic() - started < 3.0  # no retry storm: down calls return at once
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
         server.start()
         deadline = time.monotonic() + 20
-        while pool.put([BlockHash(2)], blocks[1:]) == 0 and time.monotonic() < deadline:
+        while pool.put([BlockHash(2)], blocks[1:]).rejected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert read(pool, [2])[0] == [True]
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 1
