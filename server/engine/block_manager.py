@@ -12,9 +12,11 @@ touches its cached prefix (moves it to the recent end), so requests ahead of it 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvbm.api import BlockRemoved, BlockStored, KVConnector
+from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVConnector
 from kvbm.block_hash import BlockHash
 from server.engine.sequence import Sequence
 
@@ -139,11 +141,13 @@ class BlockManager:
 
     def _evict(self, evicted: list[KVBlock]) -> None:
         hashes = tuple(block.block_hash for block in evicted)
-        self._call_connector("offload", list(hashes), [block.block_id for block in evicted])
+        if self.connector is not None:
+            with _connector_failure("offload", "the blocks are dropped"):
+                self.connector.offload(list(hashes), [block.block_id for block in evicted])
         for block in evicted:
             del self.cached[block.block_hash]
             block.block_hash = block.token_ids = block.parent_hash = None
-        self._call_connector("on_event", BlockRemoved(hashes))
+        self._notify(BlockRemoved(hashes))
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table hold `num_tokens` tokens; False (nothing changed) if the pool is short."""
@@ -183,7 +187,12 @@ class BlockManager:
     def _store(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple) -> None:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
         self.cached[block_hash] = block
-        self._call_connector("on_event", BlockStored(block_hash, parent, tokens))
+        self._notify(BlockStored(block_hash, parent, tokens))
+
+    def _notify(self, event: BlockEvent) -> None:
+        if self.connector is not None:
+            with _connector_failure("on_event", "the index misses this event"):
+                self.connector.on_event(event)
 
     def onboard(self, seq: Sequence, num_g1_hits: int, max_blocks: int) -> int:
         """Ask the connector for blocks after the G1 hits (at most `max_blocks`), load them into fresh rows of
@@ -192,11 +201,17 @@ class BlockManager:
             return 0
         limit = (seq.num_tokens - 1) // self.block_size
         wanted = seq.block_hashes[num_g1_hits:limit]
-        found = min(self._call_connector("lookup", wanted) or 0, max_blocks, len(wanted))
+        found = 0
+        with _connector_failure("lookup", "counted as a miss"):
+            found = self.connector.lookup(wanted)
+        found = min(found, max_blocks, len(wanted))
         if found <= 0:
             return 0
         rows = self.allocate(seq, found)
-        valid = min(self._call_connector("onboard", wanted[:found], rows) or 0, found)
+        valid = 0
+        with _connector_failure("onboard", "counted as a miss: the rows are prefilled"):
+            valid = self.connector.onboard(wanted[:found], rows)
+        valid = min(valid, found)
         for offset in range(valid):
             index = num_g1_hits + offset
             block = self.blocks[rows[offset]]
@@ -205,12 +220,12 @@ class BlockManager:
                 self._store(block, seq.block_hashes[index], parent, seq.block_tokens(index))
         return valid
 
-    def _call_connector(self, method: str, *args):
-        """Call the connector; a failure is logged and counts as a miss (None), never an engine failure."""
-        if self.connector is None:
-            return None
-        try:
-            return getattr(self.connector, method)(*args)
-        except Exception:
-            log.exception("KV connector %s failed; treating it as a miss", method)
-            return None
+
+@contextmanager
+def _connector_failure(call: str, outcome: str) -> Iterator[None]:
+    """A failing KV connector never takes the engine down: its exception is logged with `outcome`, what the
+    engine does instead (the caller's result keeps the value it had before the call)."""
+    try:
+        yield
+    except Exception:
+        log.exception("KV connector %s failed; %s", call, outcome)
