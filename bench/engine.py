@@ -210,7 +210,7 @@ def main() -> None:
     try:
         results = run_all(runner, model, args)
     finally:
-        engine.shutdown()
+        engine.close()
     print_report(results, args)
 
 

@@ -128,15 +128,71 @@ class GenerationOutput:
 OutputSink = Callable[[GenerationOutput], None]
 
 
-class Engine(Protocol):
-    """What the server needs from an engine (in-process, or a worker behind a transport)."""
+@dataclass(slots=True)
+class PoolStats:
+    """An engine's KV pool occupancy in blocks, its queues in sequences, and its preemptions so far."""
 
-    model_name: str
-    max_model_len: int  # tokens: prompt + output
+    num_blocks: int
+    num_free_blocks: int  # not referenced by a request (cached ones included)
+    num_cached_blocks: int  # findable by prefix hash
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlockLayout:
+    """How an engine keys its paged KV cache: block hashes (`kvbm.block_hash`) chain from `salt` over full blocks
+    of `block_size` tokens, so engines share cached blocks, and a router's index, only when both are equal."""
+
+    block_size: int  # tokens per block
+    salt: int  # a kvbm.block_hash.BlockHash (a plain int here: the engine API imports nothing of kvbm)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResources:
+    """What an engine in this process runs on, and how much work it takes at once."""
+
+    device: str  # cpu | cuda | cuda:N
+    num_threads: int  # torch intra-op threads
+    max_concurrent_requests: int  # sequences running at once; the rest wait in a queue
+    kv_capacity_blocks: int  # the KV pool (G1)
+    kv_capacity_bytes: int
+
+
+class Engine(Protocol):
+    """What the server needs from an engine: in-process (`LLMEngine`), a worker process (`RemoteEngine`), or N
+    workers behind a router (`RoutedEngine`)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens: prompt + output."""
+        ...
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The largest max_tokens the engine accepts, in tokens (at most max_model_len); see `max_output_tokens`."""
+        ...
+
+    @property
+    def block_layout(self) -> KVBlockLayout | None:
+        """None until the engine knows it (a routed model served by remote workers, before the first joins)."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """The engine can take requests now (for a routed engine: at least one worker is alive)."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of `messages` ({"role", "content"[, "name"]}) rendered with the model's chat template,
+        ending with the assistant's turn."""
+        ...
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         """Queue a request; raises RequestError at once for a request that can never run."""
@@ -145,3 +201,31 @@ class Engine(Protocol):
     def abort(self, request_id: RequestId) -> None:
         """Stop a request and free its blocks now; its sink gets a final output with finish_reason "abort"."""
         ...
+
+    def stats(self) -> PoolStats:
+        """A snapshot of the KV pool and the queues (a worker's last report; summed over a routed engine's live
+        workers)."""
+        ...
+
+    def close(self) -> None:
+        """Stop serving; unfinished requests get their final output. Idempotent."""
+        ...
+
+
+class LocalEngine(Engine, Protocol):
+    """An engine running in this process on this machine (`LLMEngine`, or a test's fake): what a worker process
+    serves, calibrates, and describes in its hello. Engines that front other processes have no resources here."""
+
+    @property
+    def resources(self) -> EngineResources: ...
+
+
+def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
+    """The largest max_tokens a request may ask for: the room the context leaves after its prompt, capped by the
+    engine's max_tokens_limit (tokens). The one place this limit is decided: engines check requests against it at
+    submit, frontends validate sampling fields with it. Raises RequestError("prompt") if no room is left."""
+    room = engine.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise RequestError("prompt", f"{num_prompt_tokens} tokens; this model's context is {engine.max_model_len} "
+                           "tokens (prompt + output)")
+    return min(room, engine.max_tokens_limit)

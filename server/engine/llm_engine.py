@@ -10,15 +10,23 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
 from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt
-from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.engine.api import (
+    EngineResources,
+    GenerationOutput,
+    GenerationRequest,
+    KVBlockLayout,
+    OutputSink,
+    PoolStats,
+    RequestError,
+    RequestId,
+    max_output_tokens,
+)
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
 from server.engine.detokenizer import Detokenizer
@@ -33,20 +41,9 @@ from server.engine.sequence import SequenceStatus
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class PoolStats:
-    """KV pool occupancy, in blocks, plus queue lengths (sequences) and preemptions so far."""
-
-    num_blocks: int
-    num_free_blocks: int  # not referenced by a request (cached ones included)
-    num_cached_blocks: int  # findable by prefix hash
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-
-
 class LLMEngine:
-    """Implements `server.engine.api.Engine`. Build with `LLMEngine(EngineConfig(...))` or `LLMEngine.from_json`."""
+    """Implements `server.engine.api.LocalEngine`. Build with `LLMEngine(EngineConfig(...))` or
+    `LLMEngine.from_json`."""
 
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
         self.config = config
@@ -78,6 +75,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.model.device)
         self.salt = model_salt(self.layout.fingerprint)
+        self.block_layout = KVBlockLayout(config.block_size, self.salt)
+        self.resources = EngineResources(
+            device=config.torch_device, num_threads=self._num_threads,
+            max_concurrent_requests=config.max_concurrent_requests, kv_capacity_blocks=num_blocks,
+            kv_capacity_bytes=num_blocks * self.layout.block_bytes,
+        )  # fmt: skip
         if connector is not None:
             connector.bind(self.runner.kv_cache, self.layout)
         self._cond = threading.Condition()
@@ -110,7 +113,7 @@ class LLMEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ending with the assistant prompt."""
         if self._chat_tokenizer is None:
             from transformers import AutoTokenizer
@@ -143,14 +146,11 @@ class LLMEngine:
         prompt = request.prompt_token_ids
         if not prompt:
             raise RequestError("prompt", "must contain at least one token")
-        if len(prompt) >= self.max_model_len:
-            raise RequestError(
-                "prompt", f"{len(prompt)} tokens; must be under max_model_len {self.max_model_len}"
-            )
+        limit = max_output_tokens(self, len(prompt))
         vocab = self.model.shape.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        request.sampling.validate(self.config.max_tokens_limit)
+        request.sampling.validate(limit)
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
             raise RequestError(
@@ -179,13 +179,17 @@ class LLMEngine:
             self.scheduler.num_preemptions,
         )
 
+    @property
+    def healthy(self) -> bool:
+        return not self._stopping and self._thread.is_alive()
+
     def is_idle(self) -> bool:
         """True when no request is queued, running or unfinished."""
         with self._cond:
             return not self._active
 
-    def shutdown(self) -> None:
-        """Stop the engine thread; unfinished requests get finish_reason "abort"."""
+    def close(self) -> None:
+        """Stop the engine thread; unfinished requests get finish_reason "abort". Idempotent."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -195,7 +199,7 @@ class LLMEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        self.close()
 
     # ---- engine thread ----
 

@@ -16,7 +16,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from server.engine.api import Engine, EngineUnavailable, GenerationOutput, RequestError, SamplingParams
+from server.engine.api import (
+    Engine,
+    EngineUnavailable,
+    GenerationOutput,
+    RequestError,
+    SamplingParams,
+    max_output_tokens,
+)
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected, Generation, WaitForDisconnect
 from server.openai.metrics import FrontendMetrics
@@ -173,21 +180,16 @@ class OpenAIServing:
     def _sampling(self, request: p.SamplingFields, engine: Engine, token_ids: list[int]) -> list[SamplingParams]:
         """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible.
 
-        max_tokens defaults to all the room the context leaves, capped by the engine's `max_tokens_limit` when
-        it has one (an optional attribute beside the Engine Protocol's `max_model_len`).
+        max_tokens defaults to its limit (`max_output_tokens`: the room the context leaves, capped by the engine).
         """
         prompt_param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
         if not token_ids:
             self._fail(request.model, 400, "the prompt is empty", prompt_param)
-        room = engine.max_model_len - len(token_ids)
-        if room < 1:
-            self._fail(request.model, 400, f"the prompt is {len(token_ids)} tokens; this model's context is "
-                       f"{engine.max_model_len} tokens (prompt + output)", prompt_param)
-        limit = min(room, getattr(engine, "max_tokens_limit", room))
         raw: dict[str, Any] = {name: getattr(request, name) for name in _SAMPLING_NAMES}
         requested = _max_tokens(request)
-        raw["max_tokens"] = limit if requested is None else requested  # 0 is an error, not "use the default"
         try:
+            limit = max_output_tokens(engine, len(token_ids))
+            raw["max_tokens"] = limit if requested is None else requested  # 0 is an error, not "use the default"
             base = SamplingParams.from_dict(raw, max_tokens_limit=limit)
         except RequestError as exc:
             self._fail_field(request, exc)

@@ -27,26 +27,45 @@ import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvbm.block_hash import BlockHash, block_hashes
-from server.engine.api import Engine, GenerationOutput, GenerationRequest, OutputSink, RequestId
+from server.engine.api import (
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    KVBlockLayout,
+    OutputSink,
+    PoolStats,
+    RequestId,
+)
 from server.router.router import NoWorkerError, Router
 from server.workers.hardware import Speeds
 from server.workers.protocol import WorkerId, WorkerStats
+from server.workers.remote import WorkerListener
 from server.workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 
 class RoutableWorker(Engine, Protocol):
-    """An engine the router can balance: a `RemoteEngine`, or anything with the same members."""
+    """An engine the router can balance: a `RemoteEngine`, or anything with the same members. Its `stats()` is
+    its last report (zeros before the first)."""
 
-    worker_id: WorkerId
-    stats: dict[str, Any] | None  # pool stats: num_blocks, num_free_blocks, num_running, num_waiting
+    @property
+    def worker_id(self) -> WorkerId: ...
+
+    @property
+    def info(self) -> WorkerInfo:
+        """What the worker said at hello: model, KV layout, hardware, calibrated speeds."""
+        ...
 
     @property
     def alive(self) -> bool: ...
+
+    def add_listener(self, listener: WorkerListener) -> None:
+        """Call `listener.on_beat` on each report and `listener.on_death` once it is gone."""
+        ...
 
 
 @dataclass(slots=True)
@@ -98,13 +117,13 @@ class SpeedMeter:
             self._decode_samples = max(self._decode_samples + 1, self.min_samples)
 
 
-def speed_class(worker_id: WorkerId, info: WorkerInfo | None) -> Hashable:
+def speed_class(worker_id: WorkerId, info: WorkerInfo) -> Hashable:
     """Workers that share one meter: those on one host with the same hardware and threads. On a shared machine a
     wall-clock sample measures the host's load at that moment as much as the worker, and separate meters let one
     unlucky sample steer traffic for a whole run: in bench/routing.py replay-serve a worker that calibrated while
     its three twins were still loading measured 152 prefill tok/s against their 271-273 and kept 0.6x of their
     share of work. A worker without a hardware description is a class of its own."""
-    hw = info.hardware if info is not None else None
+    hw = info.hardware
     if hw is None:
         return worker_id
     return hw.host, hw.device.partition(":")[0], hw.device_name, hw.torch_threads
@@ -124,6 +143,8 @@ class _InFlight:
 
 
 class RoutedEngine:
+    """Implements `server.engine.api.Engine` over the workers, and `WorkerListener` for each of them."""
+
     def __init__(self, workers: Sequence[RoutableWorker], router: Router, block_size: int | None,
                  salt: BlockHash | None, model_name: str | None = None, max_model_len: int | None = None) -> None:
         """`block_size`/`salt` None: the first worker's (remote-only models); `model_name` and `max_model_len`
@@ -148,31 +169,29 @@ class RoutedEngine:
     def add_worker(self, worker: RoutableWorker) -> None:
         """Route to `worker` from now on (any thread). A worker with the id of one that died replaces it.
         Raises ValueError for a worker of another model or KV layout (its block hashes would not match)."""
-        info = getattr(worker, "info", None)
+        info = worker.info
         with self._lock:
             problem = self.incompatibility(worker.model_name, info)
             if problem is not None:
                 raise ValueError(f"worker {worker.worker_id}: {problem}")
-            if self.block_size is None and info is not None:  # the first worker of a remote-only model
+            if self.block_size is None:  # the first worker of a remote-only model
                 self.block_size, self.salt = info.block_size, BlockHash(info.salt) if info.salt is not None else None
             meter = self._meters.setdefault(speed_class(worker.worker_id, info), SpeedMeter())
-            meter.seed(getattr(info, "speeds", None))
+            meter.seed(info.speeds)
             self._speeds[worker.worker_id] = meter
             self._workers = {**self._workers, worker.worker_id: worker}
-        self.router.metrics.show_worker(self.model_name, worker.worker_id, getattr(info, "hardware", None))
+        self.router.metrics.show_worker(self.model_name, worker.worker_id, info.hardware)
         for twin in self._workers.values():  # its calibration moved its class's shared meter
             if self._speeds[twin.worker_id] is meter:
                 self.router.update_worker(self._stats_of(twin))
-        add_listener = getattr(worker, "add_listener", None)
-        if add_listener is not None:
-            add_listener(self.on_beat, self.on_death)
+        worker.add_listener(self)
 
-    def incompatibility(self, model_name: str, info: WorkerInfo | None) -> str | None:
+    def incompatibility(self, model_name: str, info: WorkerInfo) -> str | None:
         """Why a worker cannot join this model (another model, or another KV layout whose block hashes would not
         match the index), or None."""
         if model_name != self.model_name:
             return f"serves {model_name!r}, not {self.model_name!r}"
-        if info is not None and self.block_size is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
+        if self.block_size is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
             return (f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
                     f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json")
         return None
@@ -188,13 +207,32 @@ class RoutedEngine:
 
     @property
     def max_tokens_limit(self) -> int:
-        return min((getattr(w, "max_tokens_limit", w.max_model_len) for w in self._workers.values() if w.alive),
-                   default=self._max_model_len)
+        """The smallest of the live workers' (the configured context while none is live)."""
+        return min((w.max_tokens_limit for w in self._workers.values() if w.alive), default=self._max_model_len)
+
+    @property
+    def block_layout(self) -> KVBlockLayout | None:
+        return KVBlockLayout(self.block_size, self.salt) if self.block_size is not None and self.salt is not None \
+            else None
+
+    def stats(self) -> PoolStats:
+        """The live workers' last reports, summed."""
+        total = PoolStats(0, 0, 0, 0, 0, 0)
+        for worker in self._workers.values():
+            if worker.alive:
+                pool = worker.stats()
+                total.num_blocks += pool.num_blocks
+                total.num_free_blocks += pool.num_free_blocks
+                total.num_cached_blocks += pool.num_cached_blocks
+                total.num_running += pool.num_running
+                total.num_waiting += pool.num_waiting
+                total.num_preemptions += pool.num_preemptions
+        return total
 
     def encode(self, text: str) -> list[int]:
         return self._any_worker().encode(text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self._any_worker().apply_chat_template(messages)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
@@ -224,11 +262,9 @@ class RoutedEngine:
             self._workers[flight.worker_id].abort(request_id)
 
     def close(self) -> None:
-        """Stop every worker that can be stopped (worker processes); their unfinished requests end."""
+        """Stop every worker (worker processes exit, remote ones detach); their unfinished requests end."""
         for worker in self._workers.values():
-            close = getattr(worker, "close", None)
-            if close is not None:
-                close()
+            worker.close()
 
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""
@@ -334,13 +370,12 @@ class RoutedEngine:
         return live[self._turn % len(live)]
 
     def _stats_of(self, worker: RoutableWorker) -> WorkerStats:
-        pool = worker.stats or {}
-        capacity = pool.get("num_blocks", 0)
+        pool = worker.stats()
         speed = self._speeds[worker.worker_id]
         self.router.metrics.show_speeds(worker.worker_id, speed.prefill_tok_s, speed.decode_tok_s)
-        return WorkerStats(worker.worker_id, kv_capacity_blocks=capacity,
-                           active_blocks=capacity - pool.get("num_free_blocks", capacity),
-                           in_flight=pool.get("num_running", 0) + pool.get("num_waiting", 0),
+        return WorkerStats(worker.worker_id, kv_capacity_blocks=pool.num_blocks,
+                           active_blocks=pool.num_blocks - pool.num_free_blocks,
+                           in_flight=pool.num_running + pool.num_waiting,
                            prefill_tok_s=speed.prefill_tok_s, decode_tok_s=speed.decode_tok_s)
 
 

@@ -11,7 +11,6 @@ prefill step costs the model; decode speed is the per-request rate of their few 
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import os
 import platform
@@ -21,9 +20,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestId, SamplingParams
+from server.engine.api import GenerationOutput, GenerationRequest, LocalEngine, RequestId, SamplingParams
 
 CALIBRATION_PROMPT_TOKENS = 128  # prefill tokens in total (summed over the short prompts)
 CALIBRATION_OUTPUT_TOKENS = 4  # per prompt: the first comes from prefill, the rest from decode steps
@@ -55,29 +53,26 @@ class HardwareInfo:
     kv_capacity_bytes: int
 
 
-def describe_hardware(engine: Engine) -> HardwareInfo:
-    """Read from the machine and the engine (pool size from `stats()`, block bytes from `layout`)."""
+def describe_hardware(engine: LocalEngine) -> HardwareInfo:
+    """Read from the machine and the engine's resources (device, threads, KV pool)."""
     import torch
 
-    stats = _pool_stats(engine)
-    blocks = int(stats.get("num_blocks", 0))
-    layout = getattr(engine, "layout", None)
-    config = getattr(engine, "config", None)
-    device = str(getattr(config, "torch_device", "cpu"))
+    resources = engine.resources
+    device = resources.device
     cpu = _cpu_model()
     on_gpu = device.startswith("cuda") and torch.cuda.is_available()
     return HardwareInfo(
         host=socket.gethostname(), device=device,
         device_name=torch.cuda.get_device_name(torch.device(device)) if on_gpu else cpu,
         cpu_model=cpu, cpu_cores=os.cpu_count() or 0,
-        torch_threads=getattr(config, "num_threads", None) or torch.get_num_threads(),
+        torch_threads=resources.num_threads,
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         device_memory_bytes=torch.cuda.get_device_properties(torch.device(device)).total_memory if on_gpu else 0,
-        kv_capacity_blocks=blocks, kv_capacity_bytes=blocks * int(getattr(layout, "block_bytes", 0)),
+        kv_capacity_blocks=resources.kv_capacity_blocks, kv_capacity_bytes=resources.kv_capacity_bytes,
     )
 
 
-def calibrate(engine: Engine) -> Speeds:
+def calibrate(engine: LocalEngine) -> Speeds:
     """A short prefill and a few decode steps on the real engine (~0.7 s for SmolLM2 fp32 on 2 CPU cores).
 
     Workers on one host calibrate one at a time (an exclusive lock on a file in the temp directory): when
@@ -90,12 +85,12 @@ def calibrate(engine: Engine) -> Speeds:
         return _calibrate(engine)
 
 
-def _calibrate(engine: Engine) -> Speeds:
-    block_size = getattr(getattr(engine, "layout", None), "block_size", 0)
-    prompt_len = block_size - 1 - CALIBRATION_OUTPUT_TOKENS
+def _calibrate(engine: LocalEngine) -> Speeds:
+    layout = engine.block_layout
+    prompt_len = (layout.block_size if layout is not None else 0) - 1 - CALIBRATION_OUTPUT_TOKENS
     if prompt_len < 1:
         return Speeds()
-    limit = getattr(getattr(engine, "config", None), "max_concurrent_requests", 1)
+    limit = engine.resources.max_concurrent_requests
     count = max(1, min(-(-CALIBRATION_PROMPT_TOKENS // prompt_len), limit))
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     sampling = SamplingParams(max_tokens=CALIBRATION_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -127,14 +122,6 @@ def _collect(outputs: queue.SimpleQueue[GenerationOutput], count: int
             first_at.setdefault(output.request_id, now)
             finished[output.request_id] = (now, output.num_output_tokens)
     return first_at, finished
-
-
-def _pool_stats(engine: Engine) -> dict[str, Any]:
-    stats = getattr(engine, "stats", None)
-    if stats is None:
-        return {}
-    value = stats()
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
 
 
 def _cpu_model() -> str:

@@ -18,16 +18,18 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Protocol
 
 from kvbm.events import EventSink
 from server.engine.api import (
     EngineUnavailable,
     GenerationOutput,
     GenerationRequest,
+    KVBlockLayout,
     OutputSink,
+    PoolStats,
     RequestError,
     RequestId,
 )
@@ -44,7 +46,21 @@ class WorkerDied(EngineUnavailable):
     """The worker process exited or stopped answering."""
 
 
+class WorkerListener(Protocol):
+    """Told about a worker's life, on its receiver thread (the router: `RoutedEngine`)."""
+
+    def on_beat(self, worker: RemoteEngine) -> None:
+        """A heartbeat arrived; `worker.stats()` is its report."""
+        ...
+
+    def on_death(self, worker: RemoteEngine) -> None:
+        """The worker died or left (once); its unfinished requests end right after this returns."""
+        ...
+
+
 class RemoteEngine:
+    """Implements `server.engine.api.Engine` over one worker."""
+
     def __init__(self, worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,
                  info: WorkerInfo, heartbeat_timeout_s: float, call_timeout_s: float,
                  event_sink: EventSink | None = None) -> None:
@@ -52,7 +68,9 @@ class RemoteEngine:
         self.info = info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
-        self.stats: dict[str, Any] | None = None  # the engine's last reported pool stats
+        self.block_layout = KVBlockLayout(info.block_size, info.salt) \
+            if info.block_size is not None and info.salt is not None else None
+        self._stats = PoolStats(0, 0, 0, 0, 0, 0)  # the worker's last report (zeros until its first heartbeat)
         self._process = process
         self._channel = channel
         self._event_sink = event_sink
@@ -62,7 +80,7 @@ class RemoteEngine:
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
-        self._listeners: list[tuple[Callable[[RemoteEngine], None], Callable[[RemoteEngine], None]]] = []
+        self._listeners: list[WorkerListener] = []
         self._last_heard = time.monotonic()
         self._dead: str | None = None
         self._closing = False  # the server is stopping this worker: its requests end, nothing is resumed
@@ -111,20 +129,26 @@ class RemoteEngine:
 
     @property
     def max_tokens_limit(self) -> int:
-        return self.info.max_tokens_limit or self.max_model_len
+        return self.info.max_tokens_limit
 
     @property
     def alive(self) -> bool:
         return self._dead is None
 
-    def add_listener(self, on_beat: Callable[[RemoteEngine], None], on_death: Callable[[RemoteEngine], None]) -> None:
-        """`on_beat` runs on each heartbeat (stats refreshed), `on_death` once; both on the receiver thread."""
-        self._listeners.append((on_beat, on_death))
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None
+
+    def add_listener(self, listener: WorkerListener) -> None:
+        self._listeners.append(listener)
+
+    def stats(self) -> PoolStats:
+        return self._stats
 
     def encode(self, text: str) -> list[int]:
         return self._call("encode", text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self._call("apply_chat_template", [dict(m) for m in messages])
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
@@ -193,10 +217,10 @@ class RemoteEngine:
                 self._resolve(*message[1:])
             elif kind == "beat":
                 self._channel.send("ack")
-                self.stats = message[1]
+                self._stats = message[1]
                 self._check_liveness()
-                for on_beat, _ in self._listeners:
-                    on_beat(self)
+                for listener in self._listeners:
+                    listener.on_beat(self)
             elif kind == "bye":
                 logger.info("worker %s is leaving: %s", self.worker_id, message[1])
                 self._leaving = True
@@ -237,8 +261,8 @@ class RemoteEngine:
         if not (self._closing or self._leaving):
             logger.error("worker %s died: %s; ending %d request(s)", self.worker_id, reason, len(sinks))
         # listeners first: the router must have dropped this worker before its requests are resumed elsewhere
-        for _, on_death in self._listeners:
-            on_death(self)
+        for listener in self._listeners:
+            listener.on_death(self)
         for future in calls.values():
             future.set_exception(WorkerDied(f"worker {self.worker_id} died: {reason}"))
         for request_id, sink in sinks.items():

@@ -165,7 +165,7 @@ def run_worker(args: argparse.Namespace) -> int:
         log.error("--redis-url %s: %s", args.redis_url, exc)
         return 2
     finally:
-        engine.shutdown()
+        engine.close()
         connector.close()
     log.info("worker %s stopped", worker_id)
     return 0

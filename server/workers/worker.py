@@ -12,7 +12,7 @@ worker -> server:
     ("reply", call_id, "ok", value) | ("reply", call_id, "request_error", (field, message)) |
     ("reply", call_id, "error", message)
     ("out", GenerationOutput)         from the engine thread, one per step per request
-    ("beat", stats_dict | None)       every `heartbeat_s`; the server declares the worker dead without them
+    ("beat", PoolStats)               every `heartbeat_s`; the server declares the worker dead without them
     ("event", TierEvent)              KVBM tier events, when the spec forwards them to the server's index
     ("bye", reason)                   a remote worker leaving (SIGTERM): the server drops it at once
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
-from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestError, RequestId
+from server.engine.api import GenerationOutput, GenerationRequest, LocalEngine, RequestError, RequestId
 from server.engine.config import EngineConfig
 from server.workers.hardware import HardwareInfo, Speeds, calibrate, describe_hardware
 from server.workers.transport import Channel, ChannelAddress
@@ -48,7 +48,7 @@ class WorkerSpec:
     process. `events` is an EventSink forwarding KVBM tier events to the server's index when `forward_events`
     (embedded mode), else None (the engine's KVBM agent publishes to Redis itself, or nowhere)."""
 
-    factory: Callable[..., Engine]
+    factory: Callable[..., LocalEngine]
     args: tuple[Any, ...] = ()
     heartbeat_s: float = 0.5
     forward_events: bool = False
@@ -62,7 +62,7 @@ class WorkerInfo:
 
     model_name: str
     max_model_len: int
-    max_tokens_limit: int | None
+    max_tokens_limit: int
     block_size: int | None
     salt: int | None
     pid: int
@@ -124,15 +124,13 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     try:
         serve_channel(channel, engine)
     finally:
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        engine.close()
         stop.set()
         beat.join()
         channel.close()
 
 
-def calibrate_logged(engine: Engine) -> Speeds:
+def calibrate_logged(engine: LocalEngine) -> Speeds:
     started = time.monotonic()
     speeds = calibrate(engine)
     logger.info("calibrated in %.2f s: prefill %.0f tok/s, decode %.1f tok/s", time.monotonic() - started,
@@ -155,7 +153,7 @@ class ChannelEvents:
 
 
 def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None = None, *,
-                     worker_id: str, events: EventSink | None) -> Engine:
+                     worker_id: str, events: EventSink | None) -> LocalEngine:
     """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config), forward_events=...)`: an
     LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
     server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set."""
@@ -166,20 +164,19 @@ def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None
     return LLMEngine(engine_config, build_connector(config, worker_id, index=events))
 
 
-def describe(engine: Engine, speeds: Speeds) -> WorkerInfo:
-    layout = getattr(engine, "layout", None)
-    config = getattr(engine, "config", None)
+def describe(engine: LocalEngine, speeds: Speeds) -> WorkerInfo:
+    layout = engine.block_layout
     return WorkerInfo(
-        model_name=engine.model_name, max_model_len=engine.max_model_len,
-        max_tokens_limit=getattr(engine, "max_tokens_limit", getattr(config, "max_tokens_limit", None)),
-        block_size=getattr(layout, "block_size", None), salt=getattr(engine, "salt", None), pid=os.getpid(),
+        model_name=engine.model_name, max_model_len=engine.max_model_len, max_tokens_limit=engine.max_tokens_limit,
+        block_size=layout.block_size if layout is not None else None,
+        salt=layout.salt if layout is not None else None, pid=os.getpid(),
         hardware=describe_hardware(engine), speeds=speeds)
 
 
 _TICK_S = 0.2  # how often a remote worker's serve loop looks at its stop flag and its server's silence
 
 
-def serve_channel(channel: Channel, engine: Engine, stop: threading.Event | None = None,
+def serve_channel(channel: Channel, engine: LocalEngine, stop: threading.Event | None = None,
                   server_timeout_s: float | None = None) -> str:
     """Answer one server's messages until it sends "stop"; then abort what it left running on the engine.
 
@@ -199,7 +196,7 @@ def serve_channel(channel: Channel, engine: Engine, stop: threading.Event | None
     return reason
 
 
-def _answer(channel: Channel, engine: Engine, sink: Callable[[GenerationOutput], None], active: set[RequestId],
+def _answer(channel: Channel, engine: LocalEngine, sink: Callable[[GenerationOutput], None], active: set[RequestId],
             stop: threading.Event | None, server_timeout_s: float | None) -> str:
     last_heard = time.monotonic()
     while True:
@@ -220,7 +217,7 @@ def _answer(channel: Channel, engine: Engine, sink: Callable[[GenerationOutput],
             channel.send("reply", message[1], *_call(engine, message[2], message[3], sink, active))
 
 
-def _call(engine: Engine, method: str, args: tuple[Any, ...], sink: Callable[[GenerationOutput], None],
+def _call(engine: LocalEngine, method: str, args: tuple[Any, ...], sink: Callable[[GenerationOutput], None],
           active: set[RequestId]) -> tuple[str, Any]:
     if method not in _METHODS:
         return "error", f"unknown method {method!r}"
@@ -242,18 +239,16 @@ def _call(engine: Engine, method: str, args: tuple[Any, ...], sink: Callable[[Ge
         return "error", f"{type(exc).__name__} in worker {method}"
 
 
-def start_heartbeat(channel: Channel, engine: Engine, interval_s: float, stop: threading.Event,
+def start_heartbeat(channel: Channel, engine: LocalEngine, interval_s: float, stop: threading.Event,
                     parent_pid: int | None = None) -> threading.Thread:
     """Beat with the engine's pool stats until `stop`; with `parent_pid` (a spawned worker), exit the process
     if the server that spawned it is gone."""
-    stats = getattr(engine, "stats", None)
-
     def beat() -> None:
         while not stop.wait(interval_s):
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("server process is gone; exiting")
                 os._exit(1)
-            channel.send("beat", dataclasses.asdict(stats()) if stats is not None else None)
+            channel.send("beat", engine.stats())
 
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()

@@ -46,7 +46,7 @@ def test_shared_prefix_then_divergence(engine, prompt_ids):
     try:
         expected = run(fresh, greedy(base + engine.encode(" In short,"), "fork-b-fresh"))
     finally:
-        fresh.shutdown()
+        fresh.close()
     assert first.finish_reason in ("stop", "length")
     assert second.num_cached_tokens >= (len(base) // 16 - 1) * 16
     assert second.new_token_ids == expected.new_token_ids
@@ -63,7 +63,7 @@ def test_preemption_by_recompute_matches(prompt_ids, reference_outputs):
         assert stats.num_preemptions > 0
         assert stats.num_free_blocks == stats.num_blocks
     finally:
-        tiny.shutdown()
+        tiny.close()
     for index in picked:
         assert tokens[f"pre-{index}"] == reference_outputs[index], f"prompt {index}"
 

@@ -113,7 +113,7 @@ def test_evicted_blocks_are_offloaded_and_onboarded_with_identical_output(prompt
         assert again.new_token_ids == first.new_token_ids
         assert small.stats().num_free_blocks == small.stats().num_blocks
     finally:
-        small.shutdown()
+        small.close()
 
 
 def test_failing_connector_counts_as_miss(prompt_ids):
@@ -130,7 +130,7 @@ def test_failing_connector_counts_as_miss(prompt_ids):
             output = run(engine, greedy(prompt_ids[index], f"b-{index}"))
             assert output.finish_reason in ("stop", "length")
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 def test_waiting_sequence_waits_for_the_prefix_a_running_one_computes():
@@ -179,7 +179,7 @@ def test_requests_arriving_together_share_their_prefix(engine, prompt_ids):
         assert [tokens[0], tokens[1]] == alone
         assert fresh.scheduler.num_prefix_waits >= 1
     finally:
-        fresh.shutdown()
+        fresh.close()
 
 
 def test_a_queued_request_keeps_its_cached_prefix_while_others_evict():

@@ -138,7 +138,7 @@ def test_many_concurrent_requests_beyond_the_concurrency_limit(prompt_ids):
         assert all(len(t) == 4 for t in tokens.values())
         assert small.stats().num_running == 0
     finally:
-        small.shutdown()
+        small.close()
 
 
 def test_bfloat16_engine_and_byte_sized_pool(prompt_ids, engine):

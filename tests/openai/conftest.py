@@ -13,7 +13,14 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.engine.api import (
+    GenerationOutput,
+    GenerationRequest,
+    OutputSink,
+    PoolStats,
+    RequestError,
+    RequestId,
+)
 from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
 
@@ -27,6 +34,9 @@ class FakeEngine:
 
     model_name = "fake"
     max_model_len = 256
+    max_tokens_limit = 256
+    block_layout = None
+    healthy = True
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.step_s = step_s
@@ -55,6 +65,15 @@ class FakeEngine:
     def abort(self, request_id: RequestId) -> None:
         self.aborted.append(request_id)
         self._abort_events[request_id].set()
+
+    def stats(self) -> PoolStats:
+        running = sum(not event.is_set() for event in self._abort_events.values())
+        return PoolStats(num_blocks=0, num_free_blocks=0, num_cached_blocks=0, num_running=running, num_waiting=0,
+                         num_preemptions=0)
+
+    def close(self) -> None:
+        for abort in self._abort_events.values():
+            abort.set()
 
     def _run(self, request: GenerationRequest, sink: OutputSink, abort: threading.Event) -> None:
         prompt = len(request.prompt_token_ids)

@@ -23,11 +23,7 @@ class MortalWorker(LocalWorker):
         super().__init__(worker_id, index)
         self.requests: list[GenerationRequest] = []
         self._sinks: dict[RequestId, OutputSink] = {}
-        self._listeners: list = []
         self._lock = threading.Lock()
-
-    def add_listener(self, on_beat, on_death) -> None:
-        self._listeners.append(on_death)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         self.requests.append(request)
@@ -46,8 +42,8 @@ class MortalWorker(LocalWorker):
         with self._lock:
             self.alive = False
             sinks, self._sinks = self._sinks, {}
-        for on_death in self._listeners:
-            on_death(self)
+        for listener in self.listeners:
+            listener.on_death(self)
         for request_id, sink in sinks.items():
             sink(GenerationOutput(request_id, [], "", True, "error", error=f"worker {self.worker_id} died",
                                   retryable=retryable))

@@ -4,35 +4,60 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from kvbm.index import KVIndex
-from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId, SamplingParams
+from server.engine.api import (
+    GenerationOutput,
+    GenerationRequest,
+    KVBlockLayout,
+    OutputSink,
+    PoolStats,
+    RequestId,
+    SamplingParams,
+)
 from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine, SpeedMeter
 from server.router.router import Router
 from server.workers.hardware import HardwareInfo, Speeds
 from server.workers.protocol import WorkerId
+from server.workers.remote import WorkerListener
 from server.workers.worker import WorkerInfo
 from tests.workers.worker_fakes import SALT, StepEngine
 
 
 class LocalWorker:
-    """A StepEngine with the members RoutedEngine reads from a RemoteEngine."""
+    """A StepEngine in this process with the members of a RemoteEngine (server.router.routed.RoutableWorker)."""
 
     def __init__(self, worker_id: str, index: KVIndex) -> None:
         self.worker_id = WorkerId(worker_id)
         self.engine = StepEngine(0.002, worker_id=worker_id, events=index)
         self.model_name, self.max_model_len = self.engine.model_name, self.engine.max_model_len
-        self.stats: dict[str, Any] | None = {"num_blocks": 100, "num_free_blocks": 100}
+        self.max_tokens_limit = self.engine.max_tokens_limit
+        self.block_layout = KVBlockLayout(4, SALT)
+        self.info = WorkerInfo(self.model_name, self.max_model_len, self.max_tokens_limit, 4, SALT, 1)
         self.alive = True
         self.submitted: list[RequestId] = []
         self.aborted: list[RequestId] = []
+        self.listeners: list[WorkerListener] = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive
+
+    def add_listener(self, listener: WorkerListener) -> None:
+        self.listeners.append(listener)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(num_blocks=100, num_free_blocks=100, num_cached_blocks=0, num_running=0, num_waiting=0,
+                         num_preemptions=0)
+
+    def close(self) -> None:
+        self.engine.close()
 
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self.engine.apply_chat_template(messages)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
@@ -144,7 +169,7 @@ def test_a_mostly_cached_prompt_is_not_a_prefill_speed_sample() -> None:
 def _described(worker_id: str, index: KVIndex, host: str, prefill_tok_s: float) -> LocalWorker:
     worker = LocalWorker(worker_id, index)
     hardware = HardwareInfo(host, "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
-    worker.info = WorkerInfo(worker.model_name, worker.max_model_len, None, 4, SALT, 1, hardware,  # type: ignore[attr-defined]
+    worker.info = WorkerInfo(worker.model_name, worker.max_model_len, worker.max_tokens_limit, 4, SALT, 1, hardware,
                              Speeds(prefill_tok_s, 20.0))
     return worker
 

@@ -29,6 +29,7 @@ from server.router.router import Router
 from server.workers.protocol import WorkerId
 from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.workers.worker import WorkerSpec
+from tests.conftest import wait_for
 from tests.workers.worker_fakes import SALT, StepEngine, broken_factory
 
 
@@ -78,16 +79,27 @@ def test_abort_reaches_the_worker(worker: RemoteEngine) -> None:
 
 
 def test_heartbeats_carry_pool_stats(worker: RemoteEngine) -> None:
-    deadline = time.monotonic() + 5
-    while worker.stats is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.stats is not None and worker.stats["num_blocks"] == 100
+    wait_for(lambda: worker.stats().num_blocks == 100, 5, 0.01, what="a heartbeat")
+    assert worker.stats().num_free_blocks == 100
+
+
+class DeathLog:
+    """A WorkerListener that notes deaths."""
+
+    def __init__(self) -> None:
+        self.worker_ids: list[str] = []
+
+    def on_beat(self, worker: RemoteEngine) -> None:
+        pass
+
+    def on_death(self, worker: RemoteEngine) -> None:
+        self.worker_ids.append(worker.worker_id)
 
 
 def test_killed_worker_is_detected_and_its_requests_fail() -> None:
     remote = RemoteEngine.spawn(WorkerId("w-kill"), WorkerSpec(StepEngine, (0.01,)))
-    deaths: list[str] = []
-    remote.add_listener(lambda _: None, lambda engine: deaths.append(engine.worker_id))
+    deaths = DeathLog()
+    remote.add_listener(deaths)
     try:
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         remote.submit(request("r1", [1], max_tokens=200), outputs.put)
@@ -96,7 +108,7 @@ def test_killed_worker_is_detected_and_its_requests_fail() -> None:
         remote.kill()
         last = collect(outputs, timeout_s=5)[-1]
         detected_s = time.monotonic() - killed_at
-        assert (last.finish_reason, deaths, remote.alive) == ("error", ["w-kill"], False)
+        assert (last.finish_reason, deaths.worker_ids, remote.alive) == ("error", ["w-kill"], False)
         assert detected_s < 1.0
         with pytest.raises(WorkerDied):
             remote.submit(request("r2", [1]), outputs.put)

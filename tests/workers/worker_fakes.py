@@ -4,34 +4,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kvbm.block_hash import block_hashes, model_salt
 from kvbm.events import G1, EventSink, TierEvent
-from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestError, RequestId
+from server.engine.api import (
+    EngineResources,
+    GenerationOutput,
+    GenerationRequest,
+    KVBlockLayout,
+    OutputSink,
+    PoolStats,
+    RequestId,
+    max_output_tokens,
+)
 from server.workers.hardware import Speeds
 
 SALT = model_salt("step-engine")
 
 
-@dataclass(frozen=True)
-class Layout:
-    block_size: int = 4
-
-
-@dataclass(frozen=True)
-class Pool:
-    """The shape of LLMEngine.stats() that RoutedEngine reads (blocks, sequences)."""
-
-    num_blocks: int = 100
-    num_free_blocks: int = 100
-    num_running: int = 0
-    num_waiting: int = 0
-
-
 class StepEngine:
-    """Answer token i is " t{i}" (id 1000 + i), one per `step_s`, each request on its own thread.
+    """Answer token i is " t{i}" (id 1000 + i), one per `step_s`, each request on its own thread. Implements
+    `server.engine.api.LocalEngine`.
 
     With `events`, the worker is announced at construction and a submitted prompt's full blocks as stored in G1
     (like a KVBM agent would).
@@ -40,8 +33,10 @@ class StepEngine:
     model_name = "step"
     max_model_len = 256
     max_tokens_limit = 200
-    layout = Layout()
-    salt = SALT
+    block_layout = KVBlockLayout(block_size=4, salt=SALT)
+    resources = EngineResources(device="cpu", num_threads=1, max_concurrent_requests=64, kv_capacity_blocks=100,
+                                kv_capacity_bytes=100 * 4096)
+    healthy = True
 
     def __init__(self, step_s: float = 0.005, *, worker_id: str = "w", events: EventSink | None = None) -> None:
         self.step_s = step_s
@@ -54,18 +49,18 @@ class StepEngine:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
 
-    def stats(self) -> Pool:
+    def stats(self) -> PoolStats:
         running = sum(not event.is_set() for event in self._aborts.values())
-        return Pool(num_running=running)
+        return PoolStats(num_blocks=100, num_free_blocks=100, num_cached_blocks=0, num_running=running,
+                         num_waiting=0, num_preemptions=0)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
-        if len(request.prompt_token_ids) >= self.max_model_len:
-            raise RequestError("prompt", "too long for the step engine")
+        request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
         if self.events is not None:
-            hashes = block_hashes(request.prompt_token_ids, self.layout.block_size, SALT)
+            hashes = block_hashes(request.prompt_token_ids, self.block_layout.block_size, SALT)
             self.events.publish(TierEvent(self.worker_id, "stored", G1, tuple(hashes)))
         abort = self._aborts[request.request_id] = threading.Event()
         threading.Thread(target=self._run, args=(request, sink, abort), daemon=True).start()
@@ -73,6 +68,10 @@ class StepEngine:
     def abort(self, request_id: RequestId) -> None:
         if request_id in self._aborts:
             self._aborts[request_id].set()
+
+    def close(self) -> None:
+        for abort in list(self._aborts.values()):
+            abort.set()
 
     def _run(self, request: GenerationRequest, sink: OutputSink, abort: threading.Event) -> None:
         prompt = len(request.prompt_token_ids)
