@@ -22,17 +22,21 @@ def model_salt(fingerprint: str) -> BlockHash:
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Hash of one full block given its parent's hash (or the model salt for the first block)."""
-    data = parent.to_bytes(8, "little") + np.asarray(token_ids, dtype=np.int64).tobytes()
-    return BlockHash(xxhash.xxh3_64_intdigest(data))
+    return _chain_hash(parent, np.asarray(token_ids, dtype=np.int64).tobytes())
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: BlockHash) -> list[BlockHash]:
     """Chained hashes of every *full* block of `token_ids` (a trailing partial block has no hash)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()  # converted once; a block is a slice of it
+    step = 8 * block_size  # bytes
     hashes: list[BlockHash] = []
     parent = salt
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        data = parent.to_bytes(8, "little") + tokens[start : start + block_size].tobytes()
-        parent = BlockHash(xxhash.xxh3_64_intdigest(data))
+    for end in range(step, len(data) + 1, step):
+        parent = _chain_hash(parent, data[end - step : end])
         hashes.append(parent)
     return hashes
+
+
+def _chain_hash(parent: BlockHash, token_bytes: bytes) -> BlockHash:
+    """The hash rule: xxh3_64 of the parent hash (u64 little-endian) followed by the block's token ids (int64)."""
+    return BlockHash(xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + token_bytes))
