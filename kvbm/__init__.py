@@ -5,7 +5,7 @@ Public API (the rest is internal):
     kvbm.config.KVBMConfig            sizes, disk path, Redis url, write-through, TTL (--kvbm-* flags map onto it)
     kvbm.agent.build_connector(...)   -> KVBMConnector, the engine's KVConnector (pass it to LLMEngine)
     kvbm.index.KVIndex                embedded index; .query(block_hashes) -> PrefixReport
-    kvbm.service.run_service(...)     the standalone service (`strata kvbm`, `python -m kvbm`)
+    kvbm.service.run_service(...)     the standalone service (`strata kvbm`, `python -m kvbm`: flags in kvbm.cli)
     kvbm.client.KVIndexClient         the standalone service's index over TCP, same .query
     kvbm.metrics.KVBMMetrics          Prometheus metrics on a registry the caller passes in
 

@@ -19,6 +19,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvbm.channel import EPOCH_KEY, STREAM, lease_key
+from kvbm.cli import DEFAULT_PORT
 from kvbm.events import TierEvent
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
@@ -27,7 +28,6 @@ from kvbm.wire import encode_report, read_query
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 7410
 SWEEP_INTERVAL_S = 60.0
 
 

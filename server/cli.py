@@ -150,12 +150,10 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
+    from kvbm.cli import add_service_flags
+
     p = sub.add_parser("kvbm", help="run the standalone KVBM index service (multi-node: workers publish to Redis)")
-    p.add_argument("--redis-url", required=True, help="Redis holding the event stream and worker leases")
-    p.add_argument("--host", default="127.0.0.1", help="address of the prefix-query port")
-    p.add_argument("--port", type=int, default=7410, help="prefix-query port (routers connect here)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics of the service")
-    p.add_argument("--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped")
+    add_service_flags(p)
 
 
 def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
@@ -205,9 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_worker(args)
     if args.command == "kvbm":
-        from kvbm.service import run_service
+        from kvbm.cli import run
 
-        run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs)
+        run(args)
         return 0
     return 2
 

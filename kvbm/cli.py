@@ -1,0 +1,38 @@
+"""The standalone KVBM service's command line: `python -m kvbm` and `strata kvbm` both build it from here, so the
+flags are defined once and kvbm needs nothing of `server` to run. Cheap to import (`strata --help` builds it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+DEFAULT_PORT = 7410  # the service's prefix-query port
+
+
+def add_service_flags(parser: argparse.ArgumentParser) -> None:
+    """The service's flags, on `parser` (a subcommand's parser, or the one of `python -m kvbm`)."""
+    parser.add_argument("--redis-url", required=True, help="Redis holding the event stream and worker leases")
+    parser.add_argument("--host", default="127.0.0.1", help="address of the prefix-query port")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="prefix-query port (routers connect here)"
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics of the service")
+    parser.add_argument(
+        "--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the service the flags describe until SIGINT/SIGTERM."""
+    from kvbm.service import run_service
+
+    run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kvbm`."""
+    parser = argparse.ArgumentParser(prog="kvbm", description="KVBM service: block index fed by worker events")
+    add_service_flags(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(args)
