@@ -206,7 +206,7 @@ class HostPool:
         if empty.any():
             second = int(np.count_nonzero(empty[self.ways :])) > int(np.count_nonzero(empty[: self.ways]))
             return int(slots[self.ways * second + int(np.argmax(empty[self.ways * second :]))])
-        stale = [i for i in np.flatnonzero(rows["state"] == WRITING) if not _pid_alive(int(rows["pid"][i]))]
+        stale = [i for i in np.flatnonzero(rows["state"] == WRITING) if not pid_alive(int(rows["pid"][i]))]
         if stale:
             return int(slots[stale[0]])
         idle = np.flatnonzero((rows["state"] == READY) & (rows["pins"] == 0))
@@ -327,7 +327,8 @@ class HostPool:
         self.path.unlink(missing_ok=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is a process with this id running (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

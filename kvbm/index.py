@@ -93,12 +93,8 @@ class KVIndex:
     def workers(self) -> list[str]:
         return list(self._slot_of)
 
-    def register_worker(self, worker_id: str) -> int:
-        """Slot of a worker, allocating one (sweeping retired slots if none is free)."""
-        with self._lock:
-            return self._register(worker_id)
-
     def _register(self, worker_id: str) -> int:
+        """Slot of a worker, allocating one (sweeping retired slots if none is free); caller holds the lock."""
         slot = self._slot_of.get(worker_id)
         if slot is not None:
             return slot
