@@ -290,7 +290,9 @@ class TritonServer:
             _remove_tree_without_following_links(staged)
 
     def is_alive(self) -> bool:
-        return self._triton is not None and self._triton.is_alive()
+        """The tritonserver process runs. (PyTriton's public is_alive also requires every bound model's proxy to
+        be up, which is false for a moment while an LLM model is re-bound: poll mode's reload read as a crash.)"""
+        return self._triton is not None and self._triton._is_alive_impl()
 
     def stop(self) -> None:
         """Unload and stop Triton, then remove the workspace (staged symlinks first, never their targets)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.conftest import copy_models, start_strata
+from tests.conftest import copy_models, start_strata, wait_for
 
 PROMPT = "The three primary colors are"
 
@@ -167,3 +167,29 @@ def test_bad_request_names_the_field(server, parameters, field):
     status, _ = post(server, "/v2/models/smollm2/generate",
                      {"text_input": "hi", "parameters": {"temperature": 0, "max_tokens": 2}})
     assert status == 200
+
+
+def test_poll_mode_reloads_an_edited_llm_and_keeps_serving(tmp_path_factory):
+    """An edited model.json re-binds the LLM; the server must not read the moment of re-binding as a crash."""
+    tmp = tmp_path_factory.mktemp("poll")  # short: PyTriton's unix socket paths live under it
+    repo = copy_models(tmp / "repo", "smollm2")
+    server = start_strata(repo, tmp, "--model-control-mode", "poll", "--repository-poll-secs", "0.3",
+                          wait_ready=True)
+    try:
+        _reload_and_check(server, repo)
+    finally:
+        server.stop()
+
+
+def _reload_and_check(server, repo) -> None:
+    body = {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": 2}}
+    wait_for(lambda: "smollm2: serving version" in server.log(), 120, what="the first load")
+    settings_path = repo / "smollm2" / "1" / "model.json"
+    settings = json.loads(settings_path.read_text())
+    for reload in range(1, 4):  # the re-binding window is short: three reloads to be sure to cross a watchdog tick
+        assert post(server, "/v2/models/smollm2/generate", body)[0] == 200
+        settings_path.write_text(json.dumps({**settings, "max_tokens_limit": 100 + reload}))
+        wait_for(lambda n=reload: server.log().count("smollm2: serving version") > n, 120, what="the reload")
+    assert post(server, "/v2/models/smollm2/generate", body)[0] == 200
+    assert "exited unexpectedly" not in server.log()
+    assert server.process.poll() is None
