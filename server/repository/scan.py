@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.errors import ConfigError
 from server.repository.model_config import (
     LIBTORCH,
     LLM,
     PYTHON,
-    ConfigError,
     ModelConfig,
     backend_of,
     check_name,
