@@ -29,6 +29,7 @@ from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
+from kvbm.host_pool import pid_alive
 from server import settings
 
 log = logging.getLogger(__name__)
@@ -158,26 +159,16 @@ def _access_flags(c: TritonSettings) -> dict[str, object]:
     return flags
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_runs(runtime_dir: Path) -> None:
     """Remove what runs killed with -9 left behind: their workspaces and Python-backend shared memory."""
     for workspace in runtime_dir.glob("serve-*"):
         match = re.match(r"serve-(\d+)-", workspace.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             log.info("removing workspace of dead run %s", workspace)
             _remove_tree_without_following_links(workspace)
     for region in _SHM_DIR.glob("pytrtion*"):
         match = re.match(r"pytrtion(\d+)-", region.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             log.info("removing leaked shared memory %s", region)
             region.unlink(missing_ok=True)
 
