@@ -1,17 +1,24 @@
-"""Block tier events that workers publish and the KVBM service index applies, and their Redis Stream encoding."""
+"""Block tier events that workers publish and the KVBM service index applies, and their Redis Stream encoding.
+
+On a worker's link to the server (embedded index) a `TierEvent` travels as msgpack, decoded by msgspec into this
+dataclass: the field types and the ranges annotated here are checked, so a malformed event never reaches an index.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
+import msgspec
 import numpy as np
 
 from kvbm.block_hash import BlockHash
 
 EventKind = Literal["stored", "removed", "moved"]
 G1, G2, G3, G4 = 1, 2, 3, 4
+Tier = Annotated[int, msgspec.Meta(ge=G1, le=G4)]
+WireHash = Annotated[BlockHash, msgspec.Meta(ge=0)]  # a u64 (msgpack has no larger integer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +33,10 @@ class TierEvent:
 
     worker_id: str
     kind: EventKind
-    tier: int
-    block_hashes: tuple[BlockHash, ...]
-    from_tier: int = 0
-    ttl_s: int = 0
+    tier: Tier
+    block_hashes: tuple[WireHash, ...]
+    from_tier: Annotated[int, msgspec.Meta(ge=0, le=G4)] = 0  # 0 unless moved
+    ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
     timestamp: float = field(default_factory=time.time)
     node: str = ""
 

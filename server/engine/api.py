@@ -3,14 +3,20 @@
 Callers tokenize, build a `GenerationRequest`, and `submit` it with a sink; the engine calls the sink from its own
 thread with one `GenerationOutput` per step that produced something, the last one with `finished=True`. A sink must
 not block: it hands the output to a queue or an event loop (see `server.engine.stream`).
+
+The request, its sampling fields and the outputs are msgspec Structs (mutable, like slots dataclasses), so a worker
+link (`server.workers.protocol`) encodes them as they are, by field position: one encode per output message.
+`max_output_tokens` is the one limit on max_tokens.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NewType, Protocol
+
+import msgspec
 
 RequestId = NewType("RequestId", str)
 
@@ -34,8 +40,7 @@ _SAMPLING_FIELDS = {
 }
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, array_like=True):
     """How to pick tokens and when to stop. temperature 0 is greedy; top_k 0 means no top-k cut."""
 
     max_tokens: int = 16
@@ -43,8 +48,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
@@ -100,8 +105,7 @@ def _check_float(name: str, value: Any, low: float, high: float, low_open: bool 
         raise RequestError(name, f"must be in {bracket}{low}, {high}], got {value}")
 
 
-@dataclass(slots=True)
-class GenerationRequest:
+class GenerationRequest(msgspec.Struct, array_like=True):
     """One prompt to continue. The prompt is already tokenized (the caller applied any chat template)."""
 
     request_id: RequestId
@@ -109,8 +113,7 @@ class GenerationRequest:
     sampling: SamplingParams
 
 
-@dataclass(slots=True)
-class GenerationOutput:
+class GenerationOutput(msgspec.Struct, array_like=True):
     """What one engine step added to one request. Counts are totals so far, in tokens."""
 
     request_id: RequestId

@@ -13,8 +13,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from server.engine.api import (
     Engine,
@@ -194,8 +196,8 @@ class OpenAIServing:
         except RequestError as exc:
             self._fail_field(request, exc)
         if base.seed is None:
-            return [replace(base) for _ in range(request.n)]
-        return [replace(base, seed=base.seed + j) for j in range(request.n)]
+            return [msgspec.structs.replace(base) for _ in range(request.n)]
+        return [msgspec.structs.replace(base, seed=base.seed + j) for j in range(request.n)]
 
     async def _collect(self, request: p.SamplingFields, generation: Generation, num_choices: int) -> list[_Choice]:
         choices = [_Choice() for _ in range(num_choices)]

@@ -38,6 +38,7 @@ class RouterMetrics:
     worker_decode_tok_s: Gauge
     worker_kv_capacity_bytes: Gauge
     migrations: Counter
+    worker_messages_rejected: Counter
     _info_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -74,6 +75,8 @@ class RouterMetrics:
                                            ("worker",), registry=reg),
             migrations=Counter("strata_router_migrations", "Requests resumed on another worker after `worker` "
                                "died or left mid-request", ("worker",), registry=reg),
+            worker_messages_rejected=Counter("strata_worker_messages_rejected", "Frames on a worker's link that "
+                                             "were not messages (each drops the worker)", ("worker",), registry=reg),
         )
 
     def show_worker(self, model: str, worker: str, hardware: HardwareInfo | None) -> None:

@@ -26,8 +26,10 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import msgspec
 
 from kvbm.block_hash import BlockHash, block_hashes
 from server.engine.api import (
@@ -41,9 +43,8 @@ from server.engine.api import (
 )
 from server.router.router import NoWorkerError, Router
 from server.workers.hardware import Speeds
-from server.workers.protocol import WorkerId, WorkerStats
+from server.workers.protocol import WorkerId, WorkerInfo, WorkerStats
 from server.workers.remote import WorkerListener
-from server.workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +279,10 @@ class RoutedEngine:
         self.router.remove_worker(worker.worker_id)
         self.router.metrics.hide_worker(worker.worker_id)
 
+    def on_rejected(self, worker: RoutableWorker) -> None:
+        """The worker's link carried a frame that is not a message; it is dropped (on_death follows)."""
+        self.router.metrics.worker_messages_rejected.labels(worker.worker_id).inc()
+
     def _sink(self, request_id: RequestId, sink: OutputSink) -> OutputSink:
         def routed_sink(output: GenerationOutput) -> None:
             flight = self._in_flight.get(request_id)
@@ -312,7 +317,7 @@ class RoutedEngine:
         done = len(flight.output_ids)
         if flight.aborted or flight.migrations >= self.router.config.migration_limit or done >= request.sampling.max_tokens:
             return False
-        sampling = replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
+        sampling = msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
                            min_tokens=max(0, request.sampling.min_tokens - done))
         continuation = GenerationRequest(request.request_id, request.prompt_token_ids + flight.output_ids, sampling)
         dead = flight.worker_id

@@ -15,10 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from server.workers.protocol import WorkerId
+from server.workers.protocol import WorkerId, WorkerInfo
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, WorkerDied
-from server.workers.worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class WorkerPool(Protocol):
 
     def has_live_worker(self, worker_id: WorkerId) -> bool: ...
 
-    def incompatibility(self, model_name: str, info: WorkerInfo | None) -> str | None: ...
+    def incompatibility(self, model_name: str, info: WorkerInfo) -> str | None: ...
 
     def add_worker(self, worker: RemoteEngine) -> None: ...
 

@@ -1,6 +1,7 @@
 """Worker discovery in Redis: remote workers (`strata worker`) register per model, servers find and claim them.
 
-Keys, per model, on the Redis of `--redis-url` (values are JSON or plain strings, never pickles):
+Keys, per model, on the Redis of `--redis-url` (values are JSON or plain strings, never pickles; a registration is
+decoded by msgspec into its types, so a malformed one is skipped with a log line):
 
     strata:workers:<model>                 hash  worker id -> {"address": ChannelAddress, "info": WorkerInfo}
     strata:worker-lease:<model>:<worker>   exists while the worker lives: SET PX lease_s, refreshed every lease_s/3
@@ -15,18 +16,18 @@ Redis) is removed by the next server that looks, with a "leave" event; a live wo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+import msgspec
 import redis
 
 from kvbm.redis_link import RedisLink
+from server.workers.protocol import WorkerInfo
 from server.workers.transport import ChannelAddress
-from server.workers.worker import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,13 @@ def events_key(model: str) -> str:
     return f"strata:worker-events:{model}"
 
 
+class _Registered(msgspec.Struct):
+    """The JSON value under the worker's id in the registrations hash."""
+
+    address: ChannelAddress
+    info: WorkerInfo
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """What a worker registers: where to connect and what it is."""
@@ -67,13 +75,14 @@ class WorkerRecord:
     address: ChannelAddress
     info: WorkerInfo
 
-    def to_json(self) -> str:
-        return json.dumps({"address": asdict(self.address), "info": self.info.to_dict()})
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(_Registered(self.address, self.info))
 
     @classmethod
     def from_json(cls, worker_id: str, raw: str | bytes) -> WorkerRecord:
-        fields = json.loads(raw)
-        return cls(worker_id, ChannelAddress(**fields["address"]), WorkerInfo.from_dict(fields["info"]))
+        """Raises msgspec.ValidationError (a ValueError) naming the field of a registration that is not one."""
+        registered = msgspec.json.decode(raw, type=_Registered)
+        return cls(worker_id, registered.address, registered.info)
 
 
 class WorkerIdTaken(RuntimeError):

@@ -1,13 +1,14 @@
-"""`RemoteEngine`: the Engine Protocol over a worker process (see worker.py for the wire protocol).
+"""`RemoteEngine`: the Engine Protocol over a worker process (messages: protocol.py).
 
 Two kinds of worker: one this server spawned (`spawn`, ipc; its process is watched too), and one on any host
-that registered in Redis (`connect`, TCP; liveness is heartbeats alone, and "bye" when it leaves).
+that registered in Redis (`connect`, TCP; liveness is heartbeats alone, and Bye when it leaves).
 
-One receiver thread per worker reads outputs, replies and heartbeats (each acked, so a remote worker knows its
+One receiver thread per worker reads outputs, answers and heartbeats (each acked, so a remote worker knows its
 server is alive), hands each output to its request's sink, and watches liveness: a worker that exits, is
 killed, leaves, or misses heartbeats for `heartbeat_timeout_s` is declared dead within that time (exit: within
 `_TICK_S`); every unfinished request then gets a final output with finish_reason "error", pending calls raise
-`WorkerDied`, and death listeners run.
+`WorkerDied`, and death listeners run. A frame on the link that is not a message (`BadMessage`) is counted
+(`messages_rejected`, and listeners' `on_rejected`) and the worker is dropped as dead: a spawned one is killed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
+import msgspec
+
 from kvbm.events import EventSink
 from server.engine.api import (
     EngineUnavailable,
@@ -32,10 +35,34 @@ from server.engine.api import (
     PoolStats,
     RequestError,
     RequestId,
+    max_output_tokens,
 )
-from server.workers.protocol import WorkerId
+from server.workers.protocol import (
+    Abort,
+    Accepted,
+    Ack,
+    Answer,
+    ApplyChatTemplate,
+    Attach,
+    BadMessage,
+    Beat,
+    Bye,
+    Call,
+    CallFailed,
+    Encode,
+    Event,
+    Failed,
+    Hello,
+    Out,
+    Refused,
+    Stop,
+    Submit,
+    TokenIds,
+    WorkerId,
+    WorkerInfo,
+)
 from server.workers.transport import Channel, ChannelAddress
-from server.workers.worker import WorkerInfo, WorkerSpec, worker_main
+from server.workers.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +82,10 @@ class WorkerListener(Protocol):
 
     def on_death(self, worker: RemoteEngine) -> None:
         """The worker died or left (once); its unfinished requests end right after this returns."""
+        ...
+
+    def on_rejected(self, worker: RemoteEngine) -> None:
+        """A frame on the worker's link was not a message; the worker is dropped (on_death follows)."""
         ...
 
 
@@ -77,7 +108,8 @@ class RemoteEngine:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._call_timeout_s = call_timeout_s
         self._sinks: dict[RequestId, OutputSink] = {}
-        self._calls: dict[int, Future[Any]] = {}
+        self.messages_rejected = 0  # frames on the link that were not messages (each one drops the worker)
+        self._calls: dict[int, Future[Accepted | TokenIds]] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._listeners: list[WorkerListener] = []
@@ -117,7 +149,7 @@ class RemoteEngine:
         """Attach to a worker that bound `address` (a `strata worker` on any host) and wait for its hello. The
         caller holds the worker's claim: a bound worker must have one server at a time (see transport.py)."""
         channel = Channel(address, server_side=True)
-        channel.send("attach", server_id)
+        channel.send(Attach(server_id))
         try:
             info = _wait_for_hello(worker_id, None, channel, time.monotonic() + start_timeout_s, event_sink)
         except WorkerDied:
@@ -146,17 +178,24 @@ class RemoteEngine:
         return self._stats
 
     def encode(self, text: str) -> list[int]:
-        return self._call("encode", text)
+        return self._tokens(Encode(next(self._call_ids), text))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return self._call("apply_chat_template", [dict(m) for m in messages])
+        try:
+            typed = msgspec.convert([dict(m) for m in messages], list[dict[str, str]])
+        except msgspec.ValidationError as exc:
+            raise RequestError("messages", f"must be objects of strings: {exc}") from None
+        return self._tokens(ApplyChatTemplate(next(self._call_ids), typed))
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
-        """Synchronous: a RequestError from the worker's engine is raised here (one round trip, ~0.1 ms)."""
+        """Synchronous: a RequestError from the worker's engine is raised here (one round trip, ~0.1 ms). The
+        sampling fields are checked here first, so that what is sent decodes on the worker (a frame that does not
+        would make the worker drop this server)."""
+        request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
         with self._lock:
             self._sinks[request.request_id] = sink
         try:
-            self._call("submit", request)
+            self._call(Submit(next(self._call_ids), request))
         except BaseException:
             with self._lock:
                 self._sinks.pop(request.request_id, None)
@@ -164,14 +203,14 @@ class RemoteEngine:
 
     def abort(self, request_id: RequestId) -> None:
         if self._dead is None:
-            self._channel.send("abort", request_id)
+            self._channel.send(Abort(request_id))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (its engine aborts what is left): a spawned one exits, a remote one detaches and
         waits for its next server. Then stop the receiver."""
         self._closing = True
         if self._dead is None:
-            self._channel.send("stop")
+            self._channel.send(Stop())
         if self._process is not None:
             self._process.join(timeout_s)
             if self._process.is_alive():
@@ -186,45 +225,68 @@ class RemoteEngine:
         if self._process is not None:
             self._process.kill()
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _tokens(self, call: Encode | ApplyChatTemplate) -> list[int]:
+        answer = self._call(call)
+        if not isinstance(answer, TokenIds):
+            raise RuntimeError(f"worker {self.worker_id} answered {type(call).__name__} with {type(answer).__name__}")
+        return answer.token_ids
+
+    def _call(self, call: Call) -> Accepted | TokenIds:
+        """Send `call` and wait for its answer; Refused raises RequestError, CallFailed RuntimeError."""
         if self._dead is not None:
             raise WorkerDied(f"worker {self.worker_id} is dead: {self._dead}")
-        call_id = next(self._call_ids)
-        future: Future[Any] = Future()
+        future: Future[Accepted | TokenIds] = Future()
         with self._lock:
-            self._calls[call_id] = future
-        self._channel.send("call", call_id, method, args)
+            self._calls[call.call_id] = future
         try:
+            try:
+                self._channel.send(call)
+            except BadMessage as exc:
+                field = "messages" if isinstance(call, ApplyChatTemplate) else "prompt"
+                raise RequestError(field, f"too large for a worker: {exc}") from None
             return future.result(timeout=self._call_timeout_s)
         finally:
             with self._lock:
-                self._calls.pop(call_id, None)
+                self._calls.pop(call.call_id, None)
 
     def _receive_loop(self) -> None:
         while self._dead is None:
-            message = self._channel.recv(timeout_s=_TICK_S)
+            try:
+                message = self._channel.recv(timeout_s=_TICK_S)
+            except BadMessage as exc:
+                self._reject(exc)
+                return
             if message is None:
                 self._check_liveness()
                 continue
             self._last_heard = time.monotonic()
-            kind = message[0]
-            if kind == "out":
-                self._deliver(message[1])
-            elif kind == "event":
+            if isinstance(message, Out):
+                self._deliver(message.output)
+            elif isinstance(message, Event):
                 if self._event_sink is not None:
-                    self._event_sink.publish(message[1])
-            elif kind == "reply":
-                self._resolve(*message[1:])
-            elif kind == "beat":
-                self._channel.send("ack")
-                self._stats = message[1]
+                    self._event_sink.publish(message.event)
+            elif isinstance(message, Answer):
+                self._resolve(message)
+            elif isinstance(message, Beat):
+                self._channel.send(Ack())
+                self._stats = message.stats
                 self._check_liveness()
                 for listener in self._listeners:
                     listener.on_beat(self)
-            elif kind == "bye":
-                logger.info("worker %s is leaving: %s", self.worker_id, message[1])
+            elif isinstance(message, Bye):
+                logger.info("worker %s is leaving: %s", self.worker_id, message.reason)
                 self._leaving = True
-                self._die(f"worker left ({message[1]})")
+                self._die(f"worker left ({message.reason})")
+
+    def _reject(self, error: BadMessage) -> None:
+        """A frame that is not a message: whoever sent it, this link can no longer be trusted."""
+        self.messages_rejected += 1
+        logger.error("worker %s's link carried a frame that is not a message (%s); dropping the worker",
+                     self.worker_id, error)
+        for listener in self._listeners:
+            listener.on_rejected(self)
+        self.kill()
+        self._die(f"malformed message ({error})")
 
     def _deliver(self, output: GenerationOutput) -> None:
         with self._lock:
@@ -232,17 +294,17 @@ class RemoteEngine:
         if sink is not None:
             sink(output)
 
-    def _resolve(self, call_id: int, status: str, value: Any) -> None:
+    def _resolve(self, answer: Answer) -> None:
         with self._lock:
-            future = self._calls.get(call_id)
+            future = self._calls.pop(answer.call_id, None)
         if future is None:
-            return  # the caller timed out
-        if status == "ok":
-            future.set_result(value)
-        elif status == "request_error":
-            future.set_exception(RequestError(*value))
+            return  # the caller timed out (or a second answer to one call)
+        if isinstance(answer, Refused):
+            future.set_exception(RequestError(answer.field, answer.message))
+        elif isinstance(answer, CallFailed):
+            future.set_exception(RuntimeError(f"worker {self.worker_id}: {answer.message}"))
         else:
-            future.set_exception(RuntimeError(f"worker {self.worker_id}: {value}"))
+            future.set_result(answer)
 
     def _check_liveness(self) -> None:
         if self._process is not None and not self._process.is_alive():
@@ -274,22 +336,22 @@ def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BasePr
                     deadline: float, event_sink: EventSink | None) -> WorkerInfo:
     """The worker's hello; KVBM events it publishes while building its engine go to `event_sink` meanwhile."""
     while True:
-        message = channel.recv(timeout_s=_TICK_S)
-        if message is None:
-            if process is not None and not process.is_alive():
+        try:
+            message = channel.recv(timeout_s=_TICK_S)
+            if message is None and process is not None and not process.is_alive():
                 message = channel.recv(timeout_s=_TICK_S)  # what it sent just before exiting, if anything
                 if message is None:
                     raise WorkerDied(f"worker {worker_id} exited while starting (exit code {process.exitcode})")
-            elif time.monotonic() > deadline:
-                raise WorkerDied(f"worker {worker_id} did not start in time")
-            else:
-                continue
-        if message[0] == "hello":
-            return message[1]
-        if message[0] == "failed":
-            raise WorkerDied(f"worker {worker_id} failed to build its engine: {message[1]}")
-        if message[0] == "event" and event_sink is not None:
-            event_sink.publish(message[1])
+        except BadMessage as exc:
+            raise WorkerDied(f"worker {worker_id}'s link carried a frame that is not a message: {exc}") from None
+        if message is None and time.monotonic() > deadline:
+            raise WorkerDied(f"worker {worker_id} did not start in time")
+        if isinstance(message, Hello):
+            return message.info
+        if isinstance(message, Failed):
+            raise WorkerDied(f"worker {worker_id} failed to build its engine: {message.message}")
+        if isinstance(message, Event) and event_sink is not None:
+            event_sink.publish(message.event)
 
 
 def spawn_workers(worker_ids: Sequence[WorkerId], spec: WorkerSpec, **options: Any) -> list[RemoteEngine]:

@@ -3,13 +3,17 @@
 The worker binds its channel on TCP (it is the side that is found) and registers its advertised address with
 its `WorkerInfo` (hardware and calibrated speeds). Then, in a loop:
 
-    wait for ("attach", server_id) -> hello -> serve that one server -> abort what it left -> "join" again
+    wait for Attach(server_id) -> Hello -> serve that one server -> abort what it left -> "join" again
 
 One server at a time: the claim in Redis keeps other servers away, and each session gets fresh sockets, so a
 server that left cannot receive outputs meant for the next one. A server that goes silent (no message, not
-even the ack of a heartbeat, for `lease_s`) is treated as gone: the worker aborts its requests and becomes
+even the Ack of a heartbeat, for `lease_s`) is treated as gone: the worker aborts its requests and becomes
 available again, so restarting a server never requires restarting its remote workers. SIGTERM/SIGINT: say
-"bye" to the attached server, deregister, shut the engine down, exit 0.
+Bye to the attached server, deregister, close the engine, exit 0.
+
+Its ports are open to anyone who can reach them, so a frame that is not a message (protocol.py) is counted in
+`messages_rejected`, logged, and answered by dropping the peer: while serving, the worker says Bye to its server
+(which migrates its requests) and waits for the next one, still registered; while free, it reopens its sockets.
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ import zmq
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
 from server.cli import engine_overrides, kvbm_config
-from server.engine.api import Engine
+from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.repository.model_config import LLM
 from server.repository.scan import BrokenModel, read_model
+from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
 from server.workers.transport import Channel, ChannelAddress
 from server.workers.worker import (
+    MALFORMED,
     ChannelEvents,
-    WorkerInfo,
     calibrate_logged,
     describe,
     serve_channel,
@@ -68,7 +73,7 @@ class RemoteWorkerOptions:
 class RemoteWorker:
     """Owns the engine's link to its servers; `run` returns after `stop` is set (e.g. by a signal)."""
 
-    def __init__(self, engine: Engine, info: WorkerInfo, options: RemoteWorkerOptions,
+    def __init__(self, engine: LocalEngine, info: WorkerInfo, options: RemoteWorkerOptions,
                  events: ChannelEvents | None = None, on_attach: Callable[[], None] | None = None) -> None:
         """`events`: the engine's KVBM sink when block events go to the attached server's index; `on_attach`
         then asks the KVBM agent to announce what it holds, for the new server's index."""
@@ -76,6 +81,7 @@ class RemoteWorker:
         self.info = info
         self.options = options
         self.stop = threading.Event()
+        self.messages_rejected = 0  # frames that were not messages (each one dropped its sender's connection)
         self._events = events
         self._on_attach = on_attach
         self._channel = Channel(ChannelAddress.tcp(options.host, options.port), server_side=False)
@@ -92,7 +98,7 @@ class RemoteWorker:
             while not self.stop.is_set():
                 self._session()
                 if not self.stop.is_set():
-                    self._channel = Channel(self.address, server_side=False)
+                    self._reopen()
                     self.registration.announce("join", "free again")
         finally:
             self._channel.close()
@@ -100,21 +106,24 @@ class RemoteWorker:
 
     def _session(self) -> None:
         """Serve the next server that attaches, from its hello to its leaving."""
-        channel = self._channel
-        server_id = self._wait_for_attach(channel)
+        server_id = self._wait_for_attach()
         if server_id is None:
             return
+        channel = self._channel
         log.info("serving server %s", server_id)
         if self._events is not None:
             self._events.channel = channel
         if self._on_attach is not None:
             self._on_attach()
-        channel.send("hello", self.info)
+        channel.send(Hello(self.info))
         beat_stop = threading.Event()
         beat = start_heartbeat(channel, self.engine, self.options.heartbeat_s, beat_stop)
         reason = serve_channel(channel, self.engine, self.stop, server_timeout_s=self.options.lease_s)
         if reason == "signal":
-            channel.send("bye", "worker shutting down")
+            channel.send(Bye("worker shutting down"))
+        elif reason == MALFORMED:
+            self.messages_rejected += 1
+            channel.send(Bye("a frame that is not a message reached the worker; it dropped this server"))
         beat_stop.set()
         beat.join()
         if self._events is not None:
@@ -123,13 +132,25 @@ class RemoteWorker:
         self.registration.release_claim(server_id)
         log.info("server %s detached (%s)", server_id, reason)
 
-    def _wait_for_attach(self, channel: Channel) -> str | None:
-        """The id of the server that attached, or None once stopped."""
+    def _wait_for_attach(self) -> str | None:
+        """The id of the server that attached, or None once stopped. A frame that is not a message closes the
+        sockets (and with them its sender's connection); the worker waits on fresh ones, on the same ports."""
         while not self.stop.is_set():
-            message = channel.recv(timeout_s=_ATTACH_TICK_S)
-            if message is not None and message[0] == "attach":
-                return message[1]
+            try:
+                message = self._channel.recv(timeout_s=_ATTACH_TICK_S)
+            except BadMessage as exc:
+                self.messages_rejected += 1
+                log.error("a frame that is not a message arrived while free (%s); reopening the sockets", exc)
+                self._reopen()
+                continue
+            if isinstance(message, Attach):
+                return message.server_id
         return None
+
+    def _reopen(self) -> None:
+        """Fresh sockets on the same ports: no peer of the last ones stays connected."""
+        self._channel.close()
+        self._channel = Channel(self.address, server_side=False)
 
 
 def run_worker(args: argparse.Namespace) -> int:

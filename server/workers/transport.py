@@ -14,8 +14,11 @@ server binds; a remote worker advertises its endpoints in Redis, so it binds and
 round-robins between connected peers, so a bound worker must have exactly one server connected at a time
 (discovery.py takes a claim in Redis before connecting).
 
-Messages are pickled tuples `(kind, *fields)`; both ends must run the same Strata version (a spawned worker does
-by construction; a remote worker and its server are deployed together). What goes into Redis is JSON.
+Each frame is one typed message of `protocol.py` (msgpack, decoded by msgspec into the receiving direction's union);
+never a pickle. A frame that does not decode, or is over `MAX_MESSAGE_BYTES`, is dropped and `recv` raises
+`BadMessage`: the caller logs it, counts it and drops the peer (a server its worker, a worker its server). ZMQ itself
+disconnects a peer whose frame is over `_ZMQ_MAX_FACTOR` times the limit before reading it whole (no log line: ZMQ
+does not say), so no frame can make a process buffer unbounded memory.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
+
+from server.workers.protocol import MAX_MESSAGE_BYTES, BadMessage, Codec, Message, ToServer, ToWorker
 
 logger = logging.getLogger(__name__)
 
 _REMOTE_SEND_TIMEOUT_MS = 1000
+_ZMQ_MAX_FACTOR = 4  # ZMQ_MAXMSGSIZE = 4 x the checked limit: oversized frames up to it get a log line and a count
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +78,15 @@ def _retarget(endpoint: str, host: str) -> str:
 
 class Channel:
     """One end of the link: `send` from any thread, `recv` from one thread only. `address` is the address as
-    bound (wildcard TCP ports resolved) on the binding side, else the one given."""
+    bound (wildcard TCP ports resolved) on the binding side, else the one given. Frames over `max_message_bytes`
+    are refused both ways."""
 
-    def __init__(self, address: ChannelAddress, server_side: bool) -> None:
+    def __init__(self, address: ChannelAddress, server_side: bool, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self._codec = Codec(ToServer if server_side else ToWorker, max_message_bytes)
         self._context = zmq.Context()
         self._out = self._context.socket(zmq.PUSH)
         self._in = self._context.socket(zmq.PULL)
+        self._in.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_FACTOR * max_message_bytes)
         # A worker flushes its last messages (a failure report, final outputs) before exiting; the server
         # never waits on a worker that is gone.
         self._out.setsockopt(zmq.LINGER, 0 if server_side else 2000)
@@ -105,23 +113,30 @@ class Channel:
         self._closed = False
         self._socket_files = address.paths() if binds else []
 
-    def send(self, *message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a
-        server that has left)."""
+        server that has left). Raises BadMessage, sending nothing, for a message over the size limit."""
         with self._send_lock:
             if self._closed:
                 return
+            frame = self._codec.encode(message)
             try:
-                self._out.send_pyobj(message)
+                self._out.send(frame)
             except zmq.Again:
-                logger.debug("no server took a %r message within %d ms; dropped", message[0],
+                logger.debug("no server took a %s message within %d ms; dropped", type(message).__name__,
                              _REMOTE_SEND_TIMEOUT_MS)
 
-    def recv(self, timeout_s: float | None = None) -> tuple[Any, ...] | None:
-        """The next message, or None if none came within `timeout_s`."""
+    def recv(self, timeout_s: float | None = None) -> Message | None:
+        """The next message, or None if none came within `timeout_s`. Raises BadMessage for a frame that is not a
+        message of this direction (it is dropped; the caller drops the peer)."""
         if timeout_s is not None and not self._in.poll(int(timeout_s * 1000)):
             return None
-        return self._in.recv_pyobj()
+        frame = self._in.recv()
+        if self._in.rcvmore:
+            while self._in.rcvmore:
+                self._in.recv()
+            raise BadMessage("a multipart frame")
+        return self._codec.decode(frame)
 
     def close(self) -> None:
         """Idempotent."""

@@ -1,25 +1,14 @@
 """The worker process: builds one engine and serves it over a `Channel` until told to stop.
 
-Protocol (pickled tuples), server -> worker:
-    ("call", call_id, method, args)   method: submit | encode | apply_chat_template
-    ("abort", request_id)
-    ("stop",)
-worker -> server:
-    ("ack",)                          answers each beat: a remote worker drops a server it no longer hears
-    ("attach", server_id)             a server connecting to a remote worker (see remote_worker.py)
-worker -> server:
-    ("hello", WorkerInfo) once the engine is built and calibrated, or ("failed", message)
-    ("reply", call_id, "ok", value) | ("reply", call_id, "request_error", (field, message)) |
-    ("reply", call_id, "error", message)
-    ("out", GenerationOutput)         from the engine thread, one per step per request
-    ("beat", PoolStats)               every `heartbeat_s`; the server declares the worker dead without them
-    ("event", TierEvent)              KVBM tier events, when the spec forwards them to the server's index
-    ("bye", reason)                   a remote worker leaving (SIGTERM): the server drops it at once
+The messages are the typed Structs of `protocol.py` (its docstring lists both directions). The worker answers each
+call (Submit, Encode, ApplyChatTemplate) with one answer (Accepted or TokenIds, Refused, CallFailed), streams its requests' outputs (Out)
+from the engine thread, beats with its engine's PoolStats, and forwards KVBM tier events when its spec says so. A
+frame that is not a message (`BadMessage`) ends serving that server: a spawned worker exits (its server sees a dead
+worker and migrates its requests), a remote worker says Bye and waits for its next server.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -27,19 +16,38 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
-from server.engine.api import GenerationOutput, GenerationRequest, LocalEngine, RequestError, RequestId
+from server.engine.api import GenerationOutput, LocalEngine, RequestError, RequestId
 from server.engine.config import EngineConfig
-from server.workers.hardware import HardwareInfo, Speeds, calibrate, describe_hardware
+from server.workers.hardware import Speeds, calibrate, describe_hardware
+from server.workers.protocol import (
+    Abort,
+    Accepted,
+    Answer,
+    BadMessage,
+    Beat,
+    Call,
+    CallFailed,
+    Encode,
+    Event,
+    Failed,
+    Hello,
+    Out,
+    Refused,
+    Stop,
+    Submit,
+    TokenIds,
+    WorkerInfo,
+)
 from server.workers.transport import Channel, ChannelAddress
 
 logger = logging.getLogger(__name__)
 
-_METHODS = ("submit", "encode", "apply_chat_template")
+MALFORMED = "malformed message"  # why serving ended when the server's end sent a frame that is not a message
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,38 +61,6 @@ class WorkerSpec:
     heartbeat_s: float = 0.5
     forward_events: bool = False
     worker_id: str = "worker-0"  # set by RemoteEngine.spawn
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What the server learns from the worker's hello (and from Redis, as JSON, for a remote worker).
-    `salt`/`block_size` key block hashes (None: not paged); `speeds` were measured at start (see hardware.py)."""
-
-    model_name: str
-    max_model_len: int
-    max_tokens_limit: int
-    block_size: int | None
-    salt: int | None
-    pid: int
-    hardware: HardwareInfo | None = None
-    speeds: Speeds = field(default_factory=Speeds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> WorkerInfo:
-        hardware = raw.get("hardware")
-        return cls(**{**raw, "hardware": HardwareInfo(**hardware) if hardware else None,
-                      "speeds": Speeds(**raw.get("speeds", {}))})
-
-    def summary(self) -> str:
-        """One log line: where it runs and how fast it measured."""
-        hw = self.hardware
-        where = f"{hw.host} {hw.device} ({hw.device_name}), {hw.cpu_cores} cores, {hw.torch_threads} threads, " \
-            f"{hw.memory_bytes / 2**30:.1f} GiB, KV {hw.kv_capacity_blocks} blocks / " \
-            f"{hw.kv_capacity_bytes / 2**20:.0f} MiB" if hw else "unknown hardware"
-        return f"{where}; prefill {self.speeds.prefill_tok_s:.0f} tok/s, decode {self.speeds.decode_tok_s:.1f} tok/s"
 
 
 def _exit_with_parent() -> None:
@@ -115,14 +91,15 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
         engine = spec.factory(*spec.args, worker_id=spec.worker_id, events=events)
     except Exception as exc:
         logger.exception("building the engine failed")
-        channel.send("failed", f"{type(exc).__name__}: {exc}")
+        channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         channel.close()
         return
-    channel.send("hello", describe(engine, calibrate_logged(engine)))
+    channel.send(Hello(describe(engine, calibrate_logged(engine))))
     stop = threading.Event()
     beat = start_heartbeat(channel, engine, spec.heartbeat_s, stop, parent_pid=os.getppid())
     try:
-        serve_channel(channel, engine)
+        reason = serve_channel(channel, engine)
+        logger.info("serving ended: %s", reason)
     finally:
         engine.close()
         stop.set()
@@ -149,7 +126,7 @@ class ChannelEvents:
     def publish(self, event: TierEvent) -> None:
         channel = self.channel
         if channel is not None:
-            channel.send("event", event)
+            channel.send(Event(event))
 
 
 def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None = None, *,
@@ -178,17 +155,18 @@ _TICK_S = 0.2  # how often a remote worker's serve loop looks at its stop flag a
 
 def serve_channel(channel: Channel, engine: LocalEngine, stop: threading.Event | None = None,
                   server_timeout_s: float | None = None) -> str:
-    """Answer one server's messages until it sends "stop"; then abort what it left running on the engine.
+    """Answer one server's messages until it sends Stop; then abort what it left running on the engine.
 
-    Returns why serving ended: "stop", or for a remote worker (`stop` given) "signal" once `stop` is set, or
-    "server silent" after `server_timeout_s` without a message (the server acks every beat).
+    Returns why serving ended: "stop"; `MALFORMED` after a frame that is not a message (logged; whoever sent it,
+    this server is dropped); or for a remote worker (`stop` given) "signal" once `stop` is set, or "server silent"
+    after `server_timeout_s` without a message (the server acks every beat).
     """
     active: set[RequestId] = set()
 
     def sink(output: GenerationOutput) -> None:
         if output.finished:
             active.discard(output.request_id)
-        channel.send("out", output)
+        channel.send(Out(output))
 
     reason = _answer(channel, engine, sink, active, stop, server_timeout_s)
     for request_id in list(active):
@@ -200,43 +178,52 @@ def _answer(channel: Channel, engine: LocalEngine, sink: Callable[[GenerationOut
             stop: threading.Event | None, server_timeout_s: float | None) -> str:
     last_heard = time.monotonic()
     while True:
-        message = channel.recv(timeout_s=None if stop is None else _TICK_S)
+        try:
+            message = channel.recv(timeout_s=None if stop is None else _TICK_S)
+        except BadMessage as exc:
+            logger.error("dropping the server: a frame that is not a message arrived (%s)", exc)
+            return MALFORMED
         if message is None:
             if stop is not None and stop.is_set():
                 return "signal"
             if server_timeout_s is not None and time.monotonic() - last_heard > server_timeout_s:
                 return "server silent"
             continue
-        last_heard = time.monotonic()
-        kind = message[0]
-        if kind == "stop":
+        last_heard = time.monotonic()  # any message, an Ack included
+        if isinstance(message, Stop):
             return "stop"
-        if kind == "abort":
-            engine.abort(message[1])
-        elif kind == "call":
-            channel.send("reply", message[1], *_call(engine, message[2], message[3], sink, active))
+        if isinstance(message, Abort):
+            engine.abort(message.request_id)
+        elif isinstance(message, Call):
+            _send_answer(channel, _call(engine, message, sink, active))
 
 
-def _call(engine: LocalEngine, method: str, args: tuple[Any, ...], sink: Callable[[GenerationOutput], None],
-          active: set[RequestId]) -> tuple[str, Any]:
-    if method not in _METHODS:
-        return "error", f"unknown method {method!r}"
+def _call(engine: LocalEngine, call: Call, sink: Callable[[GenerationOutput], None],
+          active: set[RequestId]) -> Answer:
     try:
-        if method == "submit":
-            request: GenerationRequest = args[0]
-            active.add(request.request_id)
+        if isinstance(call, Submit):
+            active.add(call.request.request_id)
             try:
-                engine.submit(request, sink)
+                engine.submit(call.request, sink)
             except BaseException:
-                active.discard(request.request_id)
+                active.discard(call.request.request_id)
                 raise
-            return "ok", None
-        return "ok", getattr(engine, method)(*args)
+            return Accepted(call.call_id)
+        if isinstance(call, Encode):
+            return TokenIds(call.call_id, engine.encode(call.text))
+        return TokenIds(call.call_id, engine.apply_chat_template(call.messages))
     except RequestError as exc:
-        return "request_error", (exc.field, exc.message)
+        return Refused(call.call_id, exc.field, exc.message)
     except Exception as exc:
-        logger.exception("%s failed", method)
-        return "error", f"{type(exc).__name__} in worker {method}"
+        logger.exception("%s failed", type(call).__name__)
+        return CallFailed(call.call_id, f"{type(exc).__name__} in worker {type(call).__name__}")
+
+
+def _send_answer(channel: Channel, answer: Answer) -> None:
+    try:
+        channel.send(answer)
+    except BadMessage as exc:  # e.g. the token ids of a huge text: the caller gets an error, not a lost link
+        channel.send(CallFailed(answer.call_id, f"answer not sent: {exc}"))
 
 
 def start_heartbeat(channel: Channel, engine: LocalEngine, interval_s: float, stop: threading.Event,
@@ -248,7 +235,7 @@ def start_heartbeat(channel: Channel, engine: LocalEngine, interval_s: float, st
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("server process is gone; exiting")
                 os._exit(1)
-            channel.send("beat", engine.stats())
+            channel.send(Beat(engine.stats()))
 
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()

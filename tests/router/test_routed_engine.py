@@ -19,9 +19,8 @@ from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine, SpeedMeter
 from server.router.router import Router
 from server.workers.hardware import HardwareInfo, Speeds
-from server.workers.protocol import WorkerId
+from server.workers.protocol import WorkerId, WorkerInfo
 from server.workers.remote import WorkerListener
-from server.workers.worker import WorkerInfo
 from tests.workers.worker_fakes import SALT, StepEngine
 
 

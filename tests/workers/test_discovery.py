@@ -23,7 +23,7 @@ from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.workers.discovery import Discovery
-from server.workers.protocol import WorkerId
+from server.workers.protocol import Attach, Hello, WorkerId
 from server.workers.registry import Directory, WorkerRecord, events_key, lease_key, registrations_key
 from server.workers.remote import RemoteEngine
 from server.workers.transport import Channel
@@ -180,8 +180,8 @@ def test_worker_whose_server_goes_silent_becomes_free_again(redis_url, remote_wo
     channel = Channel(directory.record("r1").address, server_side=True)  # a server that never acks a beat
     try:
         after = directory.stream_tail()
-        channel.send("attach", directory.server_id)
-        assert channel.recv(timeout_s=10)[0] == "hello"
+        channel.send(Attach(directory.server_id))
+        assert isinstance(channel.recv(timeout_s=10), Hello)
         events = directory.wait_for_events(after, block_ms=int(LEASE_S * 1000 + 2000))
         assert events and events[0][1] == {"event": "join", "worker": "r1", "reason": "free again"}
         assert directory.claim("r1")  # the worker released this server's claim when it detached

@@ -1,0 +1,104 @@
+"""The worker protocol's messages: every kind round-trips typed; frames that are not messages are refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgspec
+import pytest
+
+from kvbm.events import G2, TierEvent
+from server.engine.api import GenerationOutput, GenerationRequest, PoolStats, RequestId, SamplingParams
+from server.workers.hardware import HardwareInfo, Speeds
+from server.workers.protocol import (
+    Abort,
+    Accepted,
+    Ack,
+    ApplyChatTemplate,
+    Attach,
+    BadMessage,
+    Beat,
+    Bye,
+    CallFailed,
+    Codec,
+    Encode,
+    Event,
+    Failed,
+    Hello,
+    Message,
+    Out,
+    Refused,
+    Stop,
+    Submit,
+    TokenIds,
+    ToServer,
+    ToWorker,
+    WorkerInfo,
+)
+
+HARDWARE = HardwareInfo("host", "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
+REQUEST = GenerationRequest(RequestId("r-1"), [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=2**63,
+                                                                          stop=["\n"], stop_token_ids=[7]))
+TO_WORKER = [Attach("server-1"), Submit(1, REQUEST), Encode(2, "héllo"),
+             ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]), Abort(RequestId("r-1")),
+             Ack(), Stop()]
+TO_SERVER = [
+    Hello(WorkerInfo("step", 256, 200, 4, 2**64 - 1, 123, HARDWARE, Speeds(5000.0, 80.0))), Failed("no weights"),
+    Accepted(1), TokenIds(2, [104, 195]), Refused(3, "prompt", "too long"), CallFailed(4, "ValueError in worker"),
+    Out(GenerationOutput(RequestId("r-1"), [1000], " t0", True, "length", 3, 2, 1, None, True)),
+    Beat(PoolStats(100, 90, 5, 2, 1, 0)),
+    Event(TierEvent("w0", "moved", G2, (1, 2**64 - 1), from_tier=1, timestamp=1.5, node="host:0")),
+    Bye("worker shutting down"),
+]
+
+
+def test_every_message_kind_round_trips_typed() -> None:
+    assert {type(m) for m in TO_WORKER + TO_SERVER} == set(Message.__subclasses__())
+    server_end, worker_end = Codec(ToServer), Codec(ToWorker)
+    for message in TO_WORKER:
+        assert worker_end.decode(server_end.encode(message)) == message
+    for message in TO_SERVER:
+        assert server_end.decode(worker_end.encode(message)) == message
+
+
+def test_an_output_is_one_short_array() -> None:
+    frame = Codec(ToWorker).encode(TO_SERVER[6])
+    assert msgspec.msgpack.decode(frame) == ["Out", ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True]]
+
+
+class _Exploit:
+    def __reduce__(self):
+        return os.system, ("touch /nonexistent/never",)
+
+
+@pytest.mark.parametrize("frame", [
+    pickle.dumps(("call", 0, "submit", (_Exploit(),))),  # what the pickled protocol accepted
+    b"\xc1",  # not msgpack
+    msgspec.msgpack.encode(["Zap", 1]),  # unknown kind
+    Codec(ToServer).encode(Hello(TO_SERVER[0].info)),  # the other direction's kind
+    Codec(ToServer).encode(Submit(1, REQUEST))[:-4],  # truncated
+    msgspec.msgpack.encode(["Submit", 1, ["r", [1, "x"], []]]),  # a field of the wrong type
+    msgspec.msgpack.encode(["Abort"]),  # a field missing
+])
+def test_frames_that_are_not_messages_are_refused(frame: bytes) -> None:
+    with pytest.raises(BadMessage):
+        Codec(ToWorker).decode(frame)
+
+
+def test_oversized_frames_are_refused_both_ways() -> None:
+    codec = Codec(ToWorker, max_message_bytes=64)
+    with pytest.raises(BadMessage, match="over 64"):
+        codec.decode(msgspec.msgpack.encode(["Encode", 1, "x" * 64]))
+    with pytest.raises(BadMessage, match="over 64"):
+        codec.encode(Encode(1, "x" * 64))
+    assert codec.decode(codec.encode(Encode(1, "x" * 32))) == Encode(1, "x" * 32)
+
+
+def test_tier_events_out_of_range_are_refused() -> None:
+    codec = Codec(ToServer)
+    bad_tier = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 9, "block_hashes": []}])
+    bad_hash = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 1, "block_hashes": [-1]}])
+    for frame in (bad_tier, bad_hash):
+        with pytest.raises(BadMessage):
+            codec.decode(frame)
