@@ -25,8 +25,11 @@ the oracle hits each run lost, by the state of the request holding the prefix wh
 (queued, decoding, finished); `--keep-logs DIR` keeps each server's router decision log and per-request timings;
 `--repeats N` runs N rounds of every strategy and tier and reports medians (these machines are noisy).
 
-`transport`: round trip of a pickled GenerationOutput between two processes over the worker channel (ZMQ ipc)
-and over multiprocessing.Pipe, the alternative it was chosen over.
+`transport`: the worker link's two hot paths between two processes: a call's round trip (server -> worker submit,
+worker -> server answer) and a stream of GenerationOutputs (worker -> server, one per token per request; "sender us"
+is the engine thread's time per send). The worker channel with its typed msgspec messages, against the same ZMQ ipc
+sockets carrying pickled tuples (the protocol before it) and multiprocessing.Pipe (the alternative ZMQ was chosen
+over), in the same run.
 
 Each command prints a table and one JSON line.
 """
@@ -38,15 +41,18 @@ import gc
 import heapq
 import json
 import multiprocessing
+import pickle
 import random
 import statistics
 import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvbm.block_hash import BlockHash  # noqa: E402
@@ -55,7 +61,7 @@ from kvbm.index import KVIndex  # noqa: E402
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams  # noqa: E402
 from server.router.config import RouterConfig  # noqa: E402
 from server.router.router import Router  # noqa: E402
-from server.workers.protocol import WorkerId, WorkerStats  # noqa: E402
+from server.workers.protocol import Accepted, Codec, Out, Submit, ToServer, ToWorker, WorkerId, WorkerStats  # noqa: E402
 from server.workers.transport import Channel, ChannelAddress  # noqa: E402
 
 PROMPT_BLOCKS = 128
@@ -537,85 +543,242 @@ def print_replay_serve_table(report: dict) -> None:
                       f"{', '.join(f'{ratio:.2f}x' for ratio in paired)}")
 
 
-# ---- transport: the worker channel against multiprocessing.Pipe ----
+# ---- transport: the worker channel (msgspec) against pickled tuples (ZMQ, as before) and multiprocessing.Pipe ----
 
 _SAMPLE_OUTPUT = GenerationOutput(RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None,
                                   2048, 1024, 17)
+_SAMPLE_REQUEST = GenerationRequest(RequestId("0123456789abcdef0123456789abcdef-0"), list(range(2048)),
+                                    SamplingParams(max_tokens=64, temperature=0.0))
+_WARMUP_CALLS = 200
 
 
-def _echo_channel(address: ChannelAddress, stream: int) -> None:
-    """Echo every message; on ("stream",) send `stream` outputs back to back and report the time spent sending."""
-    channel = Channel(address, server_side=False)
-    while (message := channel.recv())[0] != "stop":
-        if message[0] == "stream":
-            started = time.perf_counter()
-            for _ in range(stream):
-                channel.send("out", _SAMPLE_OUTPUT)
-            channel.send("sent", time.perf_counter() - started)
-        else:
-            channel.send(*message)
-    channel.close()
+@dataclass(slots=True)
+class _DataclassOutput:
+    """GenerationOutput as it was when the link pickled it (a slots dataclass): what the pickle rows send."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    retryable: bool = False
 
 
-def _echo_pipe(connection: Any, stream: int) -> None:
-    while (message := connection.recv())[0] != "stop":
-        if message[0] == "stream":
-            started = time.perf_counter()
-            for _ in range(stream):
-                connection.send(("out", _SAMPLE_OUTPUT))
-            connection.send(("sent", time.perf_counter() - started))
-        else:
-            connection.send(message)
+@dataclass(slots=True)
+class _DataclassSampling:
+    """SamplingParams as it was (the fields a request sets here; the rest were defaults of the same kinds)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
-def _measure(send: Any, recv: Any, count: int) -> dict[str, float]:
-    """Round trips, then a one-way stream of `count` outputs (the engine -> server direction)."""
-    for _ in range(200):
-        send("out", _SAMPLE_OUTPUT)
-        recv()
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter()
-        send("out", _SAMPLE_OUTPUT)
-        recv()
-        samples.append(time.perf_counter() - started)
-    send("stream")
+@dataclass(slots=True)
+class _DataclassRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: _DataclassSampling
+
+
+_PICKLED_OUTPUT = _DataclassOutput(*msgspec.structs.astuple(_SAMPLE_OUTPUT))
+_PICKLED_REQUEST = _DataclassRequest(_SAMPLE_REQUEST.request_id, _SAMPLE_REQUEST.prompt_token_ids,
+                                     _DataclassSampling(*msgspec.structs.astuple(_SAMPLE_REQUEST.sampling)))
+
+
+class _TypedLink:
+    """The worker channel as it is: msgspec Structs (server/workers/protocol.py)."""
+
+    def __init__(self, address: ChannelAddress, server_side: bool) -> None:
+        self.channel = Channel(address, server_side)
+
+    def call(self, call_id: int) -> None:
+        self.channel.send(Submit(call_id, _SAMPLE_REQUEST))
+
+    def answer(self, call: Any) -> None:
+        self.channel.send(Accepted(call.call_id))
+
+    def send_output(self, output: GenerationOutput) -> None:
+        self.channel.send(Out(output))
+
+    def recv(self) -> Any:
+        return self.channel.recv()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _PickledLink:
+    """The worker channel as it was: the same ZMQ PUSH/PULL ipc sockets and send lock, pickled tuples."""
+
+    def __init__(self, address: ChannelAddress, server_side: bool) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._out, self._in = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        out_endpoint, in_endpoint = (address.to_worker, address.to_server) if server_side \
+            else (address.to_server, address.to_worker)
+        for sock, endpoint in ((self._out, out_endpoint), (self._in, in_endpoint)):
+            sock.setsockopt(zmq.LINGER, 0 if server_side else 2000)
+            if server_side:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
+        self._lock = threading.Lock()
+
+    def _send(self, *message: Any) -> None:
+        with self._lock:
+            self._out.send_pyobj(message)
+
+    def call(self, call_id: int) -> None:
+        self._send("call", call_id, "submit", (_PICKLED_REQUEST,))
+
+    def answer(self, call: Any) -> None:
+        self._send("reply", call[1], "ok", None)
+
+    def send_output(self, output: GenerationOutput) -> None:
+        self._send("out", _PICKLED_OUTPUT)
+
+    def recv(self) -> Any:
+        return self._in.recv_pyobj()
+
+    def close(self) -> None:
+        self._out.close()
+        self._in.close()
+        self._context.term()
+
+
+class _PipeLink(_PickledLink):
+    """multiprocessing.Pipe, pickled tuples."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._lock = threading.Lock()
+
+    def _send(self, *message: Any) -> None:
+        with self._lock:
+            self._connection.send(message)
+
+    def recv(self) -> Any:
+        return self._connection.recv()
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+def _open_link(kind: str, endpoint: Any, server_side: bool) -> Any:
+    if kind == "pipe":
+        return _PipeLink(endpoint)
+    return (_TypedLink if kind == "msgspec" else _PickledLink)(endpoint, server_side)
+
+
+def _worker_side(kind: str, endpoint: Any, count: int, control: Any) -> None:
+    """Answer the calls, then stream `count` outputs and report the time spent sending them (on `control`)."""
+    link = _open_link(kind, endpoint, server_side=False)
+    for _ in range(_WARMUP_CALLS + count):
+        link.answer(link.recv())
     started = time.perf_counter()
-    while (message := recv())[0] != "sent":
-        pass
+    for _ in range(count):
+        link.send_output(_SAMPLE_OUTPUT)
+    control.send(time.perf_counter() - started)
+    control.recv()  # the server side has read everything
+    link.close()
+
+
+def _measure_link(kind: str, count: int) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    control, child_control = context.Pipe()
+    if kind == "pipe":
+        endpoint, child_endpoint = context.Pipe()
+    else:
+        endpoint = child_endpoint = ChannelAddress.fresh()
+    link = _open_link(kind, endpoint, server_side=True)  # binds first: the worker connects to it
+    child = context.Process(target=_worker_side, args=(kind, child_endpoint, count, child_control))
+    child.start()
+    for call_id in range(_WARMUP_CALLS):
+        link.call(call_id)
+        link.recv()
+    samples = []
+    for call_id in range(count):
+        started = time.perf_counter()
+        link.call(call_id)
+        link.recv()
+        samples.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    for _ in range(count):
+        link.recv()
     elapsed = time.perf_counter() - started
+    sender_s = control.recv()
+    control.send("done")
+    child.join()
+    link.close()
     return {**summary(samples), "stream_msgs_per_s": round(count / elapsed),
-            "sender_us_per_msg": round(message[1] / count * 1e6, 1)}
+            "sender_us_per_msg": round(sender_s / count * 1e6, 2)}
+
+
+_LINKS = (("zmq-ipc msgspec (now)", "msgspec"), ("zmq-ipc pickle (before)", "pickle"),
+          ("multiprocessing.Pipe pickle", "pipe"))
+
+
+def _codec_costs(count: int) -> dict[str, dict[str, float]]:
+    """One output message encoded and decoded in this process: the codec's share of each send, without IPC."""
+    codec_out, codec_in = Codec(ToWorker), Codec(ToServer)
+    message, legacy = Out(_SAMPLE_OUTPUT), ("out", _PICKLED_OUTPUT)
+    frame, pickled = codec_out.encode(message), pickle.dumps(legacy, pickle.DEFAULT_PROTOCOL)
+
+    def per_call(fn: Any) -> float:
+        started = time.perf_counter()
+        for _ in range(count):
+            fn()
+        return round((time.perf_counter() - started) / count * 1e6, 2)
+
+    return {"msgspec": {"encode_us": per_call(lambda: codec_out.encode(Out(_SAMPLE_OUTPUT))),
+                        "decode_us": per_call(lambda: codec_in.decode(frame)), "bytes": len(frame)},
+            "pickle": {"encode_us": per_call(lambda: pickle.dumps(legacy, pickle.DEFAULT_PROTOCOL)),
+                       "decode_us": per_call(lambda: pickle.loads(pickled)), "bytes": len(pickled)}}
 
 
 def transport_command(args: argparse.Namespace) -> dict:
-    context = multiprocessing.get_context("spawn")
-    address = ChannelAddress.fresh()
-    channel = Channel(address, server_side=True)
-    child = context.Process(target=_echo_channel, args=(address, args.round_trips))
-    child.start()
-    zmq_result = _measure(channel.send, channel.recv, args.round_trips)
-    channel.send("stop")
-    child.join()
-    channel.close()
-    parent_end, child_end = context.Pipe()
-    child = context.Process(target=_echo_pipe, args=(child_end, args.round_trips))
-    child.start()
-    child_end.close()
-    pipe_result = _measure(lambda *m: parent_end.send(m), parent_end.recv, args.round_trips)
-    parent_end.send(("stop",))
-    child.join()
-    return {"bench": "routing.transport", "message": "pickled GenerationOutput", "count": args.round_trips,
-            "results": {"zmq-ipc (Channel)": zmq_result, "multiprocessing.Pipe": pipe_result}}
+    """Each link measured `--repeats` times, the links interleaved (these machines are noisy); medians reported."""
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in _LINKS}
+    for _ in range(args.repeats):
+        for name, kind in _LINKS:
+            rounds[name].append(_measure_link(kind, args.round_trips))
+    results = {name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+               for name, rows in rounds.items()}
+    now, before = results["zmq-ipc msgspec (now)"], results["zmq-ipc pickle (before)"]
+    return {"bench": "routing.transport", "count": args.round_trips, "repeats": args.repeats, "results": results,
+            "codec": _codec_costs(100_000),
+            "msgspec_vs_pickle": {"stream_msgs_per_s": round(now["stream_msgs_per_s"] / before["stream_msgs_per_s"], 2),
+                                  "sender_us_per_msg": round(now["sender_us_per_msg"] / before["sender_us_per_msg"], 2),
+                                  "rtt_p50": round(now["p50_us"] / before["p50_us"], 2)},
+            "rounds": rounds}
 
 
 def print_transport_table(report: dict) -> None:
-    print(f"one {report['message']} between two processes: {report['count']} round trips, then a stream of "
-          f"{report['count']} (worker -> server)")
-    print(f"{'transport':<22}{'RTT p50 us':>11}{'p99 us':>9}{'stream msg/s':>14}{'sender us/msg':>15}")
+    print(f"worker link between two processes: {report['count']} submit round trips (a 2,048-token request), then a "
+          f"stream of {report['count']} GenerationOutputs (worker -> server); medians of {report['repeats']} rounds")
+    print(f"{'link':<30}{'RTT p50 us':>11}{'p99 us':>9}{'stream msg/s':>14}{'sender us/msg':>15}")
     for name, row in report["results"].items():
-        print(f"{name:<22}{row['p50_us']:>11}{row['p99_us']:>9}{row['stream_msgs_per_s']:>14,}"
+        print(f"{name:<30}{row['p50_us']:>11}{row['p99_us']:>9}{round(row['stream_msgs_per_s']):>14,}"
               f"{row['sender_us_per_msg']:>15}")
+    ratio = report["msgspec_vs_pickle"]
+    print(f"msgspec / pickle on ZMQ: stream {ratio['stream_msgs_per_s']}x msg/s, {ratio['sender_us_per_msg']}x sender "
+          f"time per message, {ratio['rtt_p50']}x RTT p50")
+    print(f"{'one output message, in process':<30}{'encode us':>11}{'decode us':>11}{'bytes':>7}")
+    for name, row in report["codec"].items():
+        print(f"{name:<30}{row['encode_us']:>11}{row['decode_us']:>11}{row['bytes']:>7}")
 
 
 def main() -> None:
@@ -668,8 +831,9 @@ def main() -> None:
                        help="run in this order; also kv-aware-in-flight (--router-count-in-flight); a suffix @W sets "
                             "--router-overlap-weight W (kv-aware@4)")
     serve.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
-    transport = sub.add_parser("transport", help="worker channel round trip vs multiprocessing.Pipe")
+    transport = sub.add_parser("transport", help="worker link: msgspec vs pickled tuples vs multiprocessing.Pipe")
     transport.add_argument("--round-trips", type=int, default=5000)
+    transport.add_argument("--repeats", type=int, default=3, help="rounds of every link, interleaved; medians shown")
     args = parser.parse_args()
     commands = {"decision": (decision_bench, print_decision_table), "replay": (replay_command, print_replay_table),
                 "transport": (transport_command, print_transport_table),
