@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 1 << 30
@@ -32,6 +32,8 @@ class KVBMConfig:
     disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
     disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
     cache_id           node-local name of the G2 segment; workers sharing it share blocks
+    g4_key             32-byte key that signs and verifies G4 blocks (kvbm.auth.derive_key(cluster secret,
+                       "g4-mac")); required with redis_url: Redis is shared storage, not trusted storage
     """
 
     host_cache_gb: float = 1.0
@@ -44,6 +46,7 @@ class KVBMConfig:
     disk_min_uses: int = 1
     disk_fsync: bool = False
     cache_id: str = "default"
+    g4_key: bytes | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         for name in ("host_cache_gb", "disk_cache_gb", "redis_cache_gb"):
@@ -53,6 +56,9 @@ class KVBMConfig:
             raise KVBMConfigError("redis_ttl_s", "must be >= 0 seconds")
         if self.disk_min_uses < 1:
             raise KVBMConfigError("disk_min_uses", "must be >= 1")
+        if self.redis_url and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
+            raise KVBMConfigError("redis_url", "G4 blocks are signed with a key derived from the cluster secret; "
+                                  "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)")
         if not self.cache_id or "/" in self.cache_id:
             raise KVBMConfigError("cache_id", "must be a non-empty name without '/'")
         self.disk_path = Path(self.disk_path)

@@ -125,7 +125,7 @@ class KVBMConnector:
             tiers.append(DiskPool(path, fingerprint, bb, disk_slots, self.metrics, cfg.disk_fsync))
         if cfg.redis_url:
             link, slots = RedisLink(cfg.redis_url, self.metrics), cfg.capacity_blocks(cfg.redis_cache_gb, bb)
-            tiers.append(RedisPool(link, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics))
+            tiers.append(RedisPool(link, cfg.g4_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics))
         return tiers
 
     def _below(self, tier: BlockTier) -> BlockTier | None:

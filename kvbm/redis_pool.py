@@ -1,24 +1,29 @@
 """G4: blocks as binary Redis values, shared by every node that points at the same Redis.
 
     key    kvbm:blk:<layout tag>:<block hash, 16 hex>
-    value  32-byte header (magic u64, layout tag u64, xxh3_64 checksum u64, payload length u64) + payload
+    value  40-byte header (magic u64, layout tag u64, payload length u64, MAC 16 bytes) + payload
+           MAC = keyed BLAKE3 over (layout tag, block hash, payload) with a key derived from the cluster secret
     kvbm:lru:<layout tag>   sorted set block-hash -> last use (unix s), our own capacity bound when
                             `capacity_blocks` > 0: after a put the oldest members beyond it are deleted
 
-A get is one pipeline (MGET + touch of the LRU set); a value whose header or checksum does not match is a miss
-plus `kvbm_checksum_failures{tier="G4"}`, never bytes. With a TTL every key expires on its own (the LRU set keeps
+A get is one pipeline (MGET + touch of the LRU set); a value whose header or MAC does not match is a miss
+plus `kvbm_checksum_failures{tier="G4"}`, never bytes. The MAC is what makes Redis untrusted storage: whoever can
+write to it but lacks the secret cannot make a block that verifies, nor move a real block to another hash or
+layout. (It does not hide the KV data, and a writer can still delete or replace blocks with stale signed ones
+of the same hash: a denial of service, not a forgery.) With a TTL every key expires on its own (the LRU set keeps
 a dead member until it is trimmed, which only costs a later miss). Redis down: every call is a miss or a no-op.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Sequence
 
 import numpy as np
-import xxhash
 
+from kvbm.auth import block_mac
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
@@ -27,7 +32,7 @@ from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 log = logging.getLogger(__name__)
 
 MAGIC = 0x344756424B415254  # "TRAKBVG4"
-HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("checksum", "<u8"), ("length", "<u8")])
+HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("length", "<u8"), ("mac", "V16")])
 
 
 class RedisPool:
@@ -38,6 +43,7 @@ class RedisPool:
     def __init__(
         self,
         link: RedisLink,
+        mac_key: bytes,
         fingerprint: str,
         block_bytes: int,
         capacity_blocks: int = 0,
@@ -46,6 +52,7 @@ class RedisPool:
         on_evict: EvictFn | None = None,
     ) -> None:
         self.link = link
+        self._mac_key = mac_key
         self.block_bytes = block_bytes
         self.ttl_s = ttl_s
         self.metrics = metrics
@@ -82,10 +89,9 @@ class RedisPool:
 
         return self.link.call(query, [False] * len(block_hashes))
 
-    def encode(self, block: np.ndarray) -> bytes:
-        header = np.array(
-            [(MAGIC, self._layout, xxhash.xxh3_64_intdigest(block), block.nbytes)], dtype=HEADER
-        )
+    def encode(self, block_hash: BlockHash, block: np.ndarray) -> bytes:
+        mac = block_mac(self._mac_key, self._layout, block_hash, block)
+        header = np.array([(MAGIC, self._layout, block.nbytes, mac)], dtype=HEADER)
         return header.tobytes() + block.tobytes()
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
@@ -97,7 +103,7 @@ class RedisPool:
         def store(r) -> PutResult:
             pipe = r.pipeline(transaction=False)
             for block_hash, block in zip(block_hashes, blocks, strict=True):
-                pipe.set(self.key(block_hash), self.encode(block), ex=self.ttl_s or None)
+                pipe.set(self.key(block_hash), self.encode(block_hash, block), ex=self.ttl_s or None)
             pipe.zadd(self._lru_key, {b"%016x" % h: now for h in block_hashes})
             pipe.zcard(self._lru_key)
             size = self._last_size = pipe.execute()[-1]
@@ -129,27 +135,28 @@ class RedisPool:
             return pipe.execute()[0]
 
         values = self.link.call(fetch, [None] * len(block_hashes))
-        return [self._decode_into(value, dest) for value, dest in zip(values, dests, strict=True)]
+        return [self._decode_into(h, value, dest) for h, value, dest in zip(block_hashes, values, dests, strict=True)]
 
-    def _decode_into(self, value: bytes | None, dest: np.ndarray) -> bool:
+    def _decode_into(self, block_hash: BlockHash, value: bytes | None, dest: np.ndarray) -> bool:
         if value is None:
             return False
         size = HEADER.itemsize + self.block_bytes
         header = np.frombuffer(value, dtype=HEADER, count=1)[0] if len(value) >= HEADER.itemsize else None
-        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER.itemsize) if len(value) == size else None
+        payload = memoryview(value)[HEADER.itemsize:] if len(value) == size else None
         if (
             header is None
             or payload is None
             or int(header["magic"]) != MAGIC
             or int(header["layout"]) != self._layout
             or int(header["length"]) != self.block_bytes
-            or xxhash.xxh3_64_intdigest(payload) != int(header["checksum"])
+            or not hmac.compare_digest(header["mac"].tobytes(),
+                                       block_mac(self._mac_key, self._layout, block_hash, payload))
         ):
-            log.warning("G4 value failed verification (%d bytes); treating it as a miss", len(value))
+            log.warning("G4 value of block %016x failed verification (%d bytes); treating it as a miss", block_hash, len(value))
             if self.metrics is not None:
                 self.metrics.checksum_failures.labels(self.name).inc()
             return False
-        dest[:] = payload
+        dest[:] = np.frombuffer(payload, dtype=np.uint8)
         return True
 
     def evict(self, num_blocks: int) -> list[BlockHash]:

@@ -60,6 +60,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     _engine_flags(llm)
     kv = p.add_argument_group("KV Block Manager (tiers below the engine's own pool)")
     _kvbm_flags(kv)
+    _cluster_flag(kv)
     kv.add_argument("--redis-url", default=None,
                     help="G4 tier; with --kvbm-service, workers publish block events and leases there; with "
                          "--accept-remote-workers, remote workers register there")
@@ -86,6 +87,32 @@ def _security_flags(group: argparse._ArgumentGroup) -> None:
                        help="OpenAI port: require 'Authorization: Bearer KEY' on /v1/* (default: $STRATA_API_KEY)")
     group.add_argument("--ssl-keyfile", default=None, help="OpenAI port: TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="OpenAI port: TLS certificate (PEM)")
+
+
+def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--cluster-secret-file", type=Path, default=None,
+                        help="file holding the cluster secret that authenticates workers, servers and the KVBM "
+                             "service to each other and signs G4 blocks (default: $STRATA_CLUSTER_SECRET)")
+
+
+def cluster_secret(args: argparse.Namespace, needed_by: str | None) -> bytes | None:
+    """The cluster secret from --cluster-secret-file or STRATA_CLUSTER_SECRET; ValueError if `needed_by` (the
+    flag or command that needs it) is set and there is none, saying how to make one."""
+    from kvbm.auth import check_secret
+
+    if args.cluster_secret_file is not None:
+        try:
+            return check_secret(args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}")
+        except OSError as exc:
+            raise ValueError(f"--cluster-secret-file {args.cluster_secret_file}: {exc.strerror}") from exc
+    if settings.cluster_secret():
+        return check_secret(settings.cluster_secret().encode(), "STRATA_CLUSTER_SECRET")
+    if needed_by is None:
+        return None
+    raise ValueError(f"{needed_by} needs a cluster secret (every link between machines is authenticated): "
+                     "python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret; chmod 600 "
+                     "strata.secret; then pass --cluster-secret-file strata.secret to every strata process "
+                     "(or set STRATA_CLUSTER_SECRET)")
 
 
 def triton_access(args: argparse.Namespace) -> dict[str, object]:
@@ -147,6 +174,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: send them to the attached server's index)")
     _engine_flags(p.add_argument_group("engine overrides"))
     _kvbm_flags(p.add_argument_group("KV Block Manager (tiers below the engine's own pool)"))
+    _cluster_flag(p)
 
 
 def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
@@ -158,15 +186,17 @@ def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
 
 def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
     """The KVBM tiers of the --kvbm-* flags (shared by `strata serve` and `strata worker`); None with --no-kvbm."""
+    from kvbm.auth import derive_key
     from kvbm.config import KVBMConfig
 
     if not args.kvbm:
         return None
+    secret = cluster_secret(args, "--redis-url (G4 blocks are signed)" if args.redis_url else None)
     kvbm = KVBMConfig(
         host_cache_gb=args.kvbm_host_cache_gb, disk_cache_gb=args.kvbm_disk_cache_gb,
         disk_path=args.kvbm_disk_path, redis_url=args.redis_url, write_through=args.kvbm_write_through,
         redis_ttl_s=args.kvbm_redis_ttl_secs, redis_cache_gb=args.kvbm_redis_cache_gb,
-        cache_id=args.kvbm_cache_id,
+        cache_id=args.kvbm_cache_id, g4_key=derive_key(secret, "g4-mac") if secret else None,
     )
     kvbm.validate()
     return kvbm

@@ -25,3 +25,8 @@ def access_token() -> str | None:
 def api_key() -> str | None:
     """Bearer key required on the OpenAI port's /v1/* routes (STRATA_API_KEY; vLLM reads VLLM_API_KEY)."""
     return os.environ.get("STRATA_API_KEY") or None
+
+
+def cluster_secret() -> str | None:
+    """The cluster secret itself (STRATA_CLUSTER_SECRET), when no --cluster-secret-file names a file."""
+    return os.environ.get("STRATA_CLUSTER_SECRET") or None

@@ -19,6 +19,10 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_REPOSITORY = ROOT / "model_repository"
+# Every strata process the tests start (servers, `strata worker`, `strata kvbm`) shares this cluster secret, as a
+# deployment would; tests of a missing or wrong secret take it out of their own process's environment.
+CLUSTER_SECRET = "test-cluster-secret-0123456789abcdef"
+os.environ.setdefault("STRATA_CLUSTER_SECRET", CLUSTER_SECRET)
 
 
 def free_port() -> int:

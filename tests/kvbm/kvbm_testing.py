@@ -15,8 +15,12 @@ import redis
 import torch
 
 from kvbm.api import KVLayout
+from kvbm.auth import derive_key
 
 T = TypeVar("T")
+
+CLUSTER_SECRET = b"test-cluster-secret-0123456789abcdef"
+G4_KEY = derive_key(CLUSTER_SECRET, "g4-mac")  # what a process given CLUSTER_SECRET signs G4 blocks with
 
 
 def redis_server_binary() -> str:
@@ -109,7 +113,7 @@ def spawned_offload(
     from kvbm.block_hash import BlockHash
     from kvbm.config import KVBMConfig
 
-    connector = build_connector(KVBMConfig(**config_fields), worker_id, lease_ttl_s=1.0)
+    connector = build_connector(KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id, lease_ttl_s=1.0)
     connector.bind(make_kv_cache(small_layout(), 64, seed), small_layout())
     connector.offload([BlockHash(h) for h in range(1, num_blocks + 1)], list(range(num_blocks)))
     connector.events and connector.events.flush()  # type: ignore[union-attr]
@@ -125,7 +129,7 @@ def spawned_onboard(config_fields: dict, worker_id: str, num_blocks: int, result
     from kvbm.config import KVBMConfig
     from kvbm.connector import KVBMConnector
 
-    connector = KVBMConnector(KVBMConfig(**config_fields), worker_id)
+    connector = KVBMConnector(KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id)
     kv_cache = torch.zeros(make_kv_cache(small_layout(), 64).shape)
     connector.bind(kv_cache, small_layout())
     block_hashes = [BlockHash(h) for h in range(1, num_blocks + 1)]

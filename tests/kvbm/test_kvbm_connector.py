@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbm_testing import RedisServer, make_kv_cache, small_layout, tier_of
+from kvbm_testing import G4_KEY, RedisServer, make_kv_cache, small_layout, tier_of
 
 from kvbm.api import BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
@@ -29,7 +29,7 @@ def gb(blocks: int, layout: KVLayout) -> float:
 def connector(layout: KVLayout, cache_id: str, seed: int = 0, **config) -> tuple[KVBMConnector, torch.Tensor]:
     kv_cache = make_kv_cache(layout, NUM_BLOCKS, seed)
     config.setdefault("host_cache_gb", gb(16, layout))
-    kvbm = KVBMConnector(KVBMConfig(cache_id=cache_id, **config), metrics=KVBMMetrics(), events=KVIndex())
+    kvbm = KVBMConnector(KVBMConfig(cache_id=cache_id, g4_key=G4_KEY, **config), metrics=KVBMMetrics(), events=KVIndex())
     kvbm.bind(kv_cache, layout)
     return kvbm, kv_cache
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvbm_testing import G4_KEY
 
 from kvbm.agent import build_connector
 from kvbm.block_hash import block_hashes
@@ -55,7 +56,7 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
     assert all(len(ids) > 200 for ids in prompts)
     config = KVBMConfig(
         cache_id=cache_id, host_cache_gb=24 * BLOCK_BYTES / GIB, disk_cache_gb=256 * BLOCK_BYTES / GIB,
-        disk_path=tmp_path, redis_url=redis_url, write_through=True,
+        disk_path=tmp_path, redis_url=redis_url, write_through=True, g4_key=G4_KEY,
     )  # fmt: skip
     index = KVIndex()
     connector = build_connector(config, "engine-worker", index=index)
@@ -76,7 +77,7 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
 
 def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: str) -> None:
     """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis."""
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True)
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, g4_key=G4_KEY)
     writer = build_connector(config, "node-a", index=KVIndex())
     with engine(40, writer) as first:
         prompt = first.encode(document(TOPICS[0]))

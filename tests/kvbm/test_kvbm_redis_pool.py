@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import redis
-from kvbm_testing import RedisServer
+from kvbm_testing import G4_KEY, RedisServer
 
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
@@ -21,8 +21,9 @@ def data(count: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(count)]
 
 
-def pool_for(url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, **kwargs) -> RedisPool:
-    return RedisPool(RedisLink(url, metrics, timeout_s=0.5), fingerprint, BLOCK, metrics=metrics, **kwargs)
+def pool_for(url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, key: bytes = G4_KEY,
+             **kwargs) -> RedisPool:
+    return RedisPool(RedisLink(url, metrics, timeout_s=0.5), key, fingerprint, BLOCK, metrics=metrics, **kwargs)
 
 
 def read(pool: RedisPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarray]]:
@@ -101,3 +102,20 @@ def test_outage_is_skipped_and_recovers() -> None:
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 1
     finally:
         server.stop()
+
+
+def test_a_forged_or_moved_block_is_a_miss_and_a_metric(redis_url: str) -> None:
+    """Someone who can write to Redis but lacks the cluster secret cannot get a block served: not one signed with
+    another key, not a real block copied under another hash."""
+    metrics = KVBMMetrics()
+    pool = pool_for(redis_url, metrics=metrics)
+    blocks = data(2)
+    pool.put([BlockHash(1), BlockHash(2)], blocks)
+    attacker = pool_for(redis_url, key=bytes(32))  # a well-formed value signed with the wrong key
+    attacker.put([BlockHash(3)], data(1, seed=9))
+    client = redis.Redis.from_url(redis_url)
+    client.set(pool.key(BlockHash(4)), client.get(pool.key(BlockHash(1))))  # a real block moved to hash 4
+    ok, dests = read(pool, [1, 3, 4])
+    assert ok == [True, False, False]
+    assert np.array_equal(dests[0], blocks[0]) and not dests[1].any() and not dests[2].any()
+    assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G4"}) == 2

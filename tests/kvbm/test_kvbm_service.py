@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from kvbm_testing import RedisServer, make_kv_cache, small_layout, spawned_offload
+from kvbm_testing import G4_KEY, RedisServer, make_kv_cache, small_layout, spawned_offload
 
 from kvbm.agent import build_connector
 from kvbm.api import BlockStored
@@ -46,7 +46,7 @@ def service(redis_url: str) -> Iterator[KVBMService]:
 
 @pytest.fixture
 def worker(redis_url: str, cache_id: str) -> Iterator[KVBMConnector]:
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=redis_url)
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=redis_url, g4_key=G4_KEY)
     connector = build_connector(config, "worker-a", lease_ttl_s=1.0)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
     connector.offload(BLOCKS, list(range(8)))
@@ -150,7 +150,7 @@ def test_client_reports_the_service_event_count(service: KVBMService, worker: KV
 def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> None:
     server = RedisServer()
     server.start()
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url)
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url, g4_key=G4_KEY)
     connector = build_connector(config, "worker-r", lease_ttl_s=1.0)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
     service = KVBMService(server.url, port=None, lease_check_s=0.2).start()
