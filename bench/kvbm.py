@@ -73,7 +73,8 @@ from kvbm.host_pool import HostPool  # noqa: E402
 from kvbm.redis_pool import RedisPool  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
 
-G4_KEY = derive_key(os.urandom(32), "g4-mac")  # a throwaway cluster secret: G4 blocks are signed
+SECRET = os.urandom(32)  # a throwaway cluster secret: G4 blocks are signed, the service's port authenticated
+G4_KEY, SERVICE_KEY = derive_key(SECRET, "g4-mac"), derive_key(SECRET, "kvbm-service")
 
 T = TypeVar("T")
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
@@ -255,12 +256,12 @@ def build_index(
 
 
 def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: int = 3000) -> dict:
-    service = KVBMService(redis_url, port=0)
+    service = KVBMService(redis_url, port=0, auth_key=SERVICE_KEY)
     started = time.perf_counter()
     chains = build_index(service, num_blocks, rng)
     build_s = time.perf_counter() - started
     service.start()
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}")
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
     picks = [rng.choice(chains) for _ in range(queries)]
     in_process = [_latency(service.index.query, hashes) for hashes in picks]
     over_tcp = [_latency(client.query, hashes) for hashes in picks]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 
 DEFAULT_PORT = 7410  # the service's prefix-query port
 
@@ -20,13 +22,33 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped"
     )
+    parser.add_argument("--cluster-secret-file", type=Path, default=None,
+                        help="the cluster secret routers must prove on the query port (default: "
+                             "$STRATA_CLUSTER_SECRET)")
+
+
+def service_key(args: argparse.Namespace) -> bytes:
+    """The query port's key, from --cluster-secret-file or STRATA_CLUSTER_SECRET (kvbm's own CLI reads its
+    environment here: the package runs without `server`); ValueError saying how to make a secret if neither."""
+    from kvbm.auth import check_secret, derive_key
+
+    if args.cluster_secret_file is not None:
+        secret = check_secret(args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}")
+    elif os.environ.get("STRATA_CLUSTER_SECRET"):
+        secret = check_secret(os.environ["STRATA_CLUSTER_SECRET"].encode(), "STRATA_CLUSTER_SECRET")
+    else:
+        raise ValueError("the KVBM service needs the cluster secret: python -c 'import secrets; "
+                         "print(secrets.token_hex(32))' > strata.secret, then --cluster-secret-file strata.secret "
+                         "here and on every strata process (or STRATA_CLUSTER_SECRET)")
+    return derive_key(secret, "kvbm-service")
 
 
 def run(args: argparse.Namespace) -> None:
     """Run the service the flags describe until SIGINT/SIGTERM."""
     from kvbm.service import run_service
 
-    run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs)
+    run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs,
+                auth_key=service_key(args))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,4 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     add_service_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(args)
+    try:
+        run(args)
+    except ValueError as exc:
+        parser.exit(2, f"kvbm: {exc}\n")

@@ -6,15 +6,19 @@ import socket
 import threading
 from collections.abc import Sequence
 
+from kvbm.auth import client_handshake
 from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport
 from kvbm.wire import encode_query, read_report
 
 
 class KVIndexClient:
-    """One persistent connection, reopened once if it broke; thread-safe (one query at a time)."""
+    """One persistent connection, reopened once if it broke; thread-safe (one query at a time). Each connection
+    first proves the cluster secret (`auth_key`, kvbm.auth.derive_key(secret, "kvbm-service")) and checks the
+    service's proof; kvbm.auth.AuthError (an OSError) if either fails."""
 
-    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, auth_key: bytes, timeout_s: float = 2.0) -> None:
+        self.auth_key = auth_key
         host, _, port = address.rpartition(":")
         self.address = (host or "127.0.0.1", int(port))
         self.timeout_s = timeout_s
@@ -30,6 +34,11 @@ class KVIndexClient:
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            client_handshake(sock, self.auth_key)
+        except OSError:
+            sock.close()
+            raise
         return sock
 
     def query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:

@@ -41,6 +41,11 @@ class KVBMMetrics:
             ["tier"],
             registry=reg,
         )
+        self.auth_failures = Counter(
+            "kvbm_service_auth_failures",
+            "Connections to the KVBM service's query port that did not prove the cluster secret",
+            registry=reg,
+        )
         self.redis_up = Gauge("kvbm_redis_up", "1 while the last Redis call succeeded", registry=reg)
         self.index_blocks = Gauge("kvbm_index_blocks", "Block hashes in the KVBM service index", registry=reg)
         self.index_workers = Gauge(

@@ -5,6 +5,9 @@ Rebuild after a restart: the service bumps `kvbm:service:epoch` and replays the 
 new epoch on their next heartbeat and re-announce what they hold, which also covers events trimmed from the
 stream. A worker whose lease key is gone is removed from the index within `lease_check_s` (O(1), see index.py).
 Embedded use (a router in the same process): `KVBMService(redis_url, port=None).start()` and query `.index`.
+
+The query port is authenticated: a connection that does not prove the cluster secret (kvbm.auth's handshake, key
+`derive_key(secret, "kvbm-service")`) within `HANDSHAKE_TIMEOUT_S` is closed before any query is read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvbm.auth import AuthError, server_handshake
 from kvbm.channel import EPOCH_KEY, STREAM, lease_key
 from kvbm.cli import DEFAULT_PORT
 from kvbm.events import TierEvent
@@ -29,6 +33,7 @@ from kvbm.wire import encode_report, read_query
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 60.0
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class KVBMService:
@@ -42,7 +47,12 @@ class KVBMService:
         metrics: KVBMMetrics | None = None,
         lease_check_s: float = 0.5,
         max_workers: int = 64,
+        auth_key: bytes | None = None,
     ) -> None:
+        """`auth_key` (kvbm.auth.derive_key(secret, "kvbm-service")) is required when `port` is set."""
+        if port is not None and auth_key is None:
+            raise ValueError("the KVBM service's query port needs the cluster secret (auth_key)")
+        self.auth_key = auth_key
         self.metrics = metrics if metrics is not None else KVBMMetrics()
         self.link = RedisLink(redis_url, self.metrics)
         self.index = KVIndex(max_workers=max_workers, metrics=self.metrics)
@@ -60,7 +70,7 @@ class KVBMService:
             threading.Thread(target=self._lease_loop, name="kvbm-leases", daemon=True),
         ]
         if self.address[1] is not None:
-            self._server = _QueryServer(self.address, self.index)
+            self._server = _QueryServer(self.address, self.index, self.auth_key, self.metrics)
             self.address = self._server.server_address[:2]
             self._threads.append(
                 threading.Thread(target=self._server.serve_forever, name="kvbm-query", daemon=True)
@@ -131,9 +141,19 @@ class KVBMService:
 
 
 class _QueryHandler(socketserver.BaseRequestHandler):
+    server: _QueryServer
+
     def handle(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        index: KVIndex = self.server.index  # type: ignore[attr-defined]
+        index = self.server.index
+        try:
+            self.request.settimeout(HANDSHAKE_TIMEOUT_S)
+            server_handshake(self.request, self.server.auth_key)
+            self.request.settimeout(None)
+        except (AuthError, OSError) as err:
+            log.warning("kvbm service: refused %s: %s", self.client_address, err)
+            self.server.metrics.auth_failures.inc()
+            return
         while True:
             try:
                 block_hashes = read_query(self.request)
@@ -149,8 +169,10 @@ class _QueryServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], index: KVIndex) -> None:
+    def __init__(self, address: tuple[str, int], index: KVIndex, auth_key: bytes, metrics: KVBMMetrics) -> None:
         self.index = index
+        self.auth_key = auth_key
+        self.metrics = metrics
         super().__init__(address, _QueryHandler)
 
 
@@ -161,12 +183,13 @@ def run_service(
     metrics_port: int | None = None,
     registry: CollectorRegistry | None = None,
     lease_check_s: float = 0.5,
+    auth_key: bytes | None = None,
 ) -> None:
     """Run the KVBM service until SIGINT/SIGTERM (the `strata kvbm` command). Metrics on `metrics_port` if set."""
     metrics = KVBMMetrics(registry)
     if metrics_port is not None:
         start_http_server(metrics_port, registry=metrics.registry)
-    service = KVBMService(redis_url, host, port, metrics, lease_check_s).start()
+    service = KVBMService(redis_url, host, port, metrics, lease_check_s, auth_key=auth_key).start()
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())

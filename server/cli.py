@@ -235,7 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "kvbm":
         from kvbm.cli import run
 
-        run(args)
+        try:
+            run(args)
+        except ValueError as exc:  # no cluster secret: the message says how to make one
+            logging.getLogger("strata").error("%s", exc)
+            return 2
         return 0
     return 2
 

@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvbm.agent import build_connector
+from kvbm.auth import derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.client import KVIndexClient
 from kvbm.config import KVBMConfig
@@ -54,6 +55,7 @@ class LLMServing:
     kvbm_service  address of a standalone `strata kvbm` (multi-node): workers publish to Redis, the router queries it
     overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
     remote_workers  Redis URL where `strata worker` processes register (--accept-remote-workers); None: local only
+    cluster_secret  authenticates the links to remote workers and to the KVBM service (required with either)
     """
 
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -62,6 +64,7 @@ class LLMServing:
     kvbm_service: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     remote_workers: str | None = None
+    cluster_secret: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)
@@ -141,7 +144,9 @@ class LLMDeployment:
         spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
         worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
-        lookup = KVIndexClient(self.serving.kvbm_service) if standalone else self._index
+        lookup = self._index
+        if standalone:
+            lookup = KVIndexClient(self.serving.kvbm_service, derive_key(self.serving.cluster_secret, "kvbm-service"))
         router = Router(self.serving.router, lookup, self._router_metrics)
         if remotes:
             routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from server import backends
 from server.backends.llm import LLMBackend
-from server.cli import engine_overrides, kvbm_config, triton_access
+from server.cli import cluster_secret, engine_overrides, kvbm_config, triton_access
 from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
@@ -93,8 +93,11 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         raise ValueError(f"--workers: must be >= 0, got {args.workers}")
     if args.workers == 0 and not args.accept_remote_workers:
         raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
+    needed_by = "--accept-remote-workers" if args.accept_remote_workers else (
+        "--kvbm-service" if args.kvbm_service else None)
     return LLMServing(router, args.workers, kvbm_config(args), args.kvbm_service, engine_overrides(args),
-                      remote_workers=args.redis_url if args.accept_remote_workers else None)
+                      remote_workers=args.redis_url if args.accept_remote_workers else None,
+                      cluster_secret=cluster_secret(args, needed_by))
 
 
 def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, deployment: LLMDeployment,

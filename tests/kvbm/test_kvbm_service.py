@@ -5,16 +5,20 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from kvbm_testing import G4_KEY, RedisServer, make_kv_cache, small_layout, spawned_offload
+from kvbm_testing import CLUSTER_SECRET, G4_KEY, RedisServer, make_kv_cache, small_layout, spawned_offload
 
 from kvbm.agent import build_connector
 from kvbm.api import BlockStored
+from kvbm.auth import AuthError, derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.channel import STREAM
 from kvbm.client import KVIndexClient
@@ -22,8 +26,10 @@ from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.index import WorkerPrefix
 from kvbm.service import KVBMService
+from kvbm.wire import encode_query
 
 SPAWN = multiprocessing.get_context("spawn")
+SERVICE_KEY = derive_key(CLUSTER_SECRET, "kvbm-service")
 BLOCKS = [BlockHash(h) for h in range(1, 9)]
 
 
@@ -39,7 +45,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> fl
 
 @pytest.fixture
 def service(redis_url: str) -> Iterator[KVBMService]:
-    running = KVBMService(redis_url, port=0, lease_check_s=0.2).start()
+    running = KVBMService(redis_url, port=0, lease_check_s=0.2, auth_key=SERVICE_KEY).start()
     yield running
     running.stop()
 
@@ -62,7 +68,7 @@ def holds(service: KVBMService, worker_id: str, prefix: WorkerPrefix) -> Callabl
 
 def test_events_reach_the_service_and_client_queries_it(service: KVBMService, worker: KVBMConnector) -> None:
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}")
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
     assert client.query(BLOCKS) == service.index.query(BLOCKS)
     assert client.query([]).num_blocks == 0
     client.close()
@@ -110,17 +116,16 @@ def test_workers_reannounce_when_the_stream_was_lost(redis_url: str, worker: KVB
 
 def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) -> None:
     """`python -m kvbm` (what `strata kvbm` runs) as a real process, queried with KVIndexClient, stopped by SIGTERM."""
-    import subprocess
-    import sys
 
     from kvbm_testing import free_port
 
     port = free_port()
     root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root
+        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root,
+        env={**os.environ, "STRATA_CLUSTER_SECRET": CLUSTER_SECRET.decode()},
     )
-    client = KVIndexClient(f"127.0.0.1:{port}")
+    client = KVIndexClient(f"127.0.0.1:{port}", SERVICE_KEY)
 
     def answered() -> bool:
         try:
@@ -140,7 +145,7 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
 
 def test_client_reports_the_service_event_count(service: KVBMService, worker: KVBMConnector) -> None:
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}")
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
     assert client.events_applied == 0
     client.query(BLOCKS)
     assert client.events_applied == service.index.events_applied > 0
@@ -170,3 +175,29 @@ def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> N
         service.stop()
         connector.close()
         server.stop()
+
+
+def test_a_client_without_the_secret_gets_no_answer_and_the_service_keeps_serving(
+    service: KVBMService, worker: KVBMConnector
+) -> None:
+    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    address = f"{service.address[0]}:{service.address[1]}"
+    intruder = KVIndexClient(address, derive_key(b"not-the-cluster-secret-at-all", "kvbm-service"))
+    with pytest.raises(AuthError):
+        intruder.query(BLOCKS)
+    assert service.metrics.registry.get_sample_value("kvbm_service_auth_failures_total") >= 1
+    with socket.create_connection(service.address) as raw:  # a plain query, no handshake: closed unanswered
+        raw.sendall(encode_query(BLOCKS))
+        raw.settimeout(10)
+        assert raw.recv(1 << 16)[:13] == b"STRATA-AUTH-1" and raw.recv(1 << 16) == b""
+    client = KVIndexClient(address, SERVICE_KEY)
+    assert client.query(BLOCKS).workers["worker-a"] == WorkerPrefix(4, 8, 8)
+    client.close()
+
+
+def test_the_service_refuses_to_start_without_a_secret(redis_url: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "STRATA_CLUSTER_SECRET"}
+    result = subprocess.run([sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", "0"], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "secrets.token_hex(32)" in result.stderr
