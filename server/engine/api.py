@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType, Protocol
+from typing import Any, Literal, NewType, Protocol
 
 import msgspec
 
 RequestId = NewType("RequestId", str)
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class RequestError(ValueError):
@@ -120,7 +121,7 @@ class GenerationOutput(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     new_text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from cache (any tier) instead of prefill
     num_output_tokens: int = 0

@@ -65,7 +65,8 @@ class RoutableWorker(Engine, Protocol):
     def alive(self) -> bool: ...
 
     def add_listener(self, listener: WorkerListener) -> None:
-        """Call `listener.on_beat` on each report and `listener.on_death` once it is gone."""
+        """Call `listener.on_beat` on each report, `on_rejected` for a frame on its link that is not a message,
+        and `on_death` once it is gone."""
         ...
 
 
@@ -318,7 +319,7 @@ class RoutedEngine:
         if flight.aborted or flight.migrations >= self.router.config.migration_limit or done >= request.sampling.max_tokens:
             return False
         sampling = msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
-                           min_tokens=max(0, request.sampling.min_tokens - done))
+                                           min_tokens=max(0, request.sampling.min_tokens - done))
         continuation = GenerationRequest(request.request_id, request.prompt_token_ids + flight.output_ids, sampling)
         dead = flight.worker_id
         self.router.release(request.request_id)

@@ -101,6 +101,7 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.block_layout = KVBlockLayout(info.block_size, info.salt) \
             if info.block_size is not None and info.salt is not None else None
+        self.messages_rejected = 0  # frames on the link that were not messages (each one drops the worker)
         self._stats = PoolStats(0, 0, 0, 0, 0, 0)  # the worker's last report (zeros until its first heartbeat)
         self._process = process
         self._channel = channel
@@ -108,7 +109,6 @@ class RemoteEngine:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._call_timeout_s = call_timeout_s
         self._sinks: dict[RequestId, OutputSink] = {}
-        self.messages_rejected = 0  # frames on the link that were not messages (each one drops the worker)
         self._calls: dict[int, Future[Accepted | TokenIds]] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
@@ -188,7 +188,7 @@ class RemoteEngine:
         return self._tokens(ApplyChatTemplate(next(self._call_ids), typed))
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
-        """Synchronous: a RequestError from the worker's engine is raised here (one round trip, ~0.1 ms). The
+        """Synchronous: a RequestError from the worker's engine is raised here (one round trip). The
         sampling fields are checked here first, so that what is sent decodes on the worker (a frame that does not
         would make the worker drop this server)."""
         request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))

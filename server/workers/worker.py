@@ -1,10 +1,10 @@
 """The worker process: builds one engine and serves it over a `Channel` until told to stop.
 
-The messages are the typed Structs of `protocol.py` (its docstring lists both directions). The worker answers each
-call (Submit, Encode, ApplyChatTemplate) with one answer (Accepted or TokenIds, Refused, CallFailed), streams its requests' outputs (Out)
-from the engine thread, beats with its engine's PoolStats, and forwards KVBM tier events when its spec says so. A
-frame that is not a message (`BadMessage`) ends serving that server: a spawned worker exits (its server sees a dead
-worker and migrates its requests), a remote worker says Bye and waits for its next server.
+The messages are the typed Structs of `protocol.py` (its docstring lists both directions). The worker answers
+each call (Submit, Encode, ApplyChatTemplate) with one answer (Accepted or TokenIds, Refused, CallFailed), streams
+its requests' outputs (Out) from the engine thread, beats with its engine's PoolStats, and forwards KVBM tier events
+when its spec says so. A frame that is not a message (`BadMessage`) ends serving that server: a spawned worker exits
+(its server sees a dead worker and migrates its requests), a remote worker says Bye and waits for its next server.
 """
 
 from __future__ import annotations

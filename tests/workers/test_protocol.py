@@ -95,10 +95,11 @@ def test_oversized_frames_are_refused_both_ways() -> None:
     assert codec.decode(codec.encode(Encode(1, "x" * 32))) == Encode(1, "x" * 32)
 
 
-def test_tier_events_out_of_range_are_refused() -> None:
+def test_values_out_of_range_are_refused() -> None:
     codec = Codec(ToServer)
     bad_tier = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 9, "block_hashes": []}])
     bad_hash = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 1, "block_hashes": [-1]}])
-    for frame in (bad_tier, bad_hash):
+    bad_reason = msgspec.msgpack.encode(["Out", ["r", [], "", True, "done!", 0, 0, 0, None, False]])
+    for frame in (bad_tier, bad_hash, bad_reason):
         with pytest.raises(BadMessage):
             codec.decode(frame)
