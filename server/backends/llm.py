@@ -20,6 +20,7 @@ model's latest chosen version; unloading unbinds it and stops the engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -35,7 +36,7 @@ from server.backends.staging import remove
 from server.backends.unavailable import stage_reason
 from server.deployment import LLMDeployment
 from server.engine import GenerationRequest, RequestError, RequestId, SamplingParams
-from server.engine.api import Engine, EngineUnavailable, GenerationOutput
+from server.engine.api import Engine, EngineUnavailable, GenerationOutput, max_output_tokens
 from server.engine.stream import aiterate_outputs
 from server.repository.backend import LoadError
 from server.repository.scan import ModelSource
@@ -131,7 +132,7 @@ class TritonRequest:
     stream: bool  # one response per new piece of text, else one response at the end
     prepend_input: bool  # text_output starts with the prompt (never when streaming)
     outputs: tuple[str, ...]  # the optional outputs asked for (return_<output> true)
-    sampling: SamplingParams
+    sampling: dict[str, Any]  # the client's sampling fields, validated once the prompt's length is known
 
 
 def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[list[dict[str, np.ndarray]]]]:
@@ -153,9 +154,10 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
 
 
 async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str, np.ndarray]]:
-    asked = _parse(request, engine)
-    prompt_ids = engine.encode(asked.prompt)
-    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, asked.sampling)
+    asked = _parse(request)
+    prompt_ids = await asyncio.to_thread(engine.encode, asked.prompt)  # never on the event loop (a worker call)
+    sampling = SamplingParams.from_dict(asked.sampling, max_output_tokens(engine, len(prompt_ids)))
+    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling)
     pieces: list[str] = [asked.prompt] if asked.prepend_input else []
     reported_tokens = 0  # output tokens counted in responses sent so far
     async for output in aiterate_outputs(engine, generation):
@@ -172,8 +174,8 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
                 yield _response("".join(pieces), output, output.num_output_tokens, asked.outputs)
 
 
-def _parse(request: Request, engine: Engine) -> TritonRequest:
-    """The request's prompt, flags and validated sampling parameters; raises RequestError naming the field."""
+def _parse(request: Request) -> TritonRequest:
+    """The request's prompt, flags and sampling fields; raises RequestError naming the field."""
     text = _scalar(request, "text_input")
     if text is None:
         raise RequestError("text_input", "required")
@@ -186,7 +188,7 @@ def _parse(request: Request, engine: Engine) -> TritonRequest:
         raise RequestError("exclude_input_in_output", "must be true when streaming (a stream never repeats the "
                            "prompt); leave it out or set it to true")
     outputs = tuple(name for name in _OPTIONAL_OUTPUTS if flags.get(f"return_{name}"))
-    return TritonRequest(prompt, stream, prepend_input, outputs, _sampling(request, engine))
+    return TritonRequest(prompt, stream, prepend_input, outputs, _sampling_fields(request))
 
 
 def _flags(request: Request) -> dict[str, bool]:
@@ -198,8 +200,8 @@ def _flags(request: Request) -> dict[str, bool]:
     return flags
 
 
-def _sampling(request: Request, engine: Engine) -> SamplingParams:
-    """Sampling fields from `sampling_parameters` (JSON) and the request parameters, validated for this engine."""
+def _sampling_fields(request: Request) -> dict[str, Any]:
+    """Sampling fields from `sampling_parameters` (JSON) and the request parameters (validated by the caller)."""
     raw: dict[str, Any] = {}
     encoded = _scalar(request, "sampling_parameters")
     if encoded:
@@ -215,7 +217,7 @@ def _sampling(request: Request, engine: Engine) -> SamplingParams:
     for key in ("max_tokens", "top_k", "seed", "min_tokens"):  # request parameters arrive as strings or floats
         if isinstance(raw.get(key), float) and raw[key].is_integer():
             raw[key] = int(raw[key])
-    return SamplingParams.from_dict(raw, engine.max_model_len)
+    return raw
 
 
 def _scalar(request: Request, name: str) -> Any:

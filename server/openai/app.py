@@ -43,7 +43,7 @@ def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = No
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while every model can take requests; 503 naming the models whose workers are all gone."""
-        down = sorted(name for name, engine in models.items() if not getattr(engine, "healthy", True))
+        down = sorted(name for name, engine in models.items() if not engine.healthy)
         if down:
             return JSONResponse({"status": "unavailable", "models": down}, status_code=503)
         return JSONResponse({"status": "ok"})
