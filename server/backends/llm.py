@@ -12,7 +12,8 @@ it work unchanged:
 
 `text_output` starts with the prompt unless `exclude_input_in_output` is true; a stream never repeats the prompt,
 so `exclude_input_in_output` false with `stream` true is a 400. Sampling fields may also come as request parameters
-(`"parameters": {...}` of the generate endpoint), as may the flags.
+(`"parameters": {...}` of the generate endpoint), as may the flags. `cache_salt` (vLLM's field: the prompt shares
+cached KV blocks only with requests of the same salt) is taken from either place, like a sampling field.
 
 `LLMBackend` is the repository's backend for these models: loading binds the engine `LLMDeployment` builds for the
 model's latest chosen version; unloading unbinds it and stops the engine.
@@ -36,7 +37,13 @@ from server.backends.staging import remove
 from server.backends.unavailable import stage_reason
 from server.deployment import LLMDeployment
 from server.engine import GenerationRequest, RequestError, RequestId, SamplingParams
-from server.engine.api import Engine, EngineUnavailable, GenerationOutput, max_output_tokens
+from server.engine.api import (
+    Engine,
+    EngineUnavailable,
+    GenerationOutput,
+    max_output_tokens,
+    validate_cache_salt,
+)
 from server.engine.stream import aiterate_outputs
 from server.repository.backend import LoadError
 from server.repository.scan import ModelSource
@@ -133,6 +140,7 @@ class TritonRequest:
     prepend_input: bool  # text_output starts with the prompt (never when streaming)
     outputs: tuple[str, ...]  # the optional outputs asked for (return_<output> true)
     sampling: dict[str, Any]  # the client's sampling fields, validated once the prompt's length is known
+    cache_salt: str | None  # vLLM's field, checked here; None shares blocks with every unsalted request
 
 
 def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[list[dict[str, np.ndarray]]]]:
@@ -157,7 +165,7 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
     asked = _parse(request)
     prompt_ids = await asyncio.to_thread(engine.encode, asked.prompt)  # never on the event loop (a worker call)
     sampling = SamplingParams.from_dict(asked.sampling, max_output_tokens(engine, len(prompt_ids)))
-    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling)
+    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling, asked.cache_salt)
     pieces: list[str] = [asked.prompt] if asked.prepend_input else []
     reported_tokens = 0  # output tokens counted in responses sent so far
     async for output in aiterate_outputs(engine, generation):
@@ -188,7 +196,10 @@ def _parse(request: Request) -> TritonRequest:
         raise RequestError("exclude_input_in_output", "must be true when streaming (a stream never repeats the "
                            "prompt); leave it out or set it to true")
     outputs = tuple(name for name in _OPTIONAL_OUTPUTS if flags.get(f"return_{name}"))
-    return TritonRequest(prompt, stream, prepend_input, outputs, _sampling_fields(request))
+    sampling = _sampling_fields(request)
+    cache_salt = sampling.pop("cache_salt", None)
+    validate_cache_salt(cache_salt)
+    return TritonRequest(prompt, stream, prepend_input, outputs, sampling, cache_salt)
 
 
 def _flags(request: Request) -> dict[str, bool]:

@@ -106,12 +106,35 @@ def _check_float(name: str, value: Any, low: float, high: float, low_open: bool 
         raise RequestError(name, f"must be in {bracket}{low}, {high}], got {value}")
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def validate_cache_salt(cache_salt: Any) -> None:
+    """A request's `cache_salt` (vLLM's field) is None or a string of 1..MAX_CACHE_SALT_CHARS characters; raises
+    RequestError naming it. Frontends check it before submitting, engines and routers before hashing."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise RequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+    if not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise RequestError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError:
+        raise RequestError("cache_salt", "must be valid Unicode (no lone surrogates)") from None
+
+
 class GenerationRequest(msgspec.Struct, array_like=True):
-    """One prompt to continue. The prompt is already tokenized (the caller applied any chat template)."""
+    """One prompt to continue. The prompt is already tokenized (the caller applied any chat template).
+
+    `cache_salt`: requests share prefix-cache blocks (any tier) only when their salts are equal, None included
+    (`kvbm.block_hash.request_salt`); a tenant's salt keeps others from probing its prompts through cached tokens.
+    """
 
     request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    cache_salt: str | None = None
 
 
 class GenerationOutput(msgspec.Struct, array_like=True):

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvbm.api import KVConnector, KVLayout
-from kvbm.block_hash import model_salt
+from kvbm.block_hash import model_salt, request_salt
 from server.engine.api import (
     EngineResources,
     GenerationOutput,
@@ -26,6 +26,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     max_output_tokens,
+    validate_cache_salt,
 )
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
@@ -131,7 +132,7 @@ class LLMEngine:
             request_id=request.request_id, token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids), sampling=params, sink=sink,
             detokenizer=Detokenizer(self.tokenizer, params.stop), block_size=self.config.block_size,
-            salt=self.salt, generator=_generator(params.seed, self.model.device),
+            salt=request_salt(self.salt, request.cache_salt), generator=_generator(params.seed, self.model.device),
         )  # fmt: skip
         with self._cond:
             if self._stopping:
@@ -151,6 +152,7 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
         request.sampling.validate(limit)
+        validate_cache_salt(request.cache_salt)
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
             raise RequestError(

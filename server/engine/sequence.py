@@ -31,7 +31,7 @@ class Sequence:
     sink: OutputSink
     detokenizer: Detokenizer
     block_size: int
-    salt: BlockHash
+    salt: BlockHash  # root of this request's hash chain: `request_salt(model salt, cache_salt)`
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -56,8 +56,9 @@ class Generation:
         self._watcher = asyncio.create_task(self._watch(client_gone))
         self.request_id = request_id  # engine request i is f"{request_id}-{i}"
 
-    def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        """Submit one engine request per (prompt, sampling); choice i is prompts[i]. Raises RequestError.
+    def submit(self, prompts: list[tuple[list[int], SamplingParams]], cache_salt: str | None = None) -> None:
+        """Submit one engine request per (prompt, sampling), each with `cache_salt`; choice i is prompts[i].
+        Raises RequestError.
 
         Any thread may call it (an engine's submit can block: a worker round trip). Once `close` has run it submits
         no more, and a request whose submit was in progress during `close` is aborted right after it.
@@ -73,7 +74,7 @@ class Generation:
             self._metrics.in_flight.labels(self._model).inc()
             self._metrics.queued.labels(self._model).inc()
             try:
-                self._engine.submit(GenerationRequest(request_id, token_ids, sampling), self._sink(index))
+                self._engine.submit(GenerationRequest(request_id, token_ids, sampling, cache_salt), self._sink(index))
             except BaseException:
                 self._forget(request_id, track)
                 raise

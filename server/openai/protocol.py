@@ -1,7 +1,8 @@
 """Wire models of the OpenAI-compatible API (requests validated by pydantic, responses serialized from these).
 
 Field names and defaults follow the OpenAI API reference; vLLM's extra sampling fields (`top_k`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) are accepted as well, as `extra_body` of the official client sends them.
+`ignore_eos`, `stop_token_ids`) and its `cache_salt` are accepted as well, as `extra_body` of the official client
+sends them.
 Unknown fields are ignored, as OpenAI does; fields Strata cannot honour are refused by `serving.py` by name.
 """
 
@@ -42,6 +43,7 @@ class SamplingFields(_Request):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     user: str | None = None
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with this salt (vLLM's)
 
 
 class TextPart(_Request):

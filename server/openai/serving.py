@@ -25,6 +25,7 @@ from server.engine.api import (
     RequestError,
     SamplingParams,
     max_output_tokens,
+    validate_cache_salt,
 )
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected, Generation, WaitForDisconnect
@@ -166,9 +167,13 @@ class OpenAIServing:
 
     def _submit(self, request: p.SamplingFields, engine: Engine, prompts: Callable[[], list[list[int]]],
                 generation: Generation) -> None:
+        try:
+            validate_cache_salt(request.cache_salt)
+        except RequestError as exc:
+            self._fail_field(request, exc)
         jobs = [(ids, sampling) for ids in prompts() for sampling in self._sampling(request, engine, ids)]
         try:
-            generation.submit(jobs)
+            generation.submit(jobs, request.cache_salt)
         except RequestError as exc:
             self._fail_field(request, exc)
         except EngineUnavailable as exc:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import msgspec
 
-from kvbm.block_hash import BlockHash, block_hashes
+from kvbm.block_hash import BlockHash, block_hashes, request_salt
 from server.engine.api import (
     Engine,
     GenerationOutput,
@@ -40,6 +40,7 @@ from server.engine.api import (
     OutputSink,
     PoolStats,
     RequestId,
+    validate_cache_salt,
 )
 from server.router.router import NoWorkerError, Router
 from server.workers.hardware import Speeds
@@ -240,8 +241,8 @@ class RoutedEngine:
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         if self.block_size is None:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
-        hashes = block_hashes(request.prompt_token_ids, self.block_size, self.salt)
-        decision = self.router.route(request.request_id, hashes)
+        validate_cache_salt(request.cache_salt)
+        decision = self.router.route(request.request_id, self._block_hashes(request))
         worker = self._workers[decision.worker_id]
         with self._lock:
             alone = True
@@ -254,6 +255,11 @@ class RoutedEngine:
         except BaseException:
             self._finish(request.request_id)
             raise
+
+    def _block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
+        """The prompt's full-block hashes as the worker's engine computes them, from the request's own root (its
+        cache salt), so a salted prefix is found only where that salt stored it."""
+        return block_hashes(request.prompt_token_ids, self.block_size, request_salt(self.salt, request.cache_salt))
 
     def abort(self, request_id: RequestId) -> None:
         with self._lock:
@@ -320,12 +326,12 @@ class RoutedEngine:
             return False
         sampling = msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
                                            min_tokens=max(0, request.sampling.min_tokens - done))
-        continuation = GenerationRequest(request.request_id, request.prompt_token_ids + flight.output_ids, sampling)
+        continuation = msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids + flight.output_ids,
+                                               sampling=sampling)  # same id and cache salt
         dead = flight.worker_id
         self.router.release(request.request_id)
         try:
-            decision = self.router.route(request.request_id,
-                                         block_hashes(continuation.prompt_token_ids, self.block_size, self.salt))
+            decision = self.router.route(request.request_id, self._block_hashes(continuation))
             # set before submit: the new worker's first output may arrive before submit returns
             flight.worker_id, flight.alone, flight.migrations = decision.worker_id, False, flight.migrations + 1
             try:

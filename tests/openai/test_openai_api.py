@@ -125,6 +125,9 @@ def _chat(**fields: object) -> dict[str, object]:
     (_chat(n=0), "n"),
     (_chat(logprobs=True), "logprobs"),
     ({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    (_chat(cache_salt=""), "cache_salt"),
+    (_chat(cache_salt=7), "cache_salt"),
+    (_chat(cache_salt="x" * 257), "cache_salt"),
 ])
 def test_bad_chat_requests_get_openai_400(served: Served, body: dict[str, object], param: str) -> None:
     response = _post(served, "/v1/chat/completions", body)
@@ -133,6 +136,23 @@ def test_bad_chat_requests_get_openai_400(served: Served, body: dict[str, object
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+@pytest.mark.parametrize("cache_salt", ["", ["a"], "x" * 257])
+def test_bad_cache_salt_on_completions_is_400(served: Served, cache_salt: object) -> None:
+    response = _post(served, "/v1/completions", {"model": "fake", "prompt": "hi", "cache_salt": cache_salt})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "cache_salt"
+    assert not served.engine.submitted
+
+
+def test_cache_salt_reaches_the_engine(client: openai.OpenAI, served: Served) -> None:
+    client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=2,
+                                   extra_body={"cache_salt": "tenant-a"})
+    client.completions.create(model="fake", prompt=["a", "b"], max_tokens=1, extra_body={"cache_salt": "x" * 256})
+    client.completions.create(model="fake", prompt="a", max_tokens=1)
+    salts = [request.cache_salt for request in served.engine.submitted]
+    assert salts == ["tenant-a", "tenant-a", "x" * 256, "x" * 256, None]
 
 
 def test_prompt_longer_than_the_context_is_400(served: Served) -> None:

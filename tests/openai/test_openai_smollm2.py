@@ -38,6 +38,22 @@ def test_chat_with_smollm2_reuses_the_cached_prompt(smollm2_client: openai.OpenA
 
 
 @pytest.mark.slow
+def test_cache_salt_keeps_tenants_apart(smollm2_client: openai.OpenAI) -> None:
+    prompt = "Tenant isolation: a prompt long enough to fill several blocks of the prefix cache. " * 4
+
+    def cached(cache_salt: str | None) -> int:
+        extra = {"cache_salt": cache_salt} if cache_salt else None
+        reply = smollm2_client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
+                                                  extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") >= 16
+
+
+@pytest.mark.slow
 def test_streamed_completion_with_smollm2(smollm2_client: openai.OpenAI) -> None:
     stream = smollm2_client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
                                                temperature=0, stream=True, stream_options={"include_usage": True})

@@ -56,11 +56,12 @@ def _setup(workers: int = 2, **config) -> tuple[RoutedEngine, Router, list[Morta
     return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
 
 
-def _start(routed: RoutedEngine, prompt: list[int], max_tokens: int, first_tokens: int
+def _start(routed: RoutedEngine, prompt: list[int], max_tokens: int, first_tokens: int, cache_salt: str | None = None
            ) -> tuple[queue.SimpleQueue[GenerationOutput], list[GenerationOutput]]:
     """Submit, and return once `first_tokens` outputs arrived."""
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-    routed.submit(GenerationRequest(RequestId("r"), prompt, SamplingParams(max_tokens=max_tokens)), outputs.put)
+    request = GenerationRequest(RequestId("r"), prompt, SamplingParams(max_tokens=max_tokens), cache_salt)
+    routed.submit(request, outputs.put)
     seen = [outputs.get(timeout=10) for _ in range(first_tokens)]
     return outputs, seen
 
@@ -78,7 +79,7 @@ def _migrations(router: Router, worker: str) -> float:
 def test_a_request_continues_on_another_worker_when_its_worker_dies() -> None:
     routed, router, workers = _setup()
     prompt = list(range(10))
-    outputs, seen = _start(routed, prompt, max_tokens=60, first_tokens=5)
+    outputs, seen = _start(routed, prompt, max_tokens=60, first_tokens=5, cache_salt="tenant-a")
     holder = next(w for w in workers if w.requests)
     other = next(w for w in workers if w is not holder)
     holder.die()
@@ -91,6 +92,7 @@ def test_a_request_continues_on_another_worker_when_its_worker_dies() -> None:
     done = len(continuation.prompt_token_ids) - len(prompt)
     assert done >= 5 and continuation.prompt_token_ids == prompt + generated[:done]
     assert continuation.sampling.max_tokens == 60 - done
+    assert continuation.cache_salt == "tenant-a"  # its prefix stays its tenant's on the new worker
     assert _migrations(router, holder.worker_id) == 1
     assert all(load.routed_requests == 0 for load in router._workers.values())
 

@@ -4,36 +4,48 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+import pytest
+
+from kvbm.block_hash import BlockHash, block_hashes, request_salt
 from kvbm.index import KVIndex
 from server.engine.api import (
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
+    LocalEngine,
     OutputSink,
     PoolStats,
+    RequestError,
     RequestId,
     SamplingParams,
 )
+from server.engine.config import EngineConfig
 from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine, SpeedMeter
-from server.router.router import Router
+from server.router.router import RouteDecision, Router
 from server.workers.hardware import HardwareInfo, Speeds
 from server.workers.protocol import WorkerId, WorkerInfo
 from server.workers.remote import WorkerListener
+from server.workers.worker import build_llm_engine
 from tests.workers.worker_fakes import SALT, StepEngine
+
+MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  # shared with tests/engine
 
 
 class LocalWorker:
-    """A StepEngine in this process with the members of a RemoteEngine (server.router.routed.RoutableWorker)."""
+    """An engine in this process (a StepEngine unless given one) with the members of a RemoteEngine
+    (server.router.routed.RoutableWorker)."""
 
-    def __init__(self, worker_id: str, index: KVIndex) -> None:
+    def __init__(self, worker_id: str, index: KVIndex, engine: LocalEngine | None = None) -> None:
         self.worker_id = WorkerId(worker_id)
-        self.engine = StepEngine(0.002, worker_id=worker_id, events=index)
+        self.engine = engine or StepEngine(0.002, worker_id=worker_id, events=index)
         self.model_name, self.max_model_len = self.engine.model_name, self.engine.max_model_len
         self.max_tokens_limit = self.engine.max_tokens_limit
-        self.block_layout = KVBlockLayout(4, SALT)
-        self.info = WorkerInfo(self.model_name, self.max_model_len, self.max_tokens_limit, 4, SALT, 1)
+        self.block_layout: KVBlockLayout = self.engine.block_layout
+        self.info = WorkerInfo(self.model_name, self.max_model_len, self.max_tokens_limit,
+                               self.block_layout.block_size, self.block_layout.salt, 1)
         self.alive = True
         self.submitted: list[RequestId] = []
         self.aborted: list[RequestId] = []
@@ -75,8 +87,9 @@ def _setup(workers: int = 2) -> tuple[RoutedEngine, Router, list[LocalWorker]]:
     return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
 
 
-def _request(request_id: str, prompt: list[int], max_tokens: int = 2) -> GenerationRequest:
-    return GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens))
+def _request(request_id: str, prompt: list[int], max_tokens: int = 2,
+             cache_salt: str | None = None) -> GenerationRequest:
+    return GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens), cache_salt)
 
 
 def _finish(outputs: queue.SimpleQueue[GenerationOutput]) -> GenerationOutput:
@@ -95,6 +108,60 @@ def test_follow_up_goes_to_the_holder_and_load_is_released() -> None:
     holder = next(w for w in workers if "a" in w.submitted)
     assert "b" in holder.submitted
     assert all(load.routed_blocks == 0 and load.pending_prefill == 0 for load in router._workers.values())
+
+
+def _record_routes(monkeypatch: pytest.MonkeyPatch, router: Router) -> dict[str, tuple[RouteDecision, list]]:
+    """Each request's route decision and the block hashes the router was given, by request id."""
+    routes: dict[str, tuple[RouteDecision, list]] = {}
+    route = router.route
+
+    def recorded(request_id: str, block_hashes: Sequence[BlockHash]) -> RouteDecision:
+        routes[request_id] = (decision := route(request_id, block_hashes)), list(block_hashes)
+        return decision
+
+    monkeypatch.setattr(router, "route", recorded)
+    return routes
+
+
+def test_the_router_hashes_from_the_request_salt(monkeypatch: pytest.MonkeyPatch) -> None:
+    routed, router, _ = _setup()
+    routes = _record_routes(monkeypatch, router)
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    prompt = list(range(40))  # 10 blocks
+    for request_id, cache_salt in (("a", "tenant-a"), ("b", "tenant-b"), ("plain", None)):
+        routed.submit(_request(request_id, prompt, cache_salt=cache_salt), outputs.put)
+        _finish(outputs)
+    assert routes["a"][1] == block_hashes(prompt, 4, request_salt(SALT, "tenant-a"))
+    assert routes["plain"][1] == block_hashes(prompt, 4, SALT)  # unsalted hashes are what they always were
+    assert not {*routes["a"][1]} & {*routes["b"][1]} and not {*routes["a"][1]} & {*routes["plain"][1]}
+    with pytest.raises(RequestError) as raised:
+        routed.submit(_request("bad", prompt, cache_salt=""), outputs.put)
+    assert raised.value.field == "cache_salt" and "bad" not in routes
+
+
+def test_the_router_hashes_a_salted_prompt_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real LLMEngine whose KVBM agent publishes to the router's index: the router's hashes of a salted prompt
+    are the blocks the engine stored, so a same-salt follow-up finds its whole prefix and another salt none."""
+    index = KVIndex()
+    config = EngineConfig(cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=64,
+                          max_model_len=512, max_tokens_limit=8, num_threads=2)
+    engine = build_llm_engine(config, worker_id="real", events=index)
+    try:
+        router = Router(RouterConfig(), index)
+        worker = LocalWorker("real", index, engine)
+        routed = RoutedEngine([worker], router, worker.block_layout.block_size, BlockHash(worker.block_layout.salt))
+        routes = _record_routes(monkeypatch, router)
+        prompt = engine.encode("Tenants must not learn about each other's prompts from the prefix cache. " * 5)
+        outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        for request_id, cache_salt in (("a", "tenant-a"), ("a-again", "tenant-a"), ("b", "tenant-b"), ("plain", None)):
+            routed.submit(_request(request_id, prompt, cache_salt=cache_salt), outputs.put)
+            assert _finish(outputs).finish_reason == "length"
+        stored = set(engine.block_manager.cached)  # type: ignore[attr-defined]
+        assert routes["a"][1] and set(routes["a"][1]) <= stored
+        reusable = {request_id: decision.reusable_blocks for request_id, (decision, _) in routes.items()}
+        assert reusable == {"a": 0, "a-again": len(routes["a"][1]), "b": 0, "plain": 0}
+    finally:
+        engine.close()
 
 
 def test_abort_reaches_the_worker_that_runs_the_request() -> None:

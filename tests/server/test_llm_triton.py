@@ -158,8 +158,34 @@ def test_cached_prefix_is_reported(server):
     assert second["num_cached_tokens"] >= second["num_input_tokens"] - 16
 
 
+def test_cache_salt_keeps_tenants_apart(server):
+    """`cache_salt` as a request parameter or inside sampling_parameters: a prompt's cached blocks are shared only
+    among requests with the same salt (no salt being one more tenant)."""
+    prompt = "Each tenant's prompts stay its own in the prefix cache. " * 12
+
+    def cached(cache_salt: str | None, in_sampling_parameters: bool = False) -> tuple[int, int]:
+        params = {"temperature": 0, "max_tokens": 2}
+        body = {"text_input": prompt, "return_num_cached_tokens": True, "return_num_input_tokens": True}
+        salt = {"cache_salt": cache_salt} if cache_salt else {}
+        if in_sampling_parameters:
+            body["sampling_parameters"] = json.dumps({**params, **salt})
+        else:
+            body["parameters"] = {**params, **salt}
+        status, answer = post(server, "/v2/models/smollm2/generate", body)
+        assert status == 200, answer
+        return json.loads(answer)["num_cached_tokens"], json.loads(answer)["num_input_tokens"]
+
+    assert cached(None)[0] == 0
+    assert cached("tenant-a")[0] == 0
+    assert cached("tenant-b", in_sampling_parameters=True)[0] == 0
+    for again in (cached("tenant-a", in_sampling_parameters=True), cached("tenant-b"), cached(None)):
+        assert again[0] >= again[1] - 16, again
+
+
 @pytest.mark.parametrize("parameters, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                               ({"max_tokens": 0}, "max_tokens"), ({"bogus": 1}, "bogus")])
+                                               ({"max_tokens": 0}, "max_tokens"), ({"bogus": 1}, "bogus"),
+                                               ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
+                                               ({"cache_salt": "x" * 257}, "cache_salt")])
 def test_bad_request_names_the_field(server, parameters, field):
     status, body = post(server, "/v2/models/smollm2/generate", {"text_input": "hi", "parameters": parameters})
     assert status == 400

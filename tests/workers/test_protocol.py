@@ -39,7 +39,8 @@ from server.workers.protocol import (
 
 HARDWARE = HardwareInfo("host", "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
 REQUEST = GenerationRequest(RequestId("r-1"), [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=2**63,
-                                                                          stop=["\n"], stop_token_ids=[7]))
+                                                                          stop=["\n"], stop_token_ids=[7]),
+                            cache_salt="tenant-a")
 TO_WORKER = [Attach("server-1"), Submit(1, REQUEST), Encode(2, "héllo"),
              ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]), Abort(RequestId("r-1")),
              Ack(), Stop()]
