@@ -231,7 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "worker":
         from server.workers.remote_worker import run_worker
 
-        return run_worker(args)
+        try:
+            overrides, kvbm = engine_overrides(args), kvbm_config(args)
+            secret = cluster_secret(args, "strata worker (its TCP ports admit only servers that hold it)")
+        except ValueError as exc:
+            logging.getLogger("strata").error("%s", exc)
+            return 2
+        return run_worker(args, overrides, kvbm, secret)
     if args.command == "kvbm":
         from kvbm.cli import run
 

@@ -40,6 +40,7 @@ from server.workers.discovery import Discovery
 from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
+from server.workers.transport import CurveKeys
 from server.workers.worker import WorkerSpec, build_llm_engine
 
 log = logging.getLogger(__name__)
@@ -158,9 +159,10 @@ class LLMDeployment:
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
         """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""
+        curve = CurveKeys.from_secret(self.serving.cluster_secret)
 
         def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
-            return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id,
+            return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id, curve,
                                         event_sink=event_sink)
 
         return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()

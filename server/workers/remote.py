@@ -61,7 +61,7 @@ from server.workers.protocol import (
     WorkerId,
     WorkerInfo,
 )
-from server.workers.transport import Channel, ChannelAddress
+from server.workers.transport import Channel, ChannelAddress, CurveKeys
 from server.workers.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -143,18 +143,20 @@ class RemoteEngine:
         return cls(worker_id, process, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @classmethod
-    def connect(cls, worker_id: WorkerId, address: ChannelAddress, server_id: str, start_timeout_s: float = 10.0,
-                heartbeat_timeout_s: float = 3.0, call_timeout_s: float = 60.0,
+    def connect(cls, worker_id: WorkerId, address: ChannelAddress, server_id: str, curve: CurveKeys,
+                start_timeout_s: float = 10.0, heartbeat_timeout_s: float = 3.0, call_timeout_s: float = 60.0,
                 event_sink: EventSink | None = None) -> RemoteEngine:
         """Attach to a worker that bound `address` (a `strata worker` on any host) and wait for its hello. The
-        caller holds the worker's claim: a bound worker must have one server at a time (see transport.py)."""
-        channel = Channel(address, server_side=True)
+        caller holds the worker's claim: a bound worker must have one server at a time (see transport.py).
+        `curve`: keys from the cluster secret; with another secret than the worker's no hello ever comes."""
+        channel = Channel(address, server_side=True, curve=curve)
         channel.send(Attach(server_id))
         try:
             info = _wait_for_hello(worker_id, None, channel, time.monotonic() + start_timeout_s, event_sink)
-        except WorkerDied:
+        except WorkerDied as exc:
             channel.close()
-            raise
+            raise WorkerDied(f"{exc} (unreachable at {address.to_worker}, or it holds another cluster secret)") \
+                from None
         logger.info("remote worker %s joined: %s pid %d, model %s; %s", worker_id, address.to_worker, info.pid,
                     info.model_name, info.summary())
         return cls(worker_id, None, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)

@@ -34,7 +34,6 @@ import zmq
 
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
-from server.cli import engine_overrides, kvbm_config
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -42,7 +41,7 @@ from server.repository.model_config import LLM
 from server.repository.scan import BrokenModel, read_model
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
-from server.workers.transport import Channel, ChannelAddress
+from server.workers.transport import Channel, ChannelAddress, CurveKeys
 from server.workers.worker import (
     MALFORMED,
     ChannelEvents,
@@ -68,6 +67,7 @@ class RemoteWorkerOptions:
     port: int = 0
     lease_s: float = 3.0
     heartbeat_s: float = 0.5
+    curve: CurveKeys | None = None  # from the cluster secret: only servers that hold it can connect
 
 
 class RemoteWorker:
@@ -84,7 +84,8 @@ class RemoteWorker:
         self.messages_rejected = 0  # frames that were not messages (each one dropped its sender's connection)
         self._events = events
         self._on_attach = on_attach
-        self._channel = Channel(ChannelAddress.tcp(options.host, options.port), server_side=False)
+        self._channel = Channel(ChannelAddress.tcp(options.host, options.port), server_side=False,
+                                curve=options.curve)
         self.address = self._channel.address  # wildcard ports resolved: the same ports for every session
         record = WorkerRecord(options.worker_id, self.address.with_host(options.advertise_host), info)
         self.registration = Registration(options.redis_url, record, options.lease_s)
@@ -150,15 +151,16 @@ class RemoteWorker:
     def _reopen(self) -> None:
         """Fresh sockets on the same ports: no peer of the last ones stays connected."""
         self._channel.close()
-        self._channel = Channel(self.address, server_side=False)
+        self._channel = Channel(self.address, server_side=False, curve=self.options.curve)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """`strata worker`: build the model's engine as `strata serve` would, calibrate, register, serve until
+def run_worker(args: argparse.Namespace, overrides: dict[str, Any], kvbm: KVBMConfig | None,
+               cluster_secret: bytes) -> int:
+    """`strata worker` (the CLI parses the flags into `args`, the engine `overrides`, the `kvbm` tiers and the
+    cluster secret): build the model's engine as `strata serve` would, calibrate, register, serve until
     SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it)."""
     try:
-        config = model_engine_config(args.model_repository, args.model, engine_overrides(args))
-        kvbm = kvbm_config(args)
+        config = model_engine_config(args.model_repository, args.model, overrides)
         redis.Redis.from_url(args.redis_url, socket_connect_timeout=2).ping()
     except ValueError as exc:
         log.error("%s", exc)
@@ -173,7 +175,8 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, connector)
     info = describe(engine, calibrate_logged(engine))
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
-    options = RemoteWorkerOptions(worker_id, args.redis_url, args.host, advertise, args.port, args.lease_secs)
+    options = RemoteWorkerOptions(worker_id, args.redis_url, args.host, advertise, args.port, args.lease_secs,
+                                  curve=CurveKeys.from_secret(cluster_secret))
     try:
         worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
         for signum in (signal.SIGTERM, signal.SIGINT):

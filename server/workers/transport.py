@@ -17,6 +17,14 @@ server binds; a remote worker advertises its endpoints in Redis, so it binds and
 round-robins between connected peers, so a bound worker must have exactly one server connected at a time
 (discovery.py takes a claim in Redis before connecting).
 
+Who may connect: a TCP link (a remote worker) is ZMQ CURVE, with keys derived from the cluster secret
+(`CurveKeys.from_secret`): the worker's sockets are CURVE servers that admit only the one client key the secret
+gives, so a peer without the secret never completes the handshake and not one of its frames reaches the
+decoder; every frame of an admitted peer is encrypted and authenticated. Why CURVE rather than an HMAC
+challenge at hello: a PULL socket fans in every connected peer, so a hello proof would not cover frames that
+another connection pushes afterwards; CURVE authenticates each connection in libzmq before it delivers anything.
+A spawned worker's ipc sockets are files only their owner may open (0600).
+
 Each frame is one typed message of `protocol.py` (msgpack, decoded by msgspec into the receiving direction's union);
 never a pickle. A frame that does not decode, or is over `MAX_MESSAGE_BYTES`, is dropped and `recv` raises
 `BadMessage`: the caller logs it, counts it and drops the peer (a server its worker, a worker its server). ZMQ itself
@@ -35,13 +43,50 @@ import uuid
 from dataclasses import dataclass
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
+from kvbm.auth import derive_key
 from server.workers.protocol import MAX_MESSAGE_BYTES, BadMessage, Codec, Message, ToServer, ToWorker
 
 logger = logging.getLogger(__name__)
 
 _REMOTE_SEND_TIMEOUT_MS = 1000
 _ZMQ_MAX_FACTOR = 4  # ZMQ_MAXMSGSIZE = 4 x the checked limit: oversized frames up to it get a log line and a count
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """ZMQ CURVE key pairs (z85) for TCP links, derived from the cluster secret: the worker's (CURVE server) and
+    the one client pair servers use. Knowing the secret is what lets either side complete the handshake."""
+
+    worker_public: bytes
+    worker_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> CurveKeys:
+        worker_secret = z85.encode(derive_key(secret, "zmq-curve-worker"))
+        client_secret = z85.encode(derive_key(secret, "zmq-curve-client"))
+        return cls(zmq.curve_public(worker_secret), worker_secret, zmq.curve_public(client_secret), client_secret)
+
+
+class _AdmitOneKey:
+    """ZAP credentials check of a worker's CURVE sockets: only the cluster's client key, so a peer that learnt
+    the worker's public key (but not the secret) is still turned away. A peer with another secret fails earlier,
+    in the CURVE handshake itself, and reaches no callback."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+        self.refused = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.client_public:
+            return True
+        self.refused += 1
+        logger.warning("refused a connection whose CURVE key is not the cluster's (wrong or no cluster secret)")
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +127,21 @@ def _retarget(endpoint: str, host: str) -> str:
 class Channel:
     """One end of the link: `send` from any thread, `recv` from one thread only. `address` is the address as
     bound (wildcard TCP ports resolved) on the binding side, else the one given. Frames over `max_message_bytes`
-    are refused both ways."""
+    are refused both ways. A TCP link needs `curve` (see the module docstring); `refused_peers` counts the
+    connections a worker turned away for not holding the cluster's key."""
 
-    def __init__(self, address: ChannelAddress, server_side: bool, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, address: ChannelAddress, server_side: bool, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 curve: CurveKeys | None = None) -> None:
+        if address.worker_binds and curve is None:
+            raise ValueError("a TCP link to a worker is authenticated: it needs the cluster secret's CURVE keys")
         self._codec = Codec(ToServer if server_side else ToWorker, max_message_bytes)
         self._context = zmq.Context()
+        self._authenticator: ThreadAuthenticator | None = None
+        self._admit: _AdmitOneKey | None = None
         self._out = self._context.socket(zmq.PUSH)
         self._in = self._context.socket(zmq.PULL)
+        if address.worker_binds:
+            self._secure(curve, server_side)
         self._in.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_FACTOR * max_message_bytes)
         # A worker flushes its last messages (a failure report, final outputs) before exiting; the server
         # never waits on a worker that is gone.
@@ -115,6 +168,31 @@ class Channel:
         self._send_lock = threading.Lock()
         self._closed = False
         self._socket_files = address.paths() if binds else []
+        for path in self._socket_files:
+            os.chmod(path, 0o600)  # a spawned worker's link: no other local user may connect
+
+    def _secure(self, curve: CurveKeys, server_side: bool) -> None:
+        """CURVE on both sockets: the worker is the CURVE server (admitting only the cluster's client key), the
+        server its client."""
+        for sock in (self._out, self._in):
+            if server_side:
+                sock.curve_serverkey = curve.worker_public
+                sock.curve_publickey = curve.client_public
+                sock.curve_secretkey = curve.client_secret
+            else:
+                sock.curve_server = True
+                sock.curve_publickey = curve.worker_public
+                sock.curve_secretkey = curve.worker_secret
+                sock.zap_domain = b"strata"
+        if not server_side:
+            self._admit = _AdmitOneKey(curve.client_public)
+            self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("zmq.auth"))
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("strata", credentials_provider=self._admit)
+
+    @property
+    def refused_peers(self) -> int:
+        return self._admit.refused if self._admit is not None else 0
 
     def send(self, message: Message) -> None:
         """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a
@@ -149,6 +227,8 @@ class Channel:
             self._closed = True
             self._out.close()
         self._in.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
         for path in self._socket_files:
             with contextlib.suppress(FileNotFoundError):

@@ -17,9 +17,25 @@ import pytest
 from tests.conftest import ROOT, copy_models, start_strata, wait_for
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
+                          timeout=60, env=env)
+
+
+def test_cluster_links_refuse_to_start_without_a_secret_and_say_how_to_make_one(tmp_path: Path, redis_url) -> None:
+    repository = copy_models(tmp_path / "repo", "smollm2")
+    no_secret = {key: value for key, value in os.environ.items() if key != "STRATA_CLUSTER_SECRET"}
+    worker = run_cli("worker", "--model-repository", str(repository), "--model", "smollm2", "--redis-url",
+                     redis_url, "--no-kvbm", env=no_secret)
+    assert worker.returncode == 2 and "strata worker" in worker.stderr and "secrets.token_hex(32)" in worker.stderr
+    server = run_cli("serve", "--model-repository", str(repository), "--accept-remote-workers", "--redis-url",
+                     redis_url, "--no-kvbm", env=no_secret)
+    assert server.returncode == 2 and "--accept-remote-workers needs a cluster secret" in server.stderr
+    short = tmp_path / "short.secret"
+    short.write_text("tiny\n")
+    g4 = run_cli("serve", "--model-repository", str(repository), "--redis-url", redis_url, "--cluster-secret-file",
+                 str(short), env=no_secret)
+    assert g4.returncode == 2 and "at least 16 bytes" in g4.stderr
 
 
 def test_worker_names_the_missing_redis_url_and_the_unknown_model(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from server.workers.remote import RemoteEngine
 from server.workers.transport import Channel
 from server.workers.worker import WorkerSpec
 from tests.conftest import wait_for
-from tests.workers.worker_fakes import FAKE_SPEEDS, SALT, StepEngine, run_remote_step_worker
+from tests.workers.worker_fakes import CURVE, FAKE_SPEEDS, SALT, StepEngine, run_remote_step_worker
 
 LEASE_S = 1.5
 
@@ -51,7 +51,7 @@ def start_server(redis_url: str, strategy: str = "round-robin") -> Server:
     routed = RoutedEngine([local], router, block_size=4, salt=SALT)
 
     def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
-        return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id,
+        return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id, CURVE,
                                     heartbeat_timeout_s=LEASE_S, event_sink=index)
 
     discovery = Discovery(Directory(redis_url, "step", lease_s=LEASE_S), routed, connect).start()
@@ -177,7 +177,7 @@ def test_worker_whose_server_goes_silent_becomes_free_again(redis_url, remote_wo
     directory = Directory(redis_url, "step", lease_s=LEASE_S)
     wait_for(lambda: directory.record("r1") is not None, 20, 0.05, what="r1 registered")
     assert directory.claim("r1")
-    channel = Channel(directory.record("r1").address, server_side=True)  # a server that never acks a beat
+    channel = Channel(directory.record("r1").address, server_side=True, curve=CURVE)  # never acks a beat
     try:
         after = directory.stream_tail()
         channel.send(Attach(directory.server_id))

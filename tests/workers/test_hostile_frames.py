@@ -25,11 +25,12 @@ from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.workers.protocol import MAX_MESSAGE_BYTES, Codec, Hello, ToServer, WorkerId
 from server.workers.registry import Directory
-from server.workers.remote import RemoteEngine, spawn_workers
+from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.workers.remote_worker import RemoteWorker, RemoteWorkerOptions
+from server.workers.transport import CurveKeys
 from server.workers.worker import WorkerSpec, describe
 from tests.conftest import wait_for
-from tests.workers.worker_fakes import FAKE_SPEEDS, SALT, StepEngine
+from tests.workers.worker_fakes import CURVE, FAKE_SPEEDS, SALT, StepEngine
 
 LEASE_S = 1.5
 
@@ -55,11 +56,16 @@ def test_the_exploit_is_live(tmp_path: Path) -> None:
     assert (tmp_path / "ran").exists()
 
 
-def push(endpoint: str, frame: bytes) -> None:
-    """Send one raw frame from a fresh PUSH socket, as anyone who can reach the endpoint can."""
+def push(endpoint: str, frame: bytes, curve: CurveKeys | None = None) -> None:
+    """Send one raw frame from a fresh PUSH socket. To a worker's TCP port only a peer holding the cluster
+    secret gets through (`curve`: a compromised server's keys, so the frame reaches the decoder); to a server's
+    ipc link, a process of the same user."""
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 5000)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            curve.worker_public, curve.client_public, curve.client_secret)
     sock.connect(endpoint)
     sock.send(frame)
     sock.close()
@@ -89,7 +95,7 @@ def remote_worker(redis_url: str) -> Iterator[RemoteWorker]:
     """A `strata worker` (StepEngine inside) in a thread of this process, so its counter can be read."""
     engine = StepEngine(0.002, worker_id="r1")
     options = RemoteWorkerOptions("r1", redis_url, host="127.0.0.1", advertise_host="127.0.0.1", lease_s=LEASE_S,
-                                  heartbeat_s=0.2)
+                                  heartbeat_s=0.2, curve=CURVE)
     worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options)
     thread = threading.Thread(target=worker.run, name="remote-worker", daemon=True)
     thread.start()
@@ -111,7 +117,7 @@ def attached(redis_url: str) -> Iterator[RemoteEngine]:
     try:
         record = directory.record("r1")
         assert record is not None and directory.claim("r1")
-        remote = RemoteEngine.connect(WorkerId("r1"), record.address, directory.server_id,
+        remote = RemoteEngine.connect(WorkerId("r1"), record.address, directory.server_id, CURVE,
                                       heartbeat_timeout_s=LEASE_S)
         try:
             yield remote
@@ -125,7 +131,7 @@ def attached(redis_url: str) -> Iterator[RemoteEngine]:
 def test_the_pickle_exploit_on_a_free_worker_runs_nothing_and_it_serves_on(remote_worker, redis_url,
                                                                             tmp_path) -> None:
     target = tmp_path / "pwned"
-    push(remote_worker.address.to_worker, pickle_exploit(target))
+    push(remote_worker.address.to_worker, pickle_exploit(target), CURVE)
     wait_for(lambda: remote_worker.messages_rejected == 1, 10, 0.02, what="the frame rejected")
     assert not target.exists()
     with attached(redis_url) as remote:
@@ -140,7 +146,7 @@ def test_the_pickle_exploit_on_a_serving_worker_drops_its_server_and_it_serves_t
         with attached(redis_url) as first:
             assert generate(first, "before").finish_reason == "length"
             after = directory.stream_tail()
-            push(remote_worker.address.to_worker, pickle_exploit(target))
+            push(remote_worker.address.to_worker, pickle_exploit(target), CURVE)
             wait_for(lambda: not first.alive, 10, 0.02, what="the worker to drop its server")
         assert remote_worker.messages_rejected == 1 and not target.exists()
         events = directory.wait_for_events(after, block_ms=10_000)
@@ -153,7 +159,7 @@ def test_the_pickle_exploit_on_a_serving_worker_drops_its_server_and_it_serves_t
 
 def test_every_kind_of_bad_frame_is_dropped_and_counted_by_a_worker(remote_worker, redis_url) -> None:
     for count, (kind, frame) in enumerate(BAD_FRAMES.items(), start=1):
-        push(remote_worker.address.to_worker, frame)
+        push(remote_worker.address.to_worker, frame, CURVE)
         wait_for(lambda n=count: remote_worker.messages_rejected == n, 10, 0.02, what=f"the {kind} frame rejected")
     with attached(redis_url) as remote:
         assert generate(remote, "after").finish_reason == "length"
@@ -184,3 +190,32 @@ def test_a_bad_frame_on_a_server_link_drops_that_worker_and_its_requests_migrate
         assert [generate(routed, f"after{i}").finish_reason for i in range(3)] == ["length"] * 3
     finally:
         routed.close()
+
+
+@pytest.mark.parametrize("keys", ["none", "another secret"])
+def test_a_peer_without_the_cluster_secret_reaches_nothing(remote_worker, redis_url, tmp_path, keys: str) -> None:
+    """CURVE: a peer with no keys, or with the keys of another secret, never completes the handshake, so even a
+    well-formed Attach (and the pickle exploit) never reaches the decoder. (`push` returns once its socket gave
+    up delivering, after its linger; frames that arrived would be decoded before the real server's Attach.)"""
+    target = tmp_path / "pwned"
+    curve = None if keys == "none" else CurveKeys.from_secret(b"another-cluster-secret-0123456789")
+    push(remote_worker.address.to_worker, pickle_exploit(target), curve)
+    push(remote_worker.address.to_worker, msgspec.msgpack.encode(["Attach", "intruder"]), curve)
+    assert remote_worker.messages_rejected == 0 and not target.exists()
+    with attached(redis_url) as remote:  # the real server, holding the secret, is served
+        assert generate(remote, "after").finish_reason == "length"
+
+
+def test_a_server_with_another_secret_gets_no_hello(remote_worker, redis_url) -> None:
+    directory = Directory(redis_url, "step", lease_s=LEASE_S)
+    try:
+        record = directory.record("r1")
+        assert record is not None and directory.claim("r1")
+        wrong = CurveKeys.from_secret(b"another-cluster-secret-0123456789")
+        with pytest.raises(WorkerDied, match="another cluster secret"):
+            RemoteEngine.connect(WorkerId("r1"), record.address, directory.server_id, wrong, start_timeout_s=2)
+        directory.release("r1")
+    finally:
+        directory.close()
+    with attached(redis_url) as remote:
+        assert generate(remote, "after").finish_reason == "length"

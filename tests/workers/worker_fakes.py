@@ -18,6 +18,10 @@ from server.engine.api import (
     max_output_tokens,
 )
 from server.workers.hardware import Speeds
+from server.workers.transport import CurveKeys
+from tests.conftest import CLUSTER_SECRET
+
+CURVE = CurveKeys.from_secret(CLUSTER_SECRET.encode())  # the cluster's keys for TCP links in these tests
 
 SALT = model_salt("step-engine")
 
@@ -105,7 +109,7 @@ def run_remote_step_worker(worker_id: str, redis_url: str, lease_s: float = 1.5,
     events = ChannelEvents(None)
     engine = StepEngine(step_s, worker_id=worker_id, events=events)
     options = RemoteWorkerOptions(worker_id, redis_url, host="127.0.0.1", advertise_host="127.0.0.1",
-                                  lease_s=lease_s, heartbeat_s=0.2)
+                                  lease_s=lease_s, heartbeat_s=0.2, curve=CURVE)
     worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options, events)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
