@@ -32,8 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams  # noqa: E402
-from server.engine.config import DEFAULT_MODEL  # noqa: E402
+from server.engine.api import GenerationRequest, RequestId, SamplingParams  # noqa: E402
+from server.engine.config import (
+    DEFAULT_MODEL,  # noqa: E402
+    EngineConfig,  # noqa: E402
+)
+from server.engine.llm_engine import LLMEngine  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # plain-text token ids, far from special tokens
 

@@ -322,7 +322,7 @@ class EngineProbe:
         setattr(obj, method, timed)
 
     def run(self, request_id: str, prompt: list[int], max_tokens: int) -> TurnResult:
-        from server.engine import GenerationRequest, RequestId, SamplingParams
+        from server.engine.api import GenerationRequest, RequestId, SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         outputs, first = queue.SimpleQueue(), {}
@@ -349,7 +349,8 @@ class EngineProbe:
 
 def open_engines(args: argparse.Namespace, modes: dict, g1_blocks: int, stack: ExitStack) -> dict:
     """One engine (and connector) per mode, all alive at once so requests of the modes can interleave."""
-    from server.engine import EngineConfig, LLMEngine
+    from server.engine.config import EngineConfig
+    from server.engine.llm_engine import LLMEngine
 
     probes = {}
     for mode, config in modes.items():

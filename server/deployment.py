@@ -29,8 +29,9 @@ from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
-from server.engine import EngineConfig, LLMEngine
 from server.engine.api import Engine
+from server.engine.config import EngineConfig
+from server.engine.llm_engine import LLMEngine
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
 from server.router.metrics import RouterMetrics

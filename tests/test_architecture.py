@@ -35,3 +35,12 @@ def test_the_frontend_rule_names_every_engine_module_but_the_protocol():
     frontend = next(c for c in _contracts() if c["source_modules"] == ["server.openai"])
     forbidden = set(frontend["forbidden_modules"])
     assert engine_modules - forbidden == {"server.engine.api"}
+
+
+def test_the_protocol_and_the_frontend_load_without_the_engine():
+    """Importing server.engine.api (what the frontend sees) must not load torch or the engine's modules."""
+    probe = ("import sys, server.openai.app; "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('server.engine.')))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['server.engine.api']"

@@ -36,11 +36,14 @@ from pytriton.proxy.types import Request
 from server.backends.staging import remove
 from server.backends.unavailable import stage_reason
 from server.deployment import LLMDeployment
-from server.engine import GenerationRequest, RequestError, RequestId, SamplingParams
 from server.engine.api import (
     Engine,
     EngineUnavailable,
     GenerationOutput,
+    GenerationRequest,
+    RequestError,
+    RequestId,
+    SamplingParams,
     max_output_tokens,
     validate_cache_salt,
 )

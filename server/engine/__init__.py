@@ -1,35 +1,7 @@
 """Strata's LLM engine: paged KV cache, prefix caching, continuous batching, own torch forward.
 
-Entry points: `LLMEngine(EngineConfig(...))` / `LLMEngine.from_json("model_repository/<m>/1/model.json")`,
-`submit(request, sink)`, and the iterators in `server.engine.stream`.
+Import from the modules: `server.engine.api` is the protocol every caller needs (and all the OpenAI frontend may
+see); `LLMEngine` (llm_engine.py) and `EngineConfig` (config.py) build the engine itself, which loads torch;
+`server.engine.stream` turns a submit into sync/async iterators. This file imports nothing, so that importing the
+protocol does not load the engine.
 """
-
-from server.engine.api import (
-    Engine,
-    GenerationOutput,
-    GenerationRequest,
-    OutputSink,
-    RequestError,
-    RequestId,
-    SamplingParams,
-)
-from server.engine.config import ConfigError, EngineConfig
-from server.engine.llm_engine import LLMEngine, PoolStats
-from server.engine.stream import aiterate_outputs, generate, iterate_outputs
-
-__all__ = [
-    "ConfigError",
-    "Engine",
-    "EngineConfig",
-    "GenerationOutput",
-    "GenerationRequest",
-    "LLMEngine",
-    "OutputSink",
-    "PoolStats",
-    "RequestError",
-    "RequestId",
-    "SamplingParams",
-    "aiterate_outputs",
-    "generate",
-    "iterate_outputs",
-]

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams, generate
+from server.engine.api import GenerationRequest, RequestId, SamplingParams
+from server.engine.config import EngineConfig
+from server.engine.llm_engine import LLMEngine
+from server.engine.stream import generate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CACHE = ROOT / ".strata-cache" / "models"  # git-ignored; reused across runs so only the first converts

@@ -7,8 +7,8 @@ import pytest
 from conftest import LONG_TEXT, greedy, run
 
 from kvbm.block_hash import block_hashes, model_salt, request_salt
-from server.engine import LLMEngine, RequestError
-from server.engine.api import GenerationRequest, validate_cache_salt
+from server.engine.api import GenerationRequest, RequestError, validate_cache_salt
+from server.engine.llm_engine import LLMEngine
 
 
 def test_no_salt_keeps_the_model_root_and_salts_change_every_block():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from conftest import PROMPTS, collect_concurrently, engine_config, greedy, run
 
-from server.engine import LLMEngine, iterate_outputs
+from server.engine.llm_engine import LLMEngine
+from server.engine.stream import iterate_outputs
 
 
 def test_sequential_matches_transformers(engine, prompt_ids, reference_outputs):

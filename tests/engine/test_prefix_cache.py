@@ -7,10 +7,10 @@ from conftest import engine_config, greedy, run
 
 from kvbm.api import BlockRemoved, BlockStored
 from kvbm.block_hash import BlockHash, model_salt
-from server.engine import LLMEngine
 from server.engine.api import RequestId, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.detokenizer import Detokenizer
+from server.engine.llm_engine import LLMEngine
 from server.engine.sequence import Sequence
 
 

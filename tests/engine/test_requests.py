@@ -8,15 +8,9 @@ import pytest
 import torch
 from conftest import collect_concurrently, engine_config, greedy, run, wait_until
 
-from server.engine import (
-    GenerationRequest,
-    LLMEngine,
-    RequestError,
-    RequestId,
-    SamplingParams,
-    aiterate_outputs,
-    iterate_outputs,
-)
+from server.engine.api import GenerationRequest, RequestError, RequestId, SamplingParams
+from server.engine.llm_engine import LLMEngine
+from server.engine.stream import aiterate_outputs, iterate_outputs
 
 
 @pytest.mark.parametrize(

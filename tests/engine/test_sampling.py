@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import collect_concurrently, greedy, run
 
-from server.engine import GenerationRequest, RequestId, SamplingParams
+from server.engine.api import GenerationRequest, RequestId, SamplingParams
 
 
 def sampled(ids: list[int], request_id: str, **fields) -> GenerationRequest:

@@ -12,7 +12,10 @@ from kvbm.agent import build_connector
 from kvbm.block_hash import block_hashes
 from kvbm.config import GIB, KVBMConfig
 from kvbm.index import KVIndex
-from server.engine import EngineConfig, GenerationRequest, LLMEngine, RequestId, SamplingParams, generate
+from server.engine.api import GenerationRequest, RequestId, SamplingParams
+from server.engine.config import EngineConfig
+from server.engine.llm_engine import LLMEngine
+from server.engine.stream import generate
 
 pytestmark = pytest.mark.slow
 MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"

@@ -9,7 +9,8 @@ import openai
 import pytest
 from conftest import serve_app
 
-from server.engine import EngineConfig, LLMEngine
+from server.engine.config import EngineConfig
+from server.engine.llm_engine import LLMEngine
 from server.openai.app import build_app
 
 MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  # shared with tests/engine
