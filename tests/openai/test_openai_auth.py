@@ -7,11 +7,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import FakeEngine, serve_app
 from prometheus_client import CollectorRegistry
 
 from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
+from tests.openai.conftest import FakeEngine, serve_app
 
 KEY = "sk-test-7f3a"
 
