@@ -46,6 +46,11 @@ class KVBMMetrics:
             "Connections to the KVBM service's query port that did not prove the cluster secret",
             registry=reg,
         )
+        self.events_rejected = Counter(
+            "kvbm_service_events_rejected",
+            "KV event stream entries the service skipped as malformed",
+            registry=reg,
+        )
         self.redis_up = Gauge("kvbm_redis_up", "1 while the last Redis call succeeded", registry=reg)
         self.index_blocks = Gauge("kvbm_index_blocks", "Block hashes in the KVBM service index", registry=reg)
         self.index_workers = Gauge(

@@ -92,8 +92,14 @@ class KVBMService:
         applied = 0
         for _, messages in entries:
             for message_id, fields in messages:
-                self.index.apply(TierEvent.from_fields(fields))
                 self.last_id = message_id
+                try:
+                    event = TierEvent.from_fields(fields)
+                except (KeyError, ValueError, TypeError, UnicodeDecodeError) as err:  # written by anyone on Redis
+                    log.warning("kvbm service: skipped malformed stream entry %s: %r", message_id, err)
+                    self.metrics.events_rejected.inc()
+                    continue
+                self.index.apply(event)
                 applied += 1
         return applied
 

@@ -17,7 +17,7 @@ import redis
 from kvbm_testing import CLUSTER_SECRET, G4_KEY, RedisServer, make_kv_cache, small_layout, spawned_offload
 
 from kvbm.agent import build_connector
-from kvbm.api import BlockStored
+from kvbm.api import BlockRemoved, BlockStored
 from kvbm.auth import AuthError, derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.channel import STREAM
@@ -201,3 +201,15 @@ def test_the_service_refuses_to_start_without_a_secret(redis_url: str) -> None:
     result = subprocess.run([sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", "0"], cwd=root,
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "secrets.token_hex(32)" in result.stderr
+
+
+def test_a_malformed_stream_entry_is_skipped_and_counted(service: KVBMService, worker: KVBMConnector,
+                                                          redis_url: str) -> None:
+    """Anyone who can write to Redis can append to the event stream: the follower skips what does not parse."""
+    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    client = redis.Redis.from_url(redis_url)
+    client.xadd(STREAM, {b"w": b"x", b"k": b"stored", b"t": b"not-a-tier"})
+    client.xadd(STREAM, {b"junk": b"\xff"})
+    worker.on_event(BlockRemoved(tuple(BLOCKS[2:4])))  # a valid event after the bad ones is still applied
+    wait_until(holds(service, "worker-a", WorkerPrefix(2, 8, 8)), 5, "the event after the bad entries")
+    assert service.metrics.registry.get_sample_value("kvbm_service_events_rejected_total") == 2
