@@ -29,7 +29,8 @@ EPOCH_KEY = b"kvbm:service:epoch"
 STREAM_MAXLEN = 1_000_000  # events (each carries a batch of hashes)
 
 
-def lease_key(worker_id: str) -> bytes:
+def agent_lease_key(worker_id: str) -> bytes:
+    """A KVBM agent's liveness key for the service (not a worker registration's: server.workers.registry)."""
     return LEASE_PREFIX + worker_id.encode()
 
 
@@ -122,7 +123,7 @@ class RedisWorkerChannel:
 
         def beat(r) -> bytes | None:
             pipe = r.pipeline(transaction=False)
-            pipe.set(lease_key(self.worker_id), b"1", px=self.lease_ttl_ms)
+            pipe.set(agent_lease_key(self.worker_id), b"1", px=self.lease_ttl_ms)
             pipe.get(EPOCH_KEY)
             return pipe.execute()[1] or b""
 
@@ -147,4 +148,4 @@ class RedisWorkerChannel:
         for thread in self._threads:
             thread.join(timeout=2)
         self.flush()
-        self.link.call(lambda r: r.delete(lease_key(self.worker_id)), 0)
+        self.link.call(lambda r: r.delete(agent_lease_key(self.worker_id)), 0)

@@ -22,7 +22,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvbm.auth import AuthError, server_handshake
-from kvbm.channel import EPOCH_KEY, STREAM, lease_key
+from kvbm.channel import EPOCH_KEY, STREAM, agent_lease_key
 from kvbm.cli import DEFAULT_PORT
 from kvbm.events import TierEvent
 from kvbm.index import KVIndex
@@ -114,7 +114,7 @@ class KVBMService:
         def alive(r) -> list[int]:
             pipe = r.pipeline(transaction=False)
             for worker_id in workers:
-                pipe.exists(lease_key(worker_id))
+                pipe.exists(agent_lease_key(worker_id))
             pipe.exists(EPOCH_KEY)
             return pipe.execute()
 

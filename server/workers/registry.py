@@ -48,7 +48,7 @@ def registrations_key(model: str) -> str:
     return f"strata:workers:{model}"
 
 
-def lease_key(model: str, worker_id: str) -> str:
+def registration_lease_key(model: str, worker_id: str) -> str:
     return f"strata:worker-lease:{model}:{worker_id}"
 
 
@@ -108,11 +108,11 @@ class Registration:
         """Take the lease (waiting out a dead predecessor's), publish the record, announce "join".
         Raises redis.RedisError if Redis is unreachable, WorkerIdTaken if a live worker has this id."""
         client, worker_id = self._link.client, self.record.worker_id
-        if not client.set(lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
-            remaining_ms = client.pttl(lease_key(self.model, worker_id))
+        if not client.set(registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
+            remaining_ms = client.pttl(registration_lease_key(self.model, worker_id))
             log.info("worker id %s still leased (%d ms left): waiting for it to expire", worker_id, remaining_ms)
             self._stop.wait(max(remaining_ms, 0) / 1000 + 0.05)
-            if not client.set(lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
+            if not client.set(registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
                 raise WorkerIdTaken(f"worker id {worker_id!r} is in use by a live worker of {self.model}; "
                                     "choose another with --worker-id")
         client.hset(registrations_key(self.model), worker_id, self.record.to_json())
@@ -146,7 +146,7 @@ class Registration:
         def remove(r: redis.Redis) -> None:
             pipe = r.pipeline(transaction=True)  # MULTI: the record and its "leave" event go together
             pipe.hdel(registrations_key(self.model), worker_id)
-            pipe.delete(lease_key(self.model, worker_id), claim_key(self.model, worker_id))
+            pipe.delete(registration_lease_key(self.model, worker_id), claim_key(self.model, worker_id))
             self._announce(pipe, "leave", reason)
             pipe.execute()
 
@@ -161,7 +161,7 @@ class Registration:
 
     def _renew(self, client: redis.Redis) -> bool:
         """Refresh the lease; True if it had lapsed (the record, maybe removed meanwhile, is written again)."""
-        previous = client.set(lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True)
+        previous = client.set(registration_lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True)
         if previous is None:
             client.hset(registrations_key(self.model), self.record.worker_id, self.record.to_json())
         return previous is None
@@ -196,7 +196,7 @@ class Directory:
         is gone are removed (with a "leave" event)."""
         raw = self._link.call(lambda r: r.hgetall(registrations_key(self.model)), None)
         ids = [worker_id.decode() for worker_id in raw or {}]
-        alive = self._link.call(lambda r: _exist(r, [lease_key(self.model, w) for w in ids]), None)
+        alive = self._link.call(lambda r: _exist(r, [registration_lease_key(self.model, w) for w in ids]), None)
         if raw is None or alive is None:
             return None
         records = []
@@ -245,7 +245,7 @@ class Directory:
         self._link.close()
 
     def _remove_expired(self, worker_id: str) -> None:
-        keys = [registrations_key(self.model), lease_key(self.model, worker_id), events_key(self.model)]
+        keys = [registrations_key(self.model), registration_lease_key(self.model, worker_id), events_key(self.model)]
         removed = self._link.call(lambda r: r.eval(_REMOVE_EXPIRED, len(keys), *keys, worker_id, STREAM_MAXLEN), 0)
         if removed:
             log.warning("%s: worker %s's lease expired; registration removed", self.model, worker_id)

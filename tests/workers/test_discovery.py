@@ -24,7 +24,13 @@ from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.workers.discovery import Discovery
 from server.workers.protocol import Attach, Hello, WorkerId
-from server.workers.registry import Directory, WorkerRecord, events_key, lease_key, registrations_key
+from server.workers.registry import (
+    Directory,
+    WorkerRecord,
+    events_key,
+    registration_lease_key,
+    registrations_key,
+)
 from server.workers.remote import RemoteEngine
 from server.workers.transport import Channel
 from server.workers.worker import WorkerSpec
@@ -193,7 +199,7 @@ def test_worker_whose_server_goes_silent_becomes_free_again(redis_url, remote_wo
 def test_an_unreadable_registration_is_skipped(redis_url) -> None:
     client = redis.Redis.from_url(redis_url)
     client.hset(registrations_key("step"), "junk", b'{"address": {}}')
-    client.set(lease_key("step", "junk"), b"1", px=10_000)
+    client.set(registration_lease_key("step", "junk"), b"1", px=10_000)
     directory = Directory(redis_url, "step")
     try:
         assert directory.live_records() == [] and directory.record("junk") is None
@@ -205,7 +211,7 @@ def test_an_expired_registration_goes_with_its_leave_event_and_a_renewed_one_sta
     client = redis.Redis.from_url(redis_url)
     for worker_id in ("dead", "renewed"):
         client.hset(registrations_key("step"), worker_id, b"{}")
-    client.set(lease_key("step", "renewed"), b"1", px=10_000)  # renewed after the server saw it lapse
+    client.set(registration_lease_key("step", "renewed"), b"1", px=10_000)  # renewed after the server saw it lapse
     directory = Directory(redis_url, "step")
     try:
         directory._remove_expired("renewed")
