@@ -119,3 +119,23 @@ def test_a_forged_or_moved_block_is_a_miss_and_a_metric(redis_url: str) -> None:
     assert ok == [True, False, False]
     assert np.array_equal(dests[0], blocks[0]) and not dests[1].any() and not dests[2].any()
     assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G4"}) == 2
+
+
+def test_acl_user_and_password_come_from_the_url() -> None:
+    """A Redis with the default user off: G4 works with `redis://user:password@host`, and a wrong password is an
+    outage (misses, kvbm_redis_up 0), not an error on the request path."""
+    server = RedisServer()
+    server.start()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("ACL", "SETUSER", "strata", "on", ">s3cret-pw", "~*", "&*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "default", "off")
+        good = pool_for(f"redis://strata:s3cret-pw@127.0.0.1:{server.port}/0")
+        assert good.put([BlockHash(1)], data(1)).stored == [1]
+        assert read(good, [1])[0] == [True]
+        metrics = KVBMMetrics()
+        wrong = pool_for(f"redis://strata:wrong@127.0.0.1:{server.port}/0", metrics=metrics)
+        assert read(wrong, [1])[0] == [False]
+        assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
+    finally:
+        server.stop()
