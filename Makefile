@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install models lint bench
+.PHONY: serve test install models lint format bench
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ test: models
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
 
 bench: models
 	$(PY) bench/overhead.py

@@ -225,8 +225,14 @@ def run_all(runner: Runner, model, args) -> dict:
     fresh, cached = bench_prefix_ttft(runner, args.reps)
     shared = bench_shared_prompt(runner, args.reps)
     rss = bench_rss(runner, args.requests)
-    return {"prefill": prefill, "decode": decode, "serving": serving, "ttft": (fresh, cached), "shared": shared,
-            "rss": rss}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "serving": serving,
+        "ttft": (fresh, cached),
+        "shared": shared,
+        "rss": rss,
+    }
 
 
 def print_report(results: dict, args) -> None:
@@ -247,8 +253,14 @@ def print_report(results: dict, args) -> None:
     fresh, cached = results["ttft"]
     rows.append(("TTFT 2048 uncached / cached s", f"{fresh:.3f}", f"{cached:.3f}", f"{fresh / cached:.1f}x"))
     waited, duplicated = results["shared"]
-    rows.append(("4 x one 1008-token prompt, last TTFT s (prefix wait off / on)", f"{duplicated:.3f}", f"{waited:.3f}",
-                 f"{duplicated / waited:.2f}x"))
+    rows.append(
+        (
+            "4 x one 1008-token prompt, last TTFT s (prefix wait off / on)",
+            f"{duplicated:.3f}",
+            f"{waited:.3f}",
+            f"{duplicated / waited:.2f}x",
+        )
+    )
     for done, current, peak in results["rss"]:
         rows.append((f"RSS after {done} requests MiB", f"{current:.0f}", f"peak {peak:.0f}", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

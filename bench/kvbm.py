@@ -229,7 +229,10 @@ def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> list[dict
             xxhash.xxh3_64_intdigest(payload)
             rows[row] = payload
 
-    floors = {"raw redis MGET": lambda: client.mget(keys), "MGET + xxh3 + copy (unsigned, before)": unsigned_onboard}
+    floors = {
+        "raw redis MGET": lambda: client.mget(keys),
+        "MGET + xxh3 + copy (unsigned, before)": unsigned_onboard,
+    }
     ours, *floor_s = timed_onboard(kvbm, kv_cache, hashes, list(floors.values()), reps)
     kvbm.close()
     row = {"tier": "G4->G1", "bytes": n * bb, "ours_s": ours}

@@ -63,9 +63,25 @@ def start_bare_triton(repo: Path, work: Path) -> tuple[subprocess.Popen, int, in
     env = {**os.environ, "LD_LIBRARY_PATH": f"{sysconfig.get_config_var('LIBDIR')}:{libs}"}
     http, grpc = free_port(), free_port()
     process = subprocess.Popen(
-        [str(dist / "bin" / "tritonserver"), "--model-repository", str(repo), "--backend-directory", str(backends),
-         "--http-port", str(http), "--grpc-port", str(grpc), "--allow-metrics", "false", "--exit-timeout-secs", "2"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(dist / "bin" / "tritonserver"),
+            "--model-repository",
+            str(repo),
+            "--backend-directory",
+            str(backends),
+            "--http-port",
+            str(http),
+            "--grpc-port",
+            str(grpc),
+            "--allow-metrics",
+            "false",
+            "--exit-timeout-secs",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
     wait_for(lambda: _ready(client), 60, what="bare Triton ready")
     client.close()
@@ -109,8 +125,11 @@ def measure(protocol: str, port: int, concurrency: int, requests: int) -> dict:
         thread.join()
     wall = time.perf_counter() - start
     ordered = sorted(latencies)
-    return {"p50_ms": ordered[len(ordered) // 2], "p99_ms": ordered[int(len(ordered) * 0.99)],
-            "rps": len(ordered) / wall}
+    return {
+        "p50_ms": ordered[len(ordered) // 2],
+        "p99_ms": ordered[int(len(ordered) * 0.99)],
+        "rps": len(ordered) / wall,
+    }
 
 
 def main() -> None:
@@ -128,14 +147,26 @@ def main() -> None:
             for protocol, concurrency in cells:
                 port = http if protocol == "http" else grpc
                 results.setdefault(("bare", protocol, concurrency), []).append(
-                    measure(protocol, port, concurrency, args.requests // concurrency * (1 if concurrency == 1 else 4)))
+                    measure(
+                        protocol,
+                        port,
+                        concurrency,
+                        args.requests // concurrency * (1 if concurrency == 1 else 4),
+                    )
+                )
             bare.terminate()
             bare.wait(30)
             strata = start_strata(repo, tmp / f"strata{round_index}")
             for protocol, concurrency in cells:
                 port = strata.http_port if protocol == "http" else strata.grpc_port
                 results.setdefault(("strata", protocol, concurrency), []).append(
-                    measure(protocol, port, concurrency, args.requests // concurrency * (1 if concurrency == 1 else 4)))
+                    measure(
+                        protocol,
+                        port,
+                        concurrency,
+                        args.requests // concurrency * (1 if concurrency == 1 else 4),
+                    )
+                )
             strata.stop()
     report(results, cells, args)
 
@@ -145,19 +176,29 @@ def report(results: dict, cells: list, args: argparse.Namespace) -> None:
         return statistics.median(r[key] for r in results[(server, protocol, concurrency)])
 
     print(f"\nidentity FP32[4] Python-backend model; {args.rounds} rounds, medians; ratio = strata / bare")
-    print(f"{'protocol':8} {'conc':>4} | {'bare p50':>9} {'p99':>7} {'req/s':>7} | {'strata p50':>10} {'p99':>7}"
-          f" {'req/s':>7} | {'p50 ratio':>9}")
+    print(
+        f"{'protocol':8} {'conc':>4} | {'bare p50':>9} {'p99':>7} {'req/s':>7} | {'strata p50':>10} {'p99':>7}"
+        f" {'req/s':>7} | {'p50 ratio':>9}"
+    )
     summary = {}
     for protocol, concurrency in cells:
-        row = {s: {k: median(s, protocol, concurrency, k) for k in ("p50_ms", "p99_ms", "rps")}
-               for s in ("bare", "strata")}
+        row = {
+            s: {k: median(s, protocol, concurrency, k) for k in ("p50_ms", "p99_ms", "rps")}
+            for s in ("bare", "strata")
+        }
         ratio = row["strata"]["p50_ms"] / row["bare"]["p50_ms"]
-        summary[f"{protocol}_c{concurrency}"] = {**{f"{s}_{k}": round(v, 4) for s in row for k, v in row[s].items()},
-                                                 "p50_ratio": round(ratio, 3)}
-        print(f"{protocol:8} {concurrency:>4} | {row['bare']['p50_ms']:>9.3f} {row['bare']['p99_ms']:>7.3f}"
-              f" {row['bare']['rps']:>7.0f} | {row['strata']['p50_ms']:>10.3f} {row['strata']['p99_ms']:>7.3f}"
-              f" {row['strata']['rps']:>7.0f} | {ratio:>9.2f}")
-    print(json.dumps({"bench": "overhead", "rounds": args.rounds, "requests": args.requests, "cells": summary}))
+        summary[f"{protocol}_c{concurrency}"] = {
+            **{f"{s}_{k}": round(v, 4) for s in row for k, v in row[s].items()},
+            "p50_ratio": round(ratio, 3),
+        }
+        print(
+            f"{protocol:8} {concurrency:>4} | {row['bare']['p50_ms']:>9.3f} {row['bare']['p99_ms']:>7.3f}"
+            f" {row['bare']['rps']:>7.0f} | {row['strata']['p50_ms']:>10.3f} {row['strata']['p99_ms']:>7.3f}"
+            f" {row['strata']['rps']:>7.0f} | {ratio:>9.2f}"
+        )
+    print(
+        json.dumps({"bench": "overhead", "rounds": args.rounds, "requests": args.requests, "cells": summary})
+    )
 
 
 if __name__ == "__main__":

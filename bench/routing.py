@@ -68,7 +68,9 @@ PROMPT_BLOCKS = 128
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
-def build_index(num_blocks: int, num_workers: int, rng: random.Random) -> tuple[KVIndex, list[list[BlockHash]]]:
+def build_index(
+    num_blocks: int, num_workers: int, rng: random.Random
+) -> tuple[KVIndex, list[list[BlockHash]]]:
     """`num_blocks` distinct hashes as prompts of PROMPT_BLOCKS blocks, each held by one or two workers."""
     index = KVIndex(max_workers=max(64, num_workers))
     prompts = []
@@ -118,8 +120,12 @@ def time_queries(index: KVIndex, queries: list[list[BlockHash]]) -> list[float]:
 def summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6  # noqa: E731
-    return {"p50_us": round(pick(0.5), 1), "p90_us": round(pick(0.9), 1), "p99_us": round(pick(0.99), 1),
-            "mean_us": round(statistics.fmean(samples) * 1e6, 1)}
+    return {
+        "p50_us": round(pick(0.5), 1),
+        "p90_us": round(pick(0.9), 1),
+        "p99_us": round(pick(0.99), 1),
+        "mean_us": round(statistics.fmean(samples) * 1e6, 1),
+    }
 
 
 def decision_bench(args: argparse.Namespace) -> dict:
@@ -128,12 +134,20 @@ def decision_bench(args: argparse.Namespace) -> dict:
     index, prompts = build_index(args.index_blocks, args.workers, rng)
     build_s = time.perf_counter() - started
     queries = make_queries(prompts, args.decisions, rng)
-    routers = {name: Router(RouterConfig(strategy=name, lookup_budget_s=1.0), index)  # type: ignore[arg-type]
-               for name in ("kv-aware", "round-robin")}
+    routers = {
+        name: Router(RouterConfig(strategy=name, lookup_budget_s=1.0), index)  # type: ignore[arg-type]
+        for name in ("kv-aware", "round-robin")
+    }
     for router in routers.values():
         for w in range(args.workers):
-            router.update_worker(WorkerStats(WorkerId(f"w{w}"), kv_capacity_blocks=100_000,
-                                             prefill_tok_s=2000 + 100 * w, decode_tok_s=50 + w))
+            router.update_worker(
+                WorkerStats(
+                    WorkerId(f"w{w}"),
+                    kv_capacity_blocks=100_000,
+                    prefill_tok_s=2000 + 100 * w,
+                    decode_tok_s=50 + w,
+                )
+            )
     gc.collect()
     gc.freeze()  # the index's million entries would otherwise make each full collection a latency spike
     results = {"index_query": summary(time_queries(index, queries))}
@@ -142,14 +156,22 @@ def decision_bench(args: argparse.Namespace) -> dict:
         results[name] = summary(time_decisions(router, queries))
     full_hits = [rng.choice(prompts) for _ in range(args.decisions)]  # every block indexed: the longest walk
     results["kv-aware full-hit"] = summary(time_decisions(routers["kv-aware"], full_hits))
-    return {"bench": "routing.decision", "index_blocks": len(index), "workers": args.workers,
-            "prompt_blocks": PROMPT_BLOCKS, "decisions": args.decisions, "index_build_s": round(build_s, 1),
-            "results": results}
+    return {
+        "bench": "routing.decision",
+        "index_blocks": len(index),
+        "workers": args.workers,
+        "prompt_blocks": PROMPT_BLOCKS,
+        "decisions": args.decisions,
+        "index_build_s": round(build_s, 1),
+        "results": results,
+    }
 
 
 def print_decision_table(report: dict) -> None:
-    print(f"router decision time: {report['index_blocks']:,} indexed blocks, {report['workers']} workers, "
-          f"{report['prompt_blocks']}-block requests, {report['decisions']} decisions")
+    print(
+        f"router decision time: {report['index_blocks']:,} indexed blocks, {report['workers']} workers, "
+        f"{report['prompt_blocks']}-block requests, {report['decisions']} decisions"
+    )
     print(f"{'path':<20}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'mean us':>10}")
     for name, row in report["results"].items():
         print(f"{name:<20}{row['p50_us']:>10}{row['p90_us']:>10}{row['p99_us']:>10}{row['mean_us']:>10}")
@@ -179,8 +201,11 @@ def load_conversations(path: Path, conversations: int, min_turns: int, max_outpu
         conversation = _conversation(row)
         if conversation >= 0 and turns[conversation] >= min_turns and len(chosen) < conversations:
             chosen.add(conversation)
-    return [TraceRequest(row["timestamp"] / 1000, row["hash_ids"], min(row["output_length"], max_output))
-            for row in rows if _conversation(row) in chosen]
+    return [
+        TraceRequest(row["timestamp"] / 1000, row["hash_ids"], min(row["output_length"], max_output))
+        for row in rows
+        if _conversation(row) in chosen
+    ]
 
 
 def oracle_hit_rate(requests: list[TraceRequest]) -> float:
@@ -214,9 +239,11 @@ class ReplayConfig:
     decode_s_per_token: float = 0.042
 
     def describe(self, num_requests: int, conversations: int) -> str:
-        return (f"{num_requests} requests of {conversations} conversations, 1 hash id = {self.block_tokens} "
-                f"tokens, time / {self.speedup:g}, {self.workers} workers x {self.g1_blocks} G1 blocks, "
-                f"prefill {self.prefill_tok_s:g} tok/s, decode {self.decode_s_per_token * 1e3:g} ms/token")
+        return (
+            f"{num_requests} requests of {conversations} conversations, 1 hash id = {self.block_tokens} "
+            f"tokens, time / {self.speedup:g}, {self.workers} workers x {self.g1_blocks} G1 blocks, "
+            f"prefill {self.prefill_tok_s:g} tok/s, decode {self.decode_s_per_token * 1e3:g} ms/token"
+        )
 
 
 class SimWorker:
@@ -247,7 +274,9 @@ class SimWorker:
         if evicted:
             self.index.publish(TierEvent(self.worker_id, "removed", G1, tuple(evicted)))
         if new:
-            self.index.publish(TierEvent(self.worker_id, "stored", G1, tuple(h for h in new if h in self.cache)))
+            self.index.publish(
+                TierEvent(self.worker_id, "stored", G1, tuple(h for h in new if h in self.cache))
+            )
 
 
 class _Simulation:
@@ -255,8 +284,9 @@ class _Simulation:
         self.config = config
         self.index = KVIndex()
         self.router = Router(router_config, self.index)
-        self.workers = {WorkerId(f"w{i}"): SimWorker(f"w{i}", config.g1_blocks, self.index)
-                        for i in range(config.workers)}
+        self.workers = {
+            WorkerId(f"w{i}"): SimWorker(f"w{i}", config.g1_blocks, self.index) for i in range(config.workers)
+        }
         for worker_id in self.workers:
             self.router.update_worker(WorkerStats(worker_id, kv_capacity_blocks=config.g1_blocks))
         self.events: list[tuple[float, int, str, Any]] = []
@@ -290,15 +320,18 @@ class _Simulation:
         request_id, request, hashes, arrived = worker.queue.popleft()
         cached = worker.cached_prefix(hashes)
         tokens = self.config.block_tokens
-        seconds = ((len(hashes) - cached) * tokens + cached * tokens / self.config.restore_speedup) \
-            / self.config.prefill_tok_s
+        seconds = (
+            (len(hashes) - cached) * tokens + cached * tokens / self.config.restore_speedup
+        ) / self.config.prefill_tok_s
         worker.busy = True
         worker.requests += 1
         self.hit_blocks += cached
         self.total_blocks += len(hashes)
         self.push(now + seconds, "prefilled", (worker, request_id, request, hashes, arrived))
 
-    def _prefilled(self, now: float, payload: tuple[SimWorker, str, TraceRequest, list[BlockHash], float]) -> None:
+    def _prefilled(
+        self, now: float, payload: tuple[SimWorker, str, TraceRequest, list[BlockHash], float]
+    ) -> None:
         worker, request_id, request, hashes, arrived = payload
         self.ttfts.append(now - arrived)
         self.router.prefill_done(request_id)
@@ -315,13 +348,20 @@ class _Simulation:
         shares = [w.requests / len(self.ttfts) for w in self.workers.values()]
         ttft = sorted(self.ttfts)
         pick = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))]  # noqa: E731
-        return {"hit_rate": round(self.hit_blocks / self.total_blocks, 4), "ttft_p50_s": round(pick(0.5), 3),
-                "ttft_p90_s": round(pick(0.9), 3), "ttft_p99_s": round(pick(0.99), 3),
-                "share_max": round(max(shares), 3), "share_min": round(min(shares), 3),
-                "route_p50_us": round(sorted(self.route_s)[len(self.route_s) // 2] * 1e6, 1)}
+        return {
+            "hit_rate": round(self.hit_blocks / self.total_blocks, 4),
+            "ttft_p50_s": round(pick(0.5), 3),
+            "ttft_p90_s": round(pick(0.9), 3),
+            "ttft_p99_s": round(pick(0.99), 3),
+            "share_max": round(max(shares), 3),
+            "share_min": round(min(shares), 3),
+            "route_p50_us": round(sorted(self.route_s)[len(self.route_s) // 2] * 1e6, 1),
+        }
 
 
-def simulate(requests: list[TraceRequest], config: ReplayConfig, router_config: RouterConfig) -> dict[str, float]:
+def simulate(
+    requests: list[TraceRequest], config: ReplayConfig, router_config: RouterConfig
+) -> dict[str, float]:
     simulation = _Simulation(config, router_config)
     simulation.run(requests)
     return simulation.summary()
@@ -329,8 +369,9 @@ def simulate(requests: list[TraceRequest], config: ReplayConfig, router_config: 
 
 def replay_command(args: argparse.Namespace) -> dict:
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
-    config = ReplayConfig(workers=args.workers, block_tokens=args.block_tokens, speedup=args.speedup,
-                          g1_blocks=args.g1_blocks)
+    config = ReplayConfig(
+        workers=args.workers, block_tokens=args.block_tokens, speedup=args.speedup, g1_blocks=args.g1_blocks
+    )
     results = {}
     for name, router_config in {
         "kv-aware": RouterConfig(strategy="kv-aware"),
@@ -340,19 +381,27 @@ def replay_command(args: argparse.Namespace) -> dict:
         "random": RouterConfig(strategy="random", seed=1),
     }.items():
         results[name] = simulate(requests, config, router_config)
-    return {"bench": "routing.replay", "scale": config.describe(len(requests), args.conversations),
-            "oracle_hit_rate": round(oracle_hit_rate(requests), 3), "results": results}
+    return {
+        "bench": "routing.replay",
+        "scale": config.describe(len(requests), args.conversations),
+        "oracle_hit_rate": round(oracle_hit_rate(requests), 3),
+        "results": results,
+    }
 
 
 def print_replay_table(report: dict) -> None:
     print(f"Mooncake replay: {report['scale']}")
     print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
-    print(f"{'strategy':<15}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'p99 s':>8}"
-          f"{'share max/min':>15}{'route p50 us':>14}")
+    print(
+        f"{'strategy':<15}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'p99 s':>8}"
+        f"{'share max/min':>15}{'route p50 us':>14}"
+    )
     for name, row in report["results"].items():
-        print(f"{name:<15}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
-              f"{row['ttft_p99_s']:>8.2f}{row['share_max']:>8.1%}/{row['share_min']:<6.1%}"
-              f"{row['route_p50_us']:>14.1f}")
+        print(
+            f"{name:<15}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+            f"{row['ttft_p99_s']:>8.2f}{row['share_max']:>8.1%}/{row['share_min']:<6.1%}"
+            f"{row['route_p50_us']:>14.1f}"
+        )
 
 
 # ---- replay-real: a small slice of the trace through RoutedEngine over real SmolLM2 worker processes ----
@@ -370,22 +419,36 @@ class _Timing:
     output: GenerationOutput | None = None
 
 
-def _replay_real_once(requests: list[TraceRequest], strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+def _replay_real_once(
+    requests: list[TraceRequest], strategy: str, args: argparse.Namespace
+) -> dict[str, Any]:
     from server.engine.config import EngineConfig
     from server.router.routed import RoutedEngine
     from server.workers.remote import spawn_workers
     from server.workers.worker import WorkerSpec, build_llm_engine
 
-    engine_config = EngineConfig(cache_dir=args.model_cache, dtype="float32", device="cpu", block_size=args.block_tokens,
-                                 num_kv_blocks=args.kv_blocks, max_model_len=4096, max_tokens_limit=64,
-                                 num_threads=args.threads_per_worker, model_name="smollm2")
+    engine_config = EngineConfig(
+        cache_dir=args.model_cache,
+        dtype="float32",
+        device="cpu",
+        block_size=args.block_tokens,
+        num_kv_blocks=args.kv_blocks,
+        max_model_len=4096,
+        max_tokens_limit=64,
+        num_threads=args.threads_per_worker,
+        model_name="smollm2",
+    )
     index = KVIndex()
     router = Router(RouterConfig(strategy=strategy), index)  # type: ignore[arg-type]
     spec = WorkerSpec(build_llm_engine, (engine_config, None), forward_events=True)
     workers = spawn_workers([WorkerId(f"w{i}") for i in range(args.workers)], spec, event_sink=index)
     try:
-        routed = RoutedEngine(workers, router, workers[0].info.block_size or args.block_tokens,
-                              BlockHash(workers[0].info.salt or 0))
+        routed = RoutedEngine(
+            workers,
+            router,
+            workers[0].info.block_size or args.block_tokens,
+            BlockHash(workers[0].info.salt or 0),
+        )
         timings = _drive(routed, requests, args)
     finally:
         for worker in workers:
@@ -407,6 +470,7 @@ def _drive(routed: Any, requests: list[TraceRequest], args: argparse.Namespace) 
             if output.finished:
                 timing.output = output
                 done.release()
+
         return sink
 
     started = time.perf_counter()
@@ -414,8 +478,11 @@ def _drive(routed: Any, requests: list[TraceRequest], args: argparse.Namespace) 
         delay = started + request.arrival_s / speedup - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        prompt = [t for block_id in request.hash_ids[: args.max_blocks]
-                  for t in _block_tokens(block_id, args.block_tokens)]
+        prompt = [
+            t
+            for block_id in request.hash_ids[: args.max_blocks]
+            for t in _block_tokens(block_id, args.block_tokens)
+        ]
         request_id = f"r{i}"
         timings[request_id] = _Timing(time.perf_counter())
         sampling = SamplingParams(max_tokens=max(1, request.output_tokens), temperature=0.0, ignore_eos=True)
@@ -431,26 +498,42 @@ def _real_summary(timings: dict[str, _Timing], router: Router) -> dict[str, Any]
     ttft = sorted(t.first_token - t.submitted for t in timings.values() if t.first_token is not None)
     pick = lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)  # noqa: E731
     prompt = sum(o.num_prompt_tokens for o in outputs)
-    decisions = {f"{s.labels['strategy']}/{s.labels['reason']}": int(s.value)
-                 for s in router.metrics.decisions.collect()[0].samples if s.name.endswith("_total")}
-    return {"hit_rate": round(sum(o.num_cached_tokens for o in outputs) / max(1, prompt), 4),
-            "ttft_p50_s": pick(0.5), "ttft_p90_s": pick(0.9), "ttft_mean_s": round(statistics.fmean(ttft), 3),
-            "errors": sum(o.finish_reason == "error" for o in outputs), "decisions": decisions}
+    decisions = {
+        f"{s.labels['strategy']}/{s.labels['reason']}": int(s.value)
+        for s in router.metrics.decisions.collect()[0].samples
+        if s.name.endswith("_total")
+    }
+    return {
+        "hit_rate": round(sum(o.num_cached_tokens for o in outputs) / max(1, prompt), 4),
+        "ttft_p50_s": pick(0.5),
+        "ttft_p90_s": pick(0.9),
+        "ttft_mean_s": round(statistics.fmean(ttft), 3),
+        "errors": sum(o.finish_reason == "error" for o in outputs),
+        "decisions": decisions,
+    }
 
 
 def replay_real_command(args: argparse.Namespace) -> dict:
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
-    oracle = oracle_hit_rate([TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens)
-                              for r in requests])
+    oracle = oracle_hit_rate(
+        [TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens) for r in requests]
+    )
     results = {}
     for run, strategy in enumerate(args.strategies.split(",")):
         key = strategy if strategy not in results else f"{strategy}#{run + 1}"
         results[key] = _replay_real_once(requests, strategy, args)
-    scale = (f"{len(requests)} requests of {args.conversations} conversations, 1 hash id = {args.block_tokens} "
-             f"tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= {args.max_output} tokens, "
-             f"trace compressed to {args.duration_s:g} s, {args.workers} SmolLM2 fp32 workers x "
-             f"{args.threads_per_worker} thread, {args.kv_blocks} KV blocks each")
-    return {"bench": "routing.replay_real", "scale": scale, "oracle_hit_rate": round(oracle, 3), "results": results}
+    scale = (
+        f"{len(requests)} requests of {args.conversations} conversations, 1 hash id = {args.block_tokens} "
+        f"tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= {args.max_output} tokens, "
+        f"trace compressed to {args.duration_s:g} s, {args.workers} SmolLM2 fp32 workers x "
+        f"{args.threads_per_worker} thread, {args.kv_blocks} KV blocks each"
+    )
+    return {
+        "bench": "routing.replay_real",
+        "scale": scale,
+        "oracle_hit_rate": round(oracle, 3),
+        "results": results,
+    }
 
 
 def print_replay_real_table(report: dict) -> None:
@@ -458,8 +541,10 @@ def print_replay_real_table(report: dict) -> None:
     print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
     print(f"{'strategy':<14}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'mean s':>8}{'errors':>8}")
     for name, row in report["results"].items():
-        print(f"{name:<14}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
-              f"{row['ttft_mean_s']:>8.2f}{row['errors']:>8}")
+        print(
+            f"{name:<14}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+            f"{row['ttft_mean_s']:>8.2f}{row['errors']:>8}"
+        )
 
 
 def oracle_sources(requests: list[TraceRequest]) -> list[tuple[int, int]]:
@@ -478,13 +563,20 @@ def oracle_sources(requests: list[TraceRequest]) -> list[tuple[int, int]]:
     return sources
 
 
-def trace_prompts(args: argparse.Namespace
-                  ) -> tuple[list[tuple[float, list[int], int]], float, list[tuple[int, int]]]:
+def trace_prompts(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[float, list[int], int]], float, list[tuple[int, int]]]:
     """(arrival_s, prompt token ids, max_tokens) of the chosen slice, its oracle hit rate and oracle sources."""
     requests = load_conversations(TRACE, args.conversations, args.min_turns, args.max_output)
     kept = [TraceRequest(r.arrival_s, r.hash_ids[: args.max_blocks], r.output_tokens) for r in requests]
-    prompts = [(r.arrival_s, [t for block_id in r.hash_ids for t in _block_tokens(block_id, args.block_tokens)],
-                max(1, r.output_tokens)) for r in kept]
+    prompts = [
+        (
+            r.arrival_s,
+            [t for block_id in r.hash_ids for t in _block_tokens(block_id, args.block_tokens)],
+            max(1, r.output_tokens),
+        )
+        for r in kept
+    ]
     return prompts, oracle_hit_rate(kept), oracle_sources(kept)
 
 
@@ -493,20 +585,31 @@ def replay_serve_command(args: argparse.Namespace) -> dict:
 
     prompts, oracle, sources = trace_prompts(args)
     runs: dict[str, list[dict]] = {}
-    for round_ in range(args.repeats):  # rounds interleave the strategies, so drift in the machine hits all alike
+    for round_ in range(
+        args.repeats
+    ):  # rounds interleave the strategies, so drift in the machine hits all alike
         for tier in args.tiers.split(","):
             for strategy in args.strategies.split(","):
                 key = f"{strategy}/{tier}"
                 log_name = f"{strategy}-{tier}" + (f"-r{round_}" if args.repeats > 1 else "")
                 runs.setdefault(key, []).append(run_one(prompts, sources, strategy, tier, args, log_name))
-                print(f"{key} (round {round_ + 1}/{args.repeats}): {runs[key][-1]}", file=sys.stderr, flush=True)
+                print(
+                    f"{key} (round {round_ + 1}/{args.repeats}): {runs[key][-1]}", file=sys.stderr, flush=True
+                )
     results = {key: median_run(rows) for key, rows in runs.items()}
-    scale = (f"{len(prompts)} requests of {args.conversations} conversations (>= {args.min_turns} turns), 1 hash id = "
-             f"{args.block_tokens} tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= "
-             f"{args.max_output} tokens, trace compressed to {args.duration_s:g} s; `strata serve --workers "
-             f"{args.workers}`, SmolLM2 fp32, {args.threads_per_worker} thread(s) and {args.kv_blocks} KV blocks "
-             f"per worker; g2 = --kvbm-host-cache-gb {args.host_cache_gb:g}")
-    return {"bench": "routing.replay_serve", "scale": scale, "oracle_hit_rate": round(oracle, 3), "results": results}
+    scale = (
+        f"{len(prompts)} requests of {args.conversations} conversations (>= {args.min_turns} turns), 1 hash id = "
+        f"{args.block_tokens} tokens (one KV block), <= {args.max_blocks} blocks a prompt, outputs <= "
+        f"{args.max_output} tokens, trace compressed to {args.duration_s:g} s; `strata serve --workers "
+        f"{args.workers}`, SmolLM2 fp32, {args.threads_per_worker} thread(s) and {args.kv_blocks} KV blocks "
+        f"per worker; g2 = --kvbm-host-cache-gb {args.host_cache_gb:g}"
+    )
+    return {
+        "bench": "routing.replay_serve",
+        "scale": scale,
+        "oracle_hit_rate": round(oracle, 3),
+        "results": results,
+    }
 
 
 def median_run(rows: list[dict]) -> dict:
@@ -523,32 +626,48 @@ def median_run(rows: list[dict]) -> dict:
 def print_replay_serve_table(report: dict) -> None:
     print(f"replay through strata serve: {report['scale']}")
     print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
-    print(f"{'strategy/tiers':<22}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'ITL p50 ms':>11}{'tok/s':>8}"
-          f"{'errors':>7}   lost to the oracle (ceiling): queued/decoding/finished source")
+    print(
+        f"{'strategy/tiers':<22}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'ITL p50 ms':>11}{'tok/s':>8}"
+        f"{'errors':>7}   lost to the oracle (ceiling): queued/decoding/finished source"
+    )
     for name, row in report["results"].items():
-        print(f"{name:<22}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
-              f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}   ({row['ceiling']:.1%}) "
-              f"{row['lost_queued']:.1%}/{row['lost_decoding']:.1%}/{row['lost_finished']:.1%}")
+        print(
+            f"{name:<22}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
+            f"{row['itl_p50_ms']:>11.1f}{row['throughput_tok_s']:>8.1f}{row['errors']:>7}   ({row['ceiling']:.1%}) "
+            f"{row['lost_queued']:.1%}/{row['lost_decoding']:.1%}/{row['lost_finished']:.1%}"
+        )
     rows = report["results"]
     for tier in sorted({name.split("/")[1].split("#")[0] for name in rows}):
         rr = rows.get(f"round-robin/{tier}")
         for kv_name in sorted({name.split("/")[0] for name in rows if name.startswith("kv-aware")}):
             kv = rows.get(f"{kv_name}/{tier}")
             if kv and rr and kv["ttft_p50_s"] > 0:
-                print(f"{tier}: round-robin / {kv_name} TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x")
-            if kv and rr and "runs" in kv:  # each round's own ratio: the two ran minutes apart, under like noise
-                paired = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(rr["runs"], kv["runs"], strict=True)]
+                print(
+                    f"{tier}: round-robin / {kv_name} TTFT p50 = {rr['ttft_p50_s'] / kv['ttft_p50_s']:.2f}x"
+                )
+            if (
+                kv and rr and "runs" in kv
+            ):  # each round's own ratio: the two ran minutes apart, under like noise
+                paired = [
+                    a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(rr["runs"], kv["runs"], strict=True)
+                ]
                 hits = [f"{run['hit_rate']:.1%}" for run in kv["runs"]]
-                print(f"{tier}: {kv_name} per round: hit rate {', '.join(hits)}; TTFT p50 ratio "
-                      f"{', '.join(f'{ratio:.2f}x' for ratio in paired)}")
+                print(
+                    f"{tier}: {kv_name} per round: hit rate {', '.join(hits)}; TTFT p50 ratio "
+                    f"{', '.join(f'{ratio:.2f}x' for ratio in paired)}"
+                )
 
 
 # ---- transport: the worker channel (msgspec) against pickled tuples (ZMQ, as before) and multiprocessing.Pipe ----
 
-_SAMPLE_OUTPUT = GenerationOutput(RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None,
-                                  2048, 1024, 17)
-_SAMPLE_REQUEST = GenerationRequest(RequestId("0123456789abcdef0123456789abcdef-0"), list(range(2048)),
-                                    SamplingParams(max_tokens=64, temperature=0.0))
+_SAMPLE_OUTPUT = GenerationOutput(
+    RequestId("0123456789abcdef0123456789abcdef-0"), [1234], " hello", False, None, 2048, 1024, 17
+)
+_SAMPLE_REQUEST = GenerationRequest(
+    RequestId("0123456789abcdef0123456789abcdef-0"),
+    list(range(2048)),
+    SamplingParams(max_tokens=64, temperature=0.0),
+)
 _WARMUP_CALLS = 200
 
 
@@ -593,8 +712,11 @@ class _DataclassRequest:
 
 
 _PICKLED_OUTPUT = _DataclassOutput(*msgspec.structs.astuple(_SAMPLE_OUTPUT))
-_PICKLED_REQUEST = _DataclassRequest(_SAMPLE_REQUEST.request_id, _SAMPLE_REQUEST.prompt_token_ids,
-                                     _DataclassSampling(*msgspec.structs.astuple(_SAMPLE_REQUEST.sampling)))
+_PICKLED_REQUEST = _DataclassRequest(
+    _SAMPLE_REQUEST.request_id,
+    _SAMPLE_REQUEST.prompt_token_ids,
+    _DataclassSampling(*msgspec.structs.astuple(_SAMPLE_REQUEST.sampling)),
+)
 
 
 class _TypedLink:
@@ -627,8 +749,9 @@ class _PickledLink:
 
         self._context = zmq.Context()
         self._out, self._in = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        out_endpoint, in_endpoint = (address.to_worker, address.to_server) if server_side \
-            else (address.to_server, address.to_worker)
+        out_endpoint, in_endpoint = (
+            (address.to_worker, address.to_server) if server_side else (address.to_server, address.to_worker)
+        )
         for sock, endpoint in ((self._out, out_endpoint), (self._in, in_endpoint)):
             sock.setsockopt(zmq.LINGER, 0 if server_side else 2000)
             if server_side:
@@ -723,12 +846,18 @@ def _measure_link(kind: str, count: int) -> dict[str, float]:
     control.send("done")
     child.join()
     link.close()
-    return {**summary(samples), "stream_msgs_per_s": round(count / elapsed),
-            "sender_us_per_msg": round(sender_s / count * 1e6, 2)}
+    return {
+        **summary(samples),
+        "stream_msgs_per_s": round(count / elapsed),
+        "sender_us_per_msg": round(sender_s / count * 1e6, 2),
+    }
 
 
-_LINKS = (("zmq-ipc msgspec (now)", "msgspec"), ("zmq-ipc pickle (before)", "pickle"),
-          ("multiprocessing.Pipe pickle", "pipe"))
+_LINKS = (
+    ("zmq-ipc msgspec (now)", "msgspec"),
+    ("zmq-ipc pickle (before)", "pickle"),
+    ("multiprocessing.Pipe pickle", "pipe"),
+)
 
 
 def _codec_costs(count: int) -> dict[str, dict[str, float]]:
@@ -743,10 +872,18 @@ def _codec_costs(count: int) -> dict[str, dict[str, float]]:
             fn()
         return round((time.perf_counter() - started) / count * 1e6, 2)
 
-    return {"msgspec": {"encode_us": per_call(lambda: codec_out.encode(Out(_SAMPLE_OUTPUT))),
-                        "decode_us": per_call(lambda: codec_in.decode(frame)), "bytes": len(frame)},
-            "pickle": {"encode_us": per_call(lambda: pickle.dumps(legacy, pickle.DEFAULT_PROTOCOL)),
-                       "decode_us": per_call(lambda: pickle.loads(pickled)), "bytes": len(pickled)}}
+    return {
+        "msgspec": {
+            "encode_us": per_call(lambda: codec_out.encode(Out(_SAMPLE_OUTPUT))),
+            "decode_us": per_call(lambda: codec_in.decode(frame)),
+            "bytes": len(frame),
+        },
+        "pickle": {
+            "encode_us": per_call(lambda: pickle.dumps(legacy, pickle.DEFAULT_PROTOCOL)),
+            "decode_us": per_call(lambda: pickle.loads(pickled)),
+            "bytes": len(pickled),
+        },
+    }
 
 
 def transport_command(args: argparse.Namespace) -> dict:
@@ -755,34 +892,51 @@ def transport_command(args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         for name, kind in _LINKS:
             rounds[name].append(_measure_link(kind, args.round_trips))
-    results = {name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-               for name, rows in rounds.items()}
+    results = {
+        name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+        for name, rows in rounds.items()
+    }
     now, before = results["zmq-ipc msgspec (now)"], results["zmq-ipc pickle (before)"]
-    return {"bench": "routing.transport", "count": args.round_trips, "repeats": args.repeats, "results": results,
-            "codec": _codec_costs(100_000),
-            "msgspec_vs_pickle": {"stream_msgs_per_s": round(now["stream_msgs_per_s"] / before["stream_msgs_per_s"], 2),
-                                  "sender_us_per_msg": round(now["sender_us_per_msg"] / before["sender_us_per_msg"], 2),
-                                  "rtt_p50": round(now["p50_us"] / before["p50_us"], 2)},
-            "rounds": rounds}
+    return {
+        "bench": "routing.transport",
+        "count": args.round_trips,
+        "repeats": args.repeats,
+        "results": results,
+        "codec": _codec_costs(100_000),
+        "msgspec_vs_pickle": {
+            "stream_msgs_per_s": round(now["stream_msgs_per_s"] / before["stream_msgs_per_s"], 2),
+            "sender_us_per_msg": round(now["sender_us_per_msg"] / before["sender_us_per_msg"], 2),
+            "rtt_p50": round(now["p50_us"] / before["p50_us"], 2),
+        },
+        "rounds": rounds,
+    }
 
 
 def print_transport_table(report: dict) -> None:
-    print(f"worker link between two processes: {report['count']} submit round trips (a 2,048-token request), then a "
-          f"stream of {report['count']} GenerationOutputs (worker -> server); medians of {report['repeats']} rounds")
+    print(
+        f"worker link between two processes: {report['count']} submit round trips (a 2,048-token request), then a "
+        f"stream of {report['count']} GenerationOutputs (worker -> server); medians of {report['repeats']} rounds"
+    )
     print(f"{'link':<30}{'RTT p50 us':>11}{'p99 us':>9}{'stream msg/s':>14}{'sender us/msg':>15}")
     for name, row in report["results"].items():
-        print(f"{name:<30}{row['p50_us']:>11}{row['p99_us']:>9}{round(row['stream_msgs_per_s']):>14,}"
-              f"{row['sender_us_per_msg']:>15}")
+        print(
+            f"{name:<30}{row['p50_us']:>11}{row['p99_us']:>9}{round(row['stream_msgs_per_s']):>14,}"
+            f"{row['sender_us_per_msg']:>15}"
+        )
     ratio = report["msgspec_vs_pickle"]
-    print(f"msgspec / pickle on ZMQ: stream {ratio['stream_msgs_per_s']}x msg/s, {ratio['sender_us_per_msg']}x sender "
-          f"time per message, {ratio['rtt_p50']}x RTT p50")
+    print(
+        f"msgspec / pickle on ZMQ: stream {ratio['stream_msgs_per_s']}x msg/s, {ratio['sender_us_per_msg']}x sender "
+        f"time per message, {ratio['rtt_p50']}x RTT p50"
+    )
     print(f"{'one output message, in process':<30}{'encode us':>11}{'decode us':>11}{'bytes':>7}")
     for name, row in report["codec"].items():
         print(f"{name:<30}{row['encode_us']:>11}{row['decode_us']:>11}{row['bytes']:>7}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     decision = sub.add_parser("decision", help="router decision latency over a large index")
     decision.add_argument("--index-blocks", type=int, default=1_000_000)
@@ -794,8 +948,12 @@ def main() -> None:
     replay.add_argument("--min-turns", type=int, default=2, help="only conversations with this many requests")
     replay.add_argument("--max-output", type=int, default=64, help="output tokens cap")
     replay.add_argument("--workers", type=int, default=4)
-    replay.add_argument("--block-tokens", type=int, default=64, help="tokens per trace hash id (512 originally)")
-    replay.add_argument("--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks")
+    replay.add_argument(
+        "--block-tokens", type=int, default=64, help="tokens per trace hash id (512 originally)"
+    )
+    replay.add_argument(
+        "--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks"
+    )
     replay.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
     real = sub.add_parser("replay-real", help="a small slice through RoutedEngine over real SmolLM2 workers")
     real.add_argument("--conversations", type=int, default=6)
@@ -807,10 +965,17 @@ def main() -> None:
     real.add_argument("--workers", type=int, default=2)
     real.add_argument("--threads-per-worker", type=int, default=1)
     real.add_argument("--duration-s", type=float, default=90.0, help="the slice's arrivals span this long")
-    real.add_argument("--strategies", default="kv-aware,round-robin", help="run in this order (machine noise "
-                      "drifts: compare both orders)")
-    real.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
-    serve = sub.add_parser("replay-serve", help="a slice against `strata serve --workers N` over the OpenAI API")
+    real.add_argument(
+        "--strategies",
+        default="kv-aware,round-robin",
+        help="run in this order (machine noise drifts: compare both orders)",
+    )
+    real.add_argument(
+        "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
+    )
+    serve = sub.add_parser(
+        "replay-serve", help="a slice against `strata serve --workers N` over the OpenAI API"
+    )
     serve.add_argument("--conversations", type=int, default=12)
     serve.add_argument("--min-turns", type=int, default=3)
     serve.add_argument("--max-output", type=int, default=16)
@@ -823,22 +988,43 @@ def main() -> None:
     serve.add_argument("--duration-s", type=float, default=120.0, help="the slice's arrivals span this long")
     serve.add_argument("--tiers", default="g1,g2", help="g1: --no-kvbm; g2: G1 + shared host pool")
     serve.add_argument("--host-cache-gb", type=float, default=1.0)
-    serve.add_argument("--repeats", type=int, default=1, help="rounds of every strategy and tier; the table shows "
-                       "medians, and each round's hit rate and TTFT ratio")
-    serve.add_argument("--keep-logs", default="", help="directory for each run's server log (router decisions "
-                       "at DEBUG) and per-request timings, to see where hits were lost")
-    serve.add_argument("--strategies", default="kv-aware,round-robin",
-                       help="run in this order; also kv-aware-in-flight (--router-count-in-flight); a suffix @W sets "
-                            "--router-overlap-weight W (kv-aware@4)")
-    serve.add_argument("--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models"))
-    transport = sub.add_parser("transport", help="worker link: msgspec vs pickled tuples vs multiprocessing.Pipe")
+    serve.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every strategy and tier; the table shows "
+        "medians, and each round's hit rate and TTFT ratio",
+    )
+    serve.add_argument(
+        "--keep-logs",
+        default="",
+        help="directory for each run's server log (router decisions "
+        "at DEBUG) and per-request timings, to see where hits were lost",
+    )
+    serve.add_argument(
+        "--strategies",
+        default="kv-aware,round-robin",
+        help="run in this order; also kv-aware-in-flight (--router-count-in-flight); a suffix @W sets "
+        "--router-overlap-weight W (kv-aware@4)",
+    )
+    serve.add_argument(
+        "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
+    )
+    transport = sub.add_parser(
+        "transport", help="worker link: msgspec vs pickled tuples vs multiprocessing.Pipe"
+    )
     transport.add_argument("--round-trips", type=int, default=5000)
-    transport.add_argument("--repeats", type=int, default=3, help="rounds of every link, interleaved; medians shown")
+    transport.add_argument(
+        "--repeats", type=int, default=3, help="rounds of every link, interleaved; medians shown"
+    )
     args = parser.parse_args()
-    commands = {"decision": (decision_bench, print_decision_table), "replay": (replay_command, print_replay_table),
-                "transport": (transport_command, print_transport_table),
-                "replay-real": (replay_real_command, print_replay_real_table),
-                "replay-serve": (replay_serve_command, print_replay_serve_table)}
+    commands = {
+        "decision": (decision_bench, print_decision_table),
+        "replay": (replay_command, print_replay_table),
+        "transport": (transport_command, print_transport_table),
+        "replay-real": (replay_real_command, print_replay_real_table),
+        "replay-serve": (replay_serve_command, print_replay_serve_table),
+    }
     run, show = commands[args.command]
     report = run(args)
     show(report)

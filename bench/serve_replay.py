@@ -53,18 +53,31 @@ def make_repository(root: Path, args: Any) -> Path:
     repository = copy_models(root / "repository", "smollm2")
     model_json = repository / "smollm2" / "1" / "model.json"
     config = json.loads(model_json.read_text())
-    config.update(block_size=args.block_tokens, num_kv_blocks=args.kv_blocks, num_threads=args.threads_per_worker,
-                  cache_dir=args.model_cache, max_num_batched_tokens=args.max_num_batched_tokens)
+    config.update(
+        block_size=args.block_tokens,
+        num_kv_blocks=args.kv_blocks,
+        num_threads=args.threads_per_worker,
+        cache_dir=args.model_cache,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     config.pop("kv_cache_bytes", None)
     model_json.write_text(json.dumps(config, indent=2))
     return repository
 
 
-def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
-                      timing: StreamTiming) -> None:
+def stream_completion(
+    client: httpx.Client, url: str, prompt: list[int], max_tokens: int, timing: StreamTiming
+) -> None:
     """One streamed completion; fills `timing` (first token, chunk times, usage) or its error."""
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -84,7 +97,9 @@ def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tok
                 if usage:
                     timing.prompt_tokens = usage["prompt_tokens"]
                     timing.completion_tokens = usage["completion_tokens"]
-                    timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ) or 0
     except httpx.HTTPError as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -105,7 +120,9 @@ def drive(url: str, prompts: list[tuple[float, list[int], int]], duration_s: flo
                 time.sleep(delay)  # the trace's own arrival times
             timing = StreamTiming(time.perf_counter())
             timings.append(timing)
-            thread = threading.Thread(target=stream_completion, args=(client, url, prompt, max_tokens, timing))
+            thread = threading.Thread(
+                target=stream_completion, args=(client, url, prompt, max_tokens, timing)
+            )
             thread.start()
             threads.append(thread)
         for thread in threads:
@@ -117,13 +134,15 @@ def router_decisions(url: str) -> dict[str, int]:
     """strata_router_decisions_total by strategy/reason, from the frontend's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     decisions = {}
-    for match in re.finditer(r'^strata_router_decisions_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+    for match in re.finditer(r"^strata_router_decisions_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
         decisions[f"{labels.get('strategy')}/{labels.get('reason')}"] = int(float(match.group(2)))
     return decisions
 
 
-def hit_losses(timings: list[StreamTiming], sources: list[tuple[int, int]], block_tokens: int) -> dict[str, float]:
+def hit_losses(
+    timings: list[StreamTiming], sources: list[tuple[int, int]], block_tokens: int
+) -> dict[str, float]:
     """Where the oracle's hits were lost, as shares of all prompt tokens.
 
     For each request, the oracle's hit (capped as the engine caps it: the last prompt token is always computed)
@@ -142,11 +161,18 @@ def hit_losses(timings: list[StreamTiming], sources: list[tuple[int, int]], bloc
         if expected <= timing.cached_tokens or source < 0:
             continue
         before = timings[source]
-        state = ("queued" if before.first_token is None or before.first_token > timing.submitted
-                 else "decoding" if before.finished is None or before.finished > timing.submitted else "finished")
+        state = (
+            "queued"
+            if before.first_token is None or before.first_token > timing.submitted
+            else "decoding"
+            if before.finished is None or before.finished > timing.submitted
+            else "finished"
+        )
         lost[state] += expected - timing.cached_tokens
     prompt = max(1, prompt)
-    return {"ceiling": round(ceiling / prompt, 4)} | {f"lost_{k}": round(v / prompt, 4) for k, v in lost.items()}
+    return {"ceiling": round(ceiling / prompt, 4)} | {
+        f"lost_{k}": round(v / prompt, 4) for k, v in lost.items()
+    }
 
 
 def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
@@ -159,19 +185,29 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
 
     makespan = max(t.finished for t in timings) - min(t.submitted for t in timings)
     prompt = sum(t.prompt_tokens for t in ok)
-    return {"requests": len(timings), "errors": len(timings) - len(ok),
-            "ttft_p50_s": pick(ttft, 0.5), "ttft_p90_s": pick(ttft, 0.9),
-            "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else float("nan"),
-            "throughput_tok_s": round(sum(t.completion_tokens for t in ok) / makespan, 2),
-            "hit_rate": round(sum(t.cached_tokens for t in ok) / max(1, prompt), 4),
-            "first_errors": [t.error for t in timings if t.error][:3]}
+    return {
+        "requests": len(timings),
+        "errors": len(timings) - len(ok),
+        "ttft_p50_s": pick(ttft, 0.5),
+        "ttft_p90_s": pick(ttft, 0.9),
+        "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else float("nan"),
+        "throughput_tok_s": round(sum(t.completion_tokens for t in ok) / makespan, 2),
+        "hit_rate": round(sum(t.cached_tokens for t in ok) / max(1, prompt), 4),
+        "first_errors": [t.error for t in timings if t.error][:3],
+    }
 
 
 _RUNS = itertools.count()  # numbers each run's G2 segment
 
 
-def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int, int]], strategy: str, tier: str,
-            args: Any, log_name: str = "") -> dict[str, Any]:
+def run_one(
+    prompts: list[tuple[float, list[int], int]],
+    sources: list[tuple[int, int]],
+    strategy: str,
+    tier: str,
+    args: Any,
+    log_name: str = "",
+) -> dict[str, Any]:
     """One fresh `strata serve` replaying the slice; with --keep-logs its logs go to `log_name` (or
     `<strategy>-<tier>`) in that directory."""
     with tempfile.TemporaryDirectory(prefix="strata-replay-") as tmp:
@@ -200,16 +236,32 @@ def run_one(prompts: list[tuple[float, list[int], int]], sources: list[tuple[int
             if tier != "g1":
                 remove_segments(cache_id)
             if args.keep_logs:
-                keep_logs(Path(args.keep_logs) / (log_name or f"{strategy}-{tier}"), server.log_path, timings,
-                          sources)
+                keep_logs(
+                    Path(args.keep_logs) / (log_name or f"{strategy}-{tier}"),
+                    server.log_path,
+                    timings,
+                    sources,
+                )
     return result
 
 
-def keep_logs(stem: Path, server_log: Path, timings: list[StreamTiming], sources: list[tuple[int, int]]) -> None:
+def keep_logs(
+    stem: Path, server_log: Path, timings: list[StreamTiming], sources: list[tuple[int, int]]
+) -> None:
     """`<stem>.log`: the server's log (the router's decision lines); `<stem>.requests.jsonl`: one line a request."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(server_log, stem.with_name(stem.name + ".log"))
-    rows = ({"id": t.response_id, "submitted": t.submitted, "first_token": t.first_token, "finished": t.finished,
-             "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens, "oracle_blocks": hits,
-             "source": source} for t, (hits, source) in zip(timings, sources, strict=True))
+    rows = (
+        {
+            "id": t.response_id,
+            "submitted": t.submitted,
+            "first_token": t.first_token,
+            "finished": t.finished,
+            "prompt_tokens": t.prompt_tokens,
+            "cached_tokens": t.cached_tokens,
+            "oracle_blocks": hits,
+            "source": source,
+        }
+        for t, (hits, source) in zip(timings, sources, strict=True)
+    )
     stem.with_name(stem.name + ".requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

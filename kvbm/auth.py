@@ -38,8 +38,10 @@ def check_secret(secret: bytes, where: str) -> bytes:
     """The secret itself, stripped of surrounding whitespace; ValueError (naming `where`) if too short."""
     secret = secret.strip()
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{where}: the cluster secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}; "
-                         "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret")
+        raise ValueError(
+            f"{where}: the cluster secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}; "
+            "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret"
+        )
     return secret
 
 
@@ -79,7 +81,7 @@ def client_handshake(sock: socket.socket, key: bytes) -> None:
     hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
     if not hello.startswith(_MAGIC):
         raise AuthError("the peer does not speak Strata's authenticated protocol")
-    nonce_s, nonce_c = hello[len(_MAGIC):], os.urandom(_NONCE)
+    nonce_s, nonce_c = hello[len(_MAGIC) :], os.urandom(_NONCE)
     sock.sendall(nonce_c + _proof(key, b"client", nonce_s, nonce_c))
     if not hmac.compare_digest(_recv_exact(sock, _MAC), _proof(key, b"server", nonce_c, nonce_s)):
         raise AuthError("the server's proof of the cluster secret is wrong")

@@ -22,9 +22,12 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lease-check-secs", type=float, default=0.5, help="how often dead workers are dropped"
     )
-    parser.add_argument("--cluster-secret-file", type=Path, default=None,
-                        help="the cluster secret routers must prove on the query port (default: "
-                             "$STRATA_CLUSTER_SECRET)")
+    parser.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="the cluster secret routers must prove on the query port (default: $STRATA_CLUSTER_SECRET)",
+    )
 
 
 def service_key(args: argparse.Namespace) -> bytes:
@@ -33,13 +36,17 @@ def service_key(args: argparse.Namespace) -> bytes:
     from kvbm.auth import check_secret, derive_key
 
     if args.cluster_secret_file is not None:
-        secret = check_secret(args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}")
+        secret = check_secret(
+            args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}"
+        )
     elif os.environ.get("STRATA_CLUSTER_SECRET"):
         secret = check_secret(os.environ["STRATA_CLUSTER_SECRET"].encode(), "STRATA_CLUSTER_SECRET")
     else:
-        raise ValueError("the KVBM service needs the cluster secret: python -c 'import secrets; "
-                         "print(secrets.token_hex(32))' > strata.secret, then --cluster-secret-file strata.secret "
-                         "here and on every strata process (or STRATA_CLUSTER_SECRET)")
+        raise ValueError(
+            "the KVBM service needs the cluster secret: python -c 'import secrets; "
+            "print(secrets.token_hex(32))' > strata.secret, then --cluster-secret-file strata.secret "
+            "here and on every strata process (or STRATA_CLUSTER_SECRET)"
+        )
     return derive_key(secret, "kvbm-service")
 
 
@@ -47,13 +54,21 @@ def run(args: argparse.Namespace) -> None:
     """Run the service the flags describe until SIGINT/SIGTERM."""
     from kvbm.service import run_service
 
-    run_service(args.redis_url, args.host, args.port, args.metrics_port, lease_check_s=args.lease_check_secs,
-                auth_key=service_key(args))
+    run_service(
+        args.redis_url,
+        args.host,
+        args.port,
+        args.metrics_port,
+        lease_check_s=args.lease_check_secs,
+        auth_key=service_key(args),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m kvbm`."""
-    parser = argparse.ArgumentParser(prog="kvbm", description="KVBM service: block index fed by worker events")
+    parser = argparse.ArgumentParser(
+        prog="kvbm", description="KVBM service: block index fed by worker events"
+    )
     add_service_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -57,8 +57,11 @@ class KVBMConfig:
         if self.disk_min_uses < 1:
             raise KVBMConfigError("disk_min_uses", "must be >= 1")
         if self.redis_url and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
-            raise KVBMConfigError("redis_url", "G4 blocks are signed with a key derived from the cluster secret; "
-                                  "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)")
+            raise KVBMConfigError(
+                "redis_url",
+                "G4 blocks are signed with a key derived from the cluster secret; "
+                "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)",
+            )
         if not self.cache_id or "/" in self.cache_id:
             raise KVBMConfigError("cache_id", "must be a non-empty name without '/'")
         self.disk_path = Path(self.disk_path)

@@ -82,7 +82,9 @@ class KVBMConnector:
         self.events = events
         self.shm_dir = shm_dir
         self.tiers: list[BlockTier] = []  # below G1, fastest first (opened by `bind`)
-        self._chain: list[BlockTier] = []  # the local tiers: offload goes to the first, each spills to the next
+        self._chain: list[
+            BlockTier
+        ] = []  # the local tiers: offload goes to the first, each spills to the next
         self._remote: list[BlockTier] = []  # written through
         self._g1: set[BlockHash] = set()
         self._announce_due = False  # set from other threads, served on the engine thread

@@ -135,24 +135,32 @@ class RedisPool:
             return pipe.execute()[0]
 
         values = self.link.call(fetch, [None] * len(block_hashes))
-        return [self._decode_into(h, value, dest) for h, value, dest in zip(block_hashes, values, dests, strict=True)]
+        return [
+            self._decode_into(h, value, dest)
+            for h, value, dest in zip(block_hashes, values, dests, strict=True)
+        ]
 
     def _decode_into(self, block_hash: BlockHash, value: bytes | None, dest: np.ndarray) -> bool:
         if value is None:
             return False
         size = HEADER.itemsize + self.block_bytes
         header = np.frombuffer(value, dtype=HEADER, count=1)[0] if len(value) >= HEADER.itemsize else None
-        payload = memoryview(value)[HEADER.itemsize:] if len(value) == size else None
+        payload = memoryview(value)[HEADER.itemsize :] if len(value) == size else None
         if (
             header is None
             or payload is None
             or int(header["magic"]) != MAGIC
             or int(header["layout"]) != self._layout
             or int(header["length"]) != self.block_bytes
-            or not hmac.compare_digest(header["mac"].tobytes(),
-                                       block_mac(self._mac_key, self._layout, block_hash, payload))
+            or not hmac.compare_digest(
+                header["mac"].tobytes(), block_mac(self._mac_key, self._layout, block_hash, payload)
+            )
         ):
-            log.warning("G4 value of block %016x failed verification (%d bytes); treating it as a miss", block_hash, len(value))
+            log.warning(
+                "G4 value of block %016x failed verification (%d bytes); treating it as a miss",
+                block_hash,
+                len(value),
+            )
             if self.metrics is not None:
                 self.metrics.checksum_failures.labels(self.name).inc()
             return False

@@ -95,7 +95,12 @@ class KVBMService:
                 self.last_id = message_id
                 try:
                     event = TierEvent.from_fields(fields)
-                except (KeyError, ValueError, TypeError, UnicodeDecodeError) as err:  # written by anyone on Redis
+                except (
+                    KeyError,
+                    ValueError,
+                    TypeError,
+                    UnicodeDecodeError,
+                ) as err:  # written by anyone on Redis
                     log.warning("kvbm service: skipped malformed stream entry %s: %r", message_id, err)
                     self.metrics.events_rejected.inc()
                     continue
@@ -175,7 +180,9 @@ class _QueryServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], index: KVIndex, auth_key: bytes, metrics: KVBMMetrics) -> None:
+    def __init__(
+        self, address: tuple[str, int], index: KVIndex, auth_key: bytes, metrics: KVBMMetrics
+    ) -> None:
         self.index = index
         self.auth_key = auth_key
         self.metrics = metrics

@@ -70,7 +70,9 @@ class BlockTier(Protocol):
     remote: bool  # held off this host for every node (G4): written through, never part of the offload chain
     ttl_s: int  # seconds a stored block lives (0: until evicted); its index events carry it
     segment: str  # name of the store every worker on this host maps ("" unless the tier is node-shared, G2)
-    on_evict: EvictFn | None  # told about blocks that leave (LRU victims, corrupt blocks); set by the connector
+    on_evict: (
+        EvictFn | None
+    )  # told about blocks that leave (LRU victims, corrupt blocks); set by the connector
 
     @property
     def capacity_blocks(self) -> int: ...

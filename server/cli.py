@@ -18,81 +18,161 @@ if TYPE_CHECKING:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model repository over KServe v2 HTTP/gRPC (Triton)")
-    p.add_argument("--model-repository", action="append", type=Path, required=True,
-                   help="repository folder; repeat for several")
+    p.add_argument(
+        "--model-repository",
+        action="append",
+        type=Path,
+        required=True,
+        help="repository folder; repeat for several",
+    )
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
-    p.add_argument("--repository-poll-secs", type=float, default=15.0,
-                   help="poll mode: seconds between scans (a change is applied once two scans agree)")
-    p.add_argument("--load-model", action="append", default=[],
-                   help="explicit mode: model to load at start; repeat; '*' loads all")
+    p.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        help="poll mode: seconds between scans (a change is applied once two scans agree)",
+    )
+    p.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        help="explicit mode: model to load at start; repeat; '*' loads all",
+    )
     p.add_argument("--http-address", default="0.0.0.0")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--strict-readiness", action=argparse.BooleanOptionalAction, default=False,
-                   help="ready only when every loaded model is ready (default: ready while models load)")
+    p.add_argument(
+        "--strict-readiness",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="ready only when every loaded model is ready (default: ready while models load)",
+    )
     p.add_argument("--exit-timeout-secs", type=int, default=30)
-    p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG")
+    p.add_argument(
+        "--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG"
+    )
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
     p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
     llm = p.add_argument_group("LLM serving (models with backend strata_llm)")
-    llm.add_argument("--workers", type=int, default=None,
-                     help="engine worker processes per LLM model (default: the model's instance_group count, else 1 "
-                          "in-process engine; 0 with --accept-remote-workers: remote workers only)")
-    llm.add_argument("--routing-strategy", choices=["kv-aware", "round-robin", "random", "least-loaded"],
-                     default="kv-aware")
-    llm.add_argument("--router-fallback", choices=["round-robin", "random", "least-loaded"], default="least-loaded",
-                     help="strategy used when the KV index does not answer in time")
-    llm.add_argument("--router-temperature", type=float, default=0.0,
-                     help="0: pick the cheapest worker; >0: sample by softmax of -cost")
+    llm.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="engine worker processes per LLM model (default: the model's instance_group count, else 1 "
+        "in-process engine; 0 with --accept-remote-workers: remote workers only)",
+    )
+    llm.add_argument(
+        "--routing-strategy",
+        choices=["kv-aware", "round-robin", "random", "least-loaded"],
+        default="kv-aware",
+    )
+    llm.add_argument(
+        "--router-fallback",
+        choices=["round-robin", "random", "least-loaded"],
+        default="least-loaded",
+        help="strategy used when the KV index does not answer in time",
+    )
+    llm.add_argument(
+        "--router-temperature",
+        type=float,
+        default=0.0,
+        help="0: pick the cheapest worker; >0: sample by softmax of -cost",
+    )
     llm.add_argument("--router-overlap-weight", type=float, default=1.0)
-    llm.add_argument("--router-busy-threshold", type=float, default=0.95,
-                     help="skip a worker whose reported KV in use (running requests) is at or above this "
-                          "fraction of its pool, unless all are; requests queued there count in the cost")
-    llm.add_argument("--router-count-in-flight", action=argparse.BooleanOptionalAction, default=False,
-                     help="count the blocks of a worker's unfinished requests as cached there (a follow-up "
-                          "arriving during its prefix's prefill goes to that worker)")
-    llm.add_argument("--migration-limit", type=int, default=3,
-                     help="times a request is resumed on another worker when its worker dies mid-request (0: never)")
-    llm.add_argument("--accept-remote-workers", action="store_true",
-                     help="let `strata worker` processes on any host join each LLM model through Redis "
-                          "(needs --redis-url)")
+    llm.add_argument(
+        "--router-busy-threshold",
+        type=float,
+        default=0.95,
+        help="skip a worker whose reported KV in use (running requests) is at or above this "
+        "fraction of its pool, unless all are; requests queued there count in the cost",
+    )
+    llm.add_argument(
+        "--router-count-in-flight",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="count the blocks of a worker's unfinished requests as cached there (a follow-up "
+        "arriving during its prefix's prefill goes to that worker)",
+    )
+    llm.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a request is resumed on another worker when its worker dies mid-request (0: never)",
+    )
+    llm.add_argument(
+        "--accept-remote-workers",
+        action="store_true",
+        help="let `strata worker` processes on any host join each LLM model through Redis "
+        "(needs --redis-url)",
+    )
     _engine_flags(llm)
     kv = p.add_argument_group("KV Block Manager (tiers below the engine's own pool)")
     _kvbm_flags(kv)
     _cluster_flag(kv)
-    kv.add_argument("--redis-url", default=None,
-                    help="G4 tier; with --kvbm-service, workers publish block events and leases there; with "
-                         "--accept-remote-workers, remote workers register there")
-    kv.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
-                    help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)")
+    kv.add_argument(
+        "--redis-url",
+        default=None,
+        help="G4 tier; with --kvbm-service, workers publish block events and leases there; with "
+        "--accept-remote-workers, remote workers register there",
+    )
+    kv.add_argument(
+        "--kvbm-service",
+        default=None,
+        metavar="HOST:PORT",
+        help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)",
+    )
     _security_flags(p.add_argument_group("access control and TLS (docs/SECURITY.md)"))
 
 
 def _security_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--access-token", default=settings.access_token(),
-                       help="short form of --http-restricted-api and --grpc-restricted-protocol "
-                            "model-repository,shared-memory,statistics,trace,logging:triton-access-token=TOKEN "
-                            "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)")
-    group.add_argument("--http-restricted-api", action="append", default=[], metavar="API[,API]:KEY=VALUE",
-                       help="tritonserver's flag, passed through: these HTTP APIs need header KEY: VALUE; repeat")
-    group.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="PROTOCOL[,...]:KEY=VALUE",
-                       help="tritonserver's flag, passed through: these gRPC protocols need metadata KEY: VALUE")
-    group.add_argument("--grpc-use-ssl", action="store_true", help="TLS on the gRPC port (tritonserver's flag)")
+    group.add_argument(
+        "--access-token",
+        default=settings.access_token(),
+        help="short form of --http-restricted-api and --grpc-restricted-protocol "
+        "model-repository,shared-memory,statistics,trace,logging:triton-access-token=TOKEN "
+        "(default: $STRATA_ACCESS_TOKEN; unset: open, as in tritonserver)",
+    )
+    group.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="API[,API]:KEY=VALUE",
+        help="tritonserver's flag, passed through: these HTTP APIs need header KEY: VALUE; repeat",
+    )
+    group.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="PROTOCOL[,...]:KEY=VALUE",
+        help="tritonserver's flag, passed through: these gRPC protocols need metadata KEY: VALUE",
+    )
+    group.add_argument(
+        "--grpc-use-ssl", action="store_true", help="TLS on the gRPC port (tritonserver's flag)"
+    )
     group.add_argument("--grpc-use-ssl-mutual", action="store_true", help="mutual TLS on the gRPC port")
     group.add_argument("--grpc-server-cert", default=None, help="PEM certificate of the gRPC port")
     group.add_argument("--grpc-server-key", default=None, help="PEM private key of the gRPC port")
-    group.add_argument("--grpc-root-cert", default=None, help="PEM root certificate (clients' CA for mutual TLS)")
-    group.add_argument("--api-key", default=settings.api_key(),
-                       help="OpenAI port: require 'Authorization: Bearer KEY' on /v1/* (default: $STRATA_API_KEY)")
+    group.add_argument(
+        "--grpc-root-cert", default=None, help="PEM root certificate (clients' CA for mutual TLS)"
+    )
+    group.add_argument(
+        "--api-key",
+        default=settings.api_key(),
+        help="OpenAI port: require 'Authorization: Bearer KEY' on /v1/* (default: $STRATA_API_KEY)",
+    )
     group.add_argument("--ssl-keyfile", default=None, help="OpenAI port: TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="OpenAI port: TLS certificate (PEM)")
 
 
 def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    parser.add_argument("--cluster-secret-file", type=Path, default=None,
-                        help="file holding the cluster secret that authenticates workers, servers and the KVBM "
-                             "service to each other and signs G4 blocks (default: $STRATA_CLUSTER_SECRET)")
+    parser.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="file holding the cluster secret that authenticates workers, servers and the KVBM "
+        "service to each other and signs G4 blocks (default: $STRATA_CLUSTER_SECRET)",
+    )
 
 
 def cluster_secret(args: argparse.Namespace, needed_by: str | None) -> bytes | None:
@@ -102,17 +182,21 @@ def cluster_secret(args: argparse.Namespace, needed_by: str | None) -> bytes | N
 
     if args.cluster_secret_file is not None:
         try:
-            return check_secret(args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}")
+            return check_secret(
+                args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}"
+            )
         except OSError as exc:
             raise ValueError(f"--cluster-secret-file {args.cluster_secret_file}: {exc.strerror}") from exc
     if settings.cluster_secret():
         return check_secret(settings.cluster_secret().encode(), "STRATA_CLUSTER_SECRET")
     if needed_by is None:
         return None
-    raise ValueError(f"{needed_by} needs a cluster secret (every link between machines is authenticated): "
-                     "python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret; chmod 600 "
-                     "strata.secret; then pass --cluster-secret-file strata.secret to every strata process "
-                     "(or set STRATA_CLUSTER_SECRET)")
+    raise ValueError(
+        f"{needed_by} needs a cluster secret (every link between machines is authenticated): "
+        "python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret; chmod 600 "
+        "strata.secret; then pass --cluster-secret-file strata.secret to every strata process "
+        "(or set STRATA_CLUSTER_SECRET)"
+    )
 
 
 def triton_access(args: argparse.Namespace) -> dict[str, object]:
@@ -123,33 +207,55 @@ def triton_access(args: argparse.Namespace) -> dict[str, object]:
     if args.grpc_use_ssl or args.grpc_use_ssl_mutual:
         if not (args.grpc_server_cert and args.grpc_server_key):
             raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
-        ssl = GrpcSSL(args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual)
+        ssl = GrpcSSL(
+            args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual
+        )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     return {
         "access_token": args.access_token,
-        "http_restricted": tuple(Restriction.parse("--http-restricted-api", v) for v in args.http_restricted_api),
-        "grpc_restricted": tuple(Restriction.parse("--grpc-restricted-protocol", v)
-                                 for v in args.grpc_restricted_protocol),
+        "http_restricted": tuple(
+            Restriction.parse("--http-restricted-api", v) for v in args.http_restricted_api
+        ),
+        "grpc_restricted": tuple(
+            Restriction.parse("--grpc-restricted-protocol", v) for v in args.grpc_restricted_protocol
+        ),
         "grpc_ssl": ssl,
     }
 
 
 def _engine_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--context-length", type=int, default=None,
-                       help="override max_model_len of every LLM (tokens)")
-    group.add_argument("--max-concurrent-requests", type=int, default=None,
-                       help="override max_concurrent_requests of every LLM engine")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="override the per-step token budget of every LLM engine")
+    group.add_argument(
+        "--context-length", type=int, default=None, help="override max_model_len of every LLM (tokens)"
+    )
+    group.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="override max_concurrent_requests of every LLM engine",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="override the per-step token budget of every LLM engine",
+    )
 
 
 def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
-    kv.add_argument("--kvbm-host-cache-gb", type=float, default=1.0,
-                    help="G2: shared-memory pool for every worker on this node (0: off)")
-    kv.add_argument("--kvbm-disk-cache-gb", type=float, default=0.0, help="G3: preallocated disk cache (0: off)")
+    kv.add_argument(
+        "--kvbm-host-cache-gb",
+        type=float,
+        default=1.0,
+        help="G2: shared-memory pool for every worker on this node (0: off)",
+    )
+    kv.add_argument(
+        "--kvbm-disk-cache-gb", type=float, default=0.0, help="G3: preallocated disk cache (0: off)"
+    )
     kv.add_argument("--kvbm-disk-path", type=Path, default=Path(".strata-cache/kvbm"))
-    kv.add_argument("--kvbm-write-through", action="store_true", help="also write every offloaded block to G4")
+    kv.add_argument(
+        "--kvbm-write-through", action="store_true", help="also write every offloaded block to G4"
+    )
     kv.add_argument("--kvbm-redis-ttl-secs", type=int, default=0, help="G4 block expiry (0: none)")
     kv.add_argument("--kvbm-redis-cache-gb", type=float, default=0.0, help="G4 capacity bound (0: unbounded)")
     kv.add_argument("--kvbm-cache-id", default="default", help="node-local name of the G2 segment")
@@ -157,21 +263,37 @@ def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
 
 
 def _worker_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="serve one LLM model's engine for `strata serve --accept-remote-workers` "
-                                      "servers, found through Redis (one server at a time)")
+    p = sub.add_parser(
+        "worker",
+        help="serve one LLM model's engine for `strata serve --accept-remote-workers` "
+        "servers, found through Redis (one server at a time)",
+    )
     p.add_argument("--model-repository", type=Path, required=True, help="repository folder holding the model")
     p.add_argument("--model", required=True, help="the LLM model (folder name) to serve")
-    p.add_argument("--redis-url", required=True, help="Redis where servers discover workers (also the G4 tier)")
+    p.add_argument(
+        "--redis-url", required=True, help="Redis where servers discover workers (also the G4 tier)"
+    )
     p.add_argument("--worker-id", default=None, help="unique per model (default: <hostname>-<pid>)")
     p.add_argument("--host", default="0.0.0.0", help="address to bind the worker's two TCP ports on")
-    p.add_argument("--advertise-host", default=None,
-                   help="host name servers connect to (default: --host, or this machine's name for 0.0.0.0)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host name servers connect to (default: --host, or this machine's name for 0.0.0.0)",
+    )
     p.add_argument("--port", type=int, default=0, help="binds PORT and PORT+1 (0: two free ports)")
-    p.add_argument("--lease-secs", type=float, default=3.0,
-                   help="registration lease; also how long a silent server is waited for before detaching")
-    p.add_argument("--kvbm-service", default=None, metavar="HOST:PORT",
-                   help="the servers query a standalone `strata kvbm`: publish block events to Redis for it "
-                        "(default: send them to the attached server's index)")
+    p.add_argument(
+        "--lease-secs",
+        type=float,
+        default=3.0,
+        help="registration lease; also how long a silent server is waited for before detaching",
+    )
+    p.add_argument(
+        "--kvbm-service",
+        default=None,
+        metavar="HOST:PORT",
+        help="the servers query a standalone `strata kvbm`: publish block events to Redis for it "
+        "(default: send them to the attached server's index)",
+    )
     _engine_flags(p.add_argument_group("engine overrides"))
     _kvbm_flags(p.add_argument_group("KV Block Manager (tiers below the engine's own pool)"))
     _cluster_flag(p)
@@ -180,7 +302,9 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
     from kvbm.cli import add_service_flags
 
-    p = sub.add_parser("kvbm", help="run the standalone KVBM index service (multi-node: workers publish to Redis)")
+    p = sub.add_parser(
+        "kvbm", help="run the standalone KVBM index service (multi-node: workers publish to Redis)"
+    )
     add_service_flags(p)
 
 
@@ -193,10 +317,15 @@ def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
         return None
     secret = cluster_secret(args, "--redis-url (G4 blocks are signed)" if args.redis_url else None)
     kvbm = KVBMConfig(
-        host_cache_gb=args.kvbm_host_cache_gb, disk_cache_gb=args.kvbm_disk_cache_gb,
-        disk_path=args.kvbm_disk_path, redis_url=args.redis_url, write_through=args.kvbm_write_through,
-        redis_ttl_s=args.kvbm_redis_ttl_secs, redis_cache_gb=args.kvbm_redis_cache_gb,
-        cache_id=args.kvbm_cache_id, g4_key=derive_key(secret, "g4-mac") if secret else None,
+        host_cache_gb=args.kvbm_host_cache_gb,
+        disk_cache_gb=args.kvbm_disk_cache_gb,
+        disk_path=args.kvbm_disk_path,
+        redis_url=args.redis_url,
+        write_through=args.kvbm_write_through,
+        redis_ttl_s=args.kvbm_redis_ttl_secs,
+        redis_cache_gb=args.kvbm_redis_cache_gb,
+        cache_id=args.kvbm_cache_id,
+        g4_key=derive_key(secret, "g4-mac") if secret else None,
     )
     kvbm.validate()
     return kvbm
@@ -204,9 +333,15 @@ def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, int]:
     """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-num-batched-tokens."""
-    return {key: value for key, value in (
-        ("max_model_len", args.context_length), ("max_concurrent_requests", args.max_concurrent_requests),
-        ("max_num_batched_tokens", args.max_num_batched_tokens)) if value is not None}
+    return {
+        key: value
+        for key, value in (
+            ("max_model_len", args.context_length),
+            ("max_concurrent_requests", args.max_concurrent_requests),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+        )
+        if value is not None
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

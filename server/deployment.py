@@ -135,8 +135,9 @@ class LLMDeployment:
     def _in_process(self, plan: EnginePlan) -> Engine:
         connector = None
         if self.serving.kvbm is not None:
-            connector = build_connector(self.serving.kvbm, f"{plan.name}-0", index=self._index,
-                                        metrics=self._kvbm_metrics)
+            connector = build_connector(
+                self.serving.kvbm, f"{plan.name}-0", index=self._index, metrics=self._kvbm_metrics
+            )
             self._connectors[plan.name] = connector
         return LLMEngine(plan.config, connector)
 
@@ -148,12 +149,18 @@ class LLMDeployment:
         remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
         lookup = self._index
         if standalone:
-            lookup = KVIndexClient(self.serving.kvbm_service, derive_key(self.serving.cluster_secret, "kvbm-service"))
+            lookup = KVIndexClient(
+                self.serving.kvbm_service, derive_key(self.serving.cluster_secret, "kvbm-service")
+            )
         router = Router(self.serving.router, lookup, self._router_metrics)
         if remotes:
-            routed = RoutedEngine(remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt))
+            routed = RoutedEngine(
+                remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt)
+            )
         else:  # remote workers only (--workers 0): the layout comes with the first that joins
-            routed = RoutedEngine([], router, None, None, model_name=plan.name, max_model_len=plan.config.max_model_len)
+            routed = RoutedEngine(
+                [], router, None, None, model_name=plan.name, max_model_len=plan.config.max_model_len
+            )
         if self.serving.remote_workers is not None:
             self._discoveries[plan.name] = self._discover(plan.name, routed, event_sink)
         return routed
@@ -163,7 +170,8 @@ class LLMDeployment:
         curve = CurveKeys.from_secret(self.serving.cluster_secret)
 
         def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
-            return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id, curve,
-                                        event_sink=event_sink)
+            return RemoteEngine.connect(
+                WorkerId(record.worker_id), record.address, server_id, curve, event_sink=event_sink
+            )
 
         return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()

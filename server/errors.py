@@ -9,7 +9,9 @@ class ConfigError(ValueError):
     """A configuration that cannot be used, with the place to fix it: `where` is a file (or a label such as
     "smollm2 (model.json with command-line overrides)"), then the line and column when known."""
 
-    def __init__(self, where: str | Path, message: str, line: int | None = None, column: int | None = None) -> None:
+    def __init__(
+        self, where: str | Path, message: str, line: int | None = None, column: int | None = None
+    ) -> None:
         self.where = where
         self.message = message
         self.line = line

@@ -18,12 +18,27 @@ log = logging.getLogger(__name__)
 
 
 class OpenAIFrontend:
-    def __init__(self, engines: Mapping[str, Engine], address: str, port: int, registry: CollectorRegistry,
-                 api_key: str | None = None, ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
+    def __init__(
+        self,
+        engines: Mapping[str, Engine],
+        address: str,
+        port: int,
+        registry: CollectorRegistry,
+        api_key: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None,
+    ) -> None:
         """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile)."""
         app = build_app(engines, FrontendMetrics.create(registry), api_key=api_key)
-        config = uvicorn.Config(app, host=address, port=port, log_level="warning", access_log=False,
-                                ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+        config = uvicorn.Config(
+            app,
+            host=address,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            ssl_keyfile=ssl_keyfile,
+            ssl_certfile=ssl_certfile,
+        )
         self._server = uvicorn.Server(config)
         self._address = address
         self._tls = ssl_certfile is not None

@@ -36,9 +36,14 @@ def serve(args: argparse.Namespace) -> int:
     try:
         serving = llm_serving(args)
         triton_settings = TritonSettings(
-            http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-            address=args.http_address, strict_readiness=args.strict_readiness,
-            exit_timeout_secs=args.exit_timeout_secs, log_verbose=args.log_verbose, **triton_access(args),
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            address=args.http_address,
+            strict_readiness=args.strict_readiness,
+            exit_timeout_secs=args.exit_timeout_secs,
+            log_verbose=args.log_verbose,
+            **triton_access(args),
         )
         triton_settings.control_token()  # a restriction that would lock Strata out of its own Triton fails here
     except ValueError as exc:  # KVBMConfigError, RouterConfig, access flags: the message names the setting
@@ -57,13 +62,23 @@ def serve(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     deployment = LLMDeployment(serving, registry)
     manager = RepositoryManager(
-        [r.resolve() for r in args.model_repository], backends.registry(triton, LLMBackend(triton, deployment)),
-        ControlMode(args.model_control_mode), args.repository_poll_secs, args.load_model,
+        [r.resolve() for r in args.model_repository],
+        backends.registry(triton, LLMBackend(triton, deployment)),
+        ControlMode(args.model_control_mode),
+        args.repository_poll_secs,
+        args.load_model,
     )
     frontend = None
     if args.allow_openai:
-        frontend = OpenAIFrontend(deployment.engines, args.http_address, args.openai_port, registry,
-                                  api_key=args.api_key, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+        frontend = OpenAIFrontend(
+            deployment.engines,
+            args.http_address,
+            args.openai_port,
+            registry,
+            api_key=args.api_key,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )
     try:
         triton.start()
         if frontend is not None:
@@ -83,9 +98,13 @@ def serve(args: argparse.Namespace) -> int:
 def llm_serving(args: argparse.Namespace) -> LLMServing:
     """The LLM deployment the flags describe; ValueError names a bad flag."""
     router = RouterConfig(
-        strategy=args.routing_strategy, fallback=args.router_fallback, temperature=args.router_temperature,
-        overlap_weight=args.router_overlap_weight, busy_threshold=args.router_busy_threshold,
-        count_in_flight=args.router_count_in_flight, migration_limit=args.migration_limit,
+        strategy=args.routing_strategy,
+        fallback=args.router_fallback,
+        temperature=args.router_temperature,
+        overlap_weight=args.router_overlap_weight,
+        busy_threshold=args.router_busy_threshold,
+        count_in_flight=args.router_count_in_flight,
+        migration_limit=args.migration_limit,
     )
     if args.accept_remote_workers and not args.redis_url:
         raise ValueError("--accept-remote-workers: needs --redis-url (remote workers register in Redis)")
@@ -93,15 +112,29 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         raise ValueError(f"--workers: must be >= 0, got {args.workers}")
     if args.workers == 0 and not args.accept_remote_workers:
         raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
-    needed_by = "--accept-remote-workers" if args.accept_remote_workers else (
-        "--kvbm-service" if args.kvbm_service else None)
-    return LLMServing(router, args.workers, kvbm_config(args), args.kvbm_service, engine_overrides(args),
-                      remote_workers=args.redis_url if args.accept_remote_workers else None,
-                      cluster_secret=cluster_secret(args, needed_by))
+    needed_by = (
+        "--accept-remote-workers"
+        if args.accept_remote_workers
+        else ("--kvbm-service" if args.kvbm_service else None)
+    )
+    return LLMServing(
+        router,
+        args.workers,
+        kvbm_config(args),
+        args.kvbm_service,
+        engine_overrides(args),
+        remote_workers=args.redis_url if args.accept_remote_workers else None,
+        cluster_secret=cluster_secret(args, needed_by),
+    )
 
 
-def _shutdown(manager: RepositoryManager, frontend: OpenAIFrontend | None, deployment: LLMDeployment,
-              triton: TritonServer, exit_timeout_secs: int) -> None:
+def _shutdown(
+    manager: RepositoryManager,
+    frontend: OpenAIFrontend | None,
+    deployment: LLMDeployment,
+    triton: TritonServer,
+    exit_timeout_secs: int,
+) -> None:
     """Stop within the exit timeout: a timer ends the process if a part hangs."""
     deadline = threading.Timer(exit_timeout_secs + 5, _force_exit)
     deadline.daemon = True

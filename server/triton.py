@@ -35,12 +35,35 @@ from server import settings
 log = logging.getLogger(__name__)
 
 ACCESS_HEADER = "triton-access-token"
-GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # tritonserver reads a gRPC restriction's KEY from this metadata key
-PROTECTED_APIS = ("model-repository", "shared-memory", "statistics", "trace", "logging")  # --access-token's APIs
+GRPC_HEADER_PREFIX = (
+    "triton-grpc-protocol-"  # tritonserver reads a gRPC restriction's KEY from this metadata key
+)
+PROTECTED_APIS = (
+    "model-repository",
+    "shared-memory",
+    "statistics",
+    "trace",
+    "logging",
+)  # --access-token's APIs
 # tritonserver's restrictable API groups (HTTP) and protocols (gRPC) share these names
-RESTRICTABLE_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
-                     "statistics", "trace", "logging")
-_CONTROL_APIS = {"health", "metadata", "model-config", "model-repository", "logging"}  # what Strata itself calls
+RESTRICTABLE_APIS = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+_CONTROL_APIS = {
+    "health",
+    "metadata",
+    "model-config",
+    "model-repository",
+    "logging",
+}  # what Strata itself calls
 _SHM_DIR = Path("/dev/shm")
 
 
@@ -98,7 +121,11 @@ class TritonSettings:
     grpc_ssl: GrpcSSL | None = None
 
     def ports(self) -> dict[str, int]:
-        return {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
+        return {
+            "--http-port": self.http_port,
+            "--grpc-port": self.grpc_port,
+            "--metrics-port": self.metrics_port,
+        }
 
     def restrictions(self) -> tuple[tuple[Restriction, ...], tuple[Restriction, ...]]:
         """(HTTP, gRPC) restrictions, --access-token expanded into both."""
@@ -113,7 +140,9 @@ class TritonSettings:
         Raises ValueError when a restriction would lock Strata out of its own Triton: APIs it calls restricted
         by another header, or by two different values, or the same API restricted twice (tritonserver refuses)."""
         tokens: set[str] = set()
-        for flag, restrictions in zip(("--http-restricted-api", "--grpc-restricted-protocol"), self.restrictions(), strict=True):
+        for flag, restrictions in zip(
+            ("--http-restricted-api", "--grpc-restricted-protocol"), self.restrictions(), strict=True
+        ):
             seen: set[str] = set()
             for restriction in restrictions:
                 twice = seen & set(restriction.apis)
@@ -123,13 +152,17 @@ class TritonSettings:
                 if not _CONTROL_APIS & set(restriction.apis):
                     continue
                 if restriction.header != ACCESS_HEADER:
-                    raise ValueError(f"{flag} {','.join(restriction.apis)}: Strata's own control calls "
-                                     f"({', '.join(sorted(_CONTROL_APIS))}) send the header {ACCESS_HEADER}; "
-                                     f"restrict these APIs with {ACCESS_HEADER}=<token>")
+                    raise ValueError(
+                        f"{flag} {','.join(restriction.apis)}: Strata's own control calls "
+                        f"({', '.join(sorted(_CONTROL_APIS))}) send the header {ACCESS_HEADER}; "
+                        f"restrict these APIs with {ACCESS_HEADER}=<token>"
+                    )
                 tokens.add(restriction.value)
         if len(tokens) > 1:
-            raise ValueError(f"the APIs Strata calls itself ({', '.join(sorted(_CONTROL_APIS))}) must share one "
-                             f"{ACCESS_HEADER} value across --http-restricted-api and --grpc-restricted-protocol")
+            raise ValueError(
+                f"the APIs Strata calls itself ({', '.join(sorted(_CONTROL_APIS))}) must share one "
+                f"{ACCESS_HEADER} value across --http-restricted-api and --grpc-restricted-protocol"
+            )
         return tokens.pop() if tokens else None
 
 
@@ -141,7 +174,9 @@ def check_ports_free(address: str, ports: dict[str, int]) -> None:
             try:
                 probe.bind((address, port))
             except OSError as exc:
-                raise PortInUse(f"port {port} ({flag}) is already in use on {address}: {exc.strerror}") from exc
+                raise PortInUse(
+                    f"port {port} ({flag}) is already in use on {address}: {exc.strerror}"
+                ) from exc
 
 
 def _access_flags(c: TritonSettings) -> dict[str, object]:
@@ -154,8 +189,13 @@ def _access_flags(c: TritonSettings) -> dict[str, object]:
         flags["grpc_restricted_protocol"] = [str(r) for r in grpc]
     if c.grpc_ssl is not None:
         ssl = c.grpc_ssl
-        flags.update(grpc_use_ssl=True, grpc_use_ssl_mutual=ssl.mutual or None, grpc_server_cert=ssl.server_cert,
-                     grpc_server_key=ssl.server_key, grpc_root_cert=ssl.root_cert)
+        flags.update(
+            grpc_use_ssl=True,
+            grpc_use_ssl_mutual=ssl.mutual or None,
+            grpc_server_cert=ssl.server_cert,
+            grpc_server_key=ssl.server_key,
+            grpc_root_cert=ssl.root_cert,
+        )
     return flags
 
 
@@ -240,9 +280,12 @@ class TritonServer:
             client = InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
         else:  # the certificate names the server's host, not 127.0.0.1: check it against localhost
             client = InferenceServerClient(
-                f"localhost:{self.config.grpc_port}", ssl=True, root_certificates=ssl.root_cert or ssl.server_cert,
+                f"localhost:{self.config.grpc_port}",
+                ssl=True,
+                root_certificates=ssl.root_cert or ssl.server_cert,
                 private_key=ssl.server_key if ssl.mutual else None,
-                certificate_chain=ssl.server_cert if ssl.mutual else None)
+                certificate_chain=ssl.server_cert if ssl.mutual else None,
+            )
         try:
             yield client
         finally:

@@ -31,7 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+def wait_for(
+    condition: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition"
+) -> None:
     """Wait until `condition()` is true, checking every `interval` seconds; fail after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -45,7 +47,9 @@ def copy_models(destination: Path, *names: str) -> Path:
     """A private repository holding copies of example models (tests may edit it freely)."""
     destination.mkdir(parents=True, exist_ok=True)
     for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, destination / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            EXAMPLE_REPOSITORY / name, destination / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
     return destination
 
 
@@ -85,7 +89,11 @@ class StrataProcess:
 
 
 def start_strata(
-    repository: Path, tmp_path: Path, *args: str, wait_ready: bool = True, ports: tuple[int, int, int] | None = None
+    repository: Path,
+    tmp_path: Path,
+    *args: str,
+    wait_ready: bool = True,
+    ports: tuple[int, int, int] | None = None,
 ) -> StrataProcess:
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
     openai_port = free_port()
@@ -94,13 +102,30 @@ def start_strata(
     runtime_dir = tmp_path / "runtime"
     env = {**os.environ, "STRATA_RUNTIME_DIR": str(runtime_dir), "PYTHONUNBUFFERED": "1"}
     command = [
-        sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
-        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--http-address", "127.0.0.1", "--exit-timeout-secs", "5", "--openai-port", str(openai_port), *args,
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--model-repository",
+        str(repository),
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--metrics-port",
+        str(metrics),
+        "--http-address",
+        "127.0.0.1",
+        "--exit-timeout-secs",
+        "5",
+        "--openai-port",
+        str(openai_port),
+        *args,
     ]
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
     server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
     if wait_ready:
         try:

@@ -24,9 +24,14 @@ def _contracts() -> list[dict]:
 
 def test_import_contracts_are_kept():
     lint_imports = Path(sys.executable).parent / "lint-imports"
-    result = subprocess.run([str(lint_imports), "--no-cache", "pyproject.toml"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[result.stdout.find("Broken contracts"):] + result.stderr
+    result = subprocess.run(
+        [str(lint_imports), "--no-cache", "pyproject.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[result.stdout.find("Broken contracts") :] + result.stderr
 
 
 def test_the_frontend_rule_names_every_engine_module_but_the_protocol():
@@ -39,8 +44,12 @@ def test_the_frontend_rule_names_every_engine_module_but_the_protocol():
 
 def test_the_protocol_and_the_frontend_load_without_the_engine():
     """Importing server.engine.api (what the frontend sees) must not load torch or the engine's modules."""
-    probe = ("import sys, server.openai.app; "
-             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('server.engine.')))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    probe = (
+        "import sys, server.openai.app; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('server.engine.')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['server.engine.api']"

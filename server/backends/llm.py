@@ -57,9 +57,11 @@ log = logging.getLogger(__name__)
 _OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 _FLAGS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in _OPTIONAL_OUTPUTS))
 _NOT_SAMPLING = set(_FLAGS) | {"text_input", "sampling_parameters"}
-INPUTS = [Tensor(name="text_input", dtype=bytes, shape=(1,))] + [
-    Tensor(name=name, dtype=np.bool_, shape=(1,), optional=True) for name in _FLAGS
-] + [Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)]
+INPUTS = (
+    [Tensor(name="text_input", dtype=bytes, shape=(1,))]
+    + [Tensor(name=name, dtype=np.bool_, shape=(1,), optional=True) for name in _FLAGS]
+    + [Tensor(name="sampling_parameters", dtype=bytes, shape=(1,), optional=True)]
+)
 OUTPUTS = [  # shapes as the vLLM backend declares them
     Tensor(name="text_output", dtype=bytes, shape=(-1,)),
     Tensor(name="finish_reason", dtype=bytes, shape=(-1,)),
@@ -79,14 +81,18 @@ class LLMBackend:
     def stage(self, model: ModelSource) -> None:
         """List the model until Strata binds its engine (PyTriton then owns the folder)."""
         if model.name not in self.deployment.engines:
-            reason = (f"{model.name} is an LLM model: Strata starts its engine (--load-model {model.name}, or the "
-                      "none/poll control modes); Triton's load_model can only reload an engine Strata already started")
+            reason = (
+                f"{model.name} is an LLM model: Strata starts its engine (--load-model {model.name}, or the "
+                "none/poll control modes); Triton's load_model can only reload an engine Strata already started"
+            )
             stage_reason(model.name, reason, self.triton.store)
 
     def load(self, model: ModelSource) -> None:
         """Start the model's engine and bind it, replacing the running one."""
         try:
-            plan = self.deployment.plan(model)  # a model.json that does not validate leaves the running engine
+            plan = self.deployment.plan(
+                model
+            )  # a model.json that does not validate leaves the running engine
         except Exception as exc:
             raise self._unavailable(model.name, exc) from exc
         if model.name in self.deployment.engines:
@@ -95,14 +101,24 @@ class LLMBackend:
             engine = self.deployment.start(plan)
             remove(self.triton.store / model.name)  # the placeholder that listed the model until now
             self.triton.pytriton.bind(
-                model_name=model.name, infer_func=_infer_function(engine), inputs=INPUTS, outputs=OUTPUTS,
-                model_version=plan.version, config=ModelConfig(batching=False, decoupled=True),
+                model_name=model.name,
+                infer_func=_infer_function(engine),
+                inputs=INPUTS,
+                outputs=OUTPUTS,
+                model_version=plan.version,
+                config=ModelConfig(batching=False, decoupled=True),
             )
         except Exception as exc:  # weights, a worker that does not start, a failed bind: this model only
             self.unload(model.name)
             raise self._unavailable(model.name, exc) from exc
-        log.info("%s: serving version %d on %d worker(s) (%s, %s)", model.name, plan.version, plan.workers,
-                 plan.config.model, plan.config.dtype)
+        log.info(
+            "%s: serving version %d on %d worker(s) (%s, %s)",
+            model.name,
+            plan.version,
+            plan.workers,
+            plan.config.model,
+            plan.config.dtype,
+        )
 
     def unload(self, name: str) -> None:
         self.triton.unbind(name)  # also takes its folder (or the placeholder) out of the store
@@ -166,9 +182,13 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
 
 async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str, np.ndarray]]:
     asked = _parse(request)
-    prompt_ids = await asyncio.to_thread(engine.encode, asked.prompt)  # never on the event loop (a worker call)
+    prompt_ids = await asyncio.to_thread(
+        engine.encode, asked.prompt
+    )  # never on the event loop (a worker call)
     sampling = SamplingParams.from_dict(asked.sampling, max_output_tokens(engine, len(prompt_ids)))
-    generation = GenerationRequest(RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling, asked.cache_salt)
+    generation = GenerationRequest(
+        RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling, asked.cache_salt
+    )
     pieces: list[str] = [asked.prompt] if asked.prepend_input else []
     reported_tokens = 0  # output tokens counted in responses sent so far
     async for output in aiterate_outputs(engine, generation):
@@ -177,7 +197,9 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
             raise TritonClientError("internal error while generating; see the server log")
         if asked.stream:
             if output.new_text or output.finished:
-                yield _response(output.new_text, output, output.num_output_tokens - reported_tokens, asked.outputs)
+                yield _response(
+                    output.new_text, output, output.num_output_tokens - reported_tokens, asked.outputs
+                )
                 reported_tokens = output.num_output_tokens
         else:
             pieces.append(output.new_text)
@@ -196,8 +218,10 @@ def _parse(request: Request) -> TritonRequest:
     exclude_input = flags.get("exclude_input_in_output")
     prepend_input = not stream if exclude_input is None else not exclude_input
     if stream and prepend_input:
-        raise RequestError("exclude_input_in_output", "must be true when streaming (a stream never repeats the "
-                           "prompt); leave it out or set it to true")
+        raise RequestError(
+            "exclude_input_in_output",
+            "must be true when streaming (a stream never repeats the prompt); leave it out or set it to true",
+        )
     outputs = tuple(name for name in _OPTIONAL_OUTPUTS if flags.get(f"return_{name}"))
     sampling = _sampling_fields(request)
     cache_salt = sampling.pop("cache_salt", None)
@@ -228,7 +252,12 @@ def _sampling_fields(request: Request) -> dict[str, Any]:
     for key, value in (request.parameters or {}).items():
         if key not in _NOT_SAMPLING:
             raw.setdefault(key, value)
-    for key in ("max_tokens", "top_k", "seed", "min_tokens"):  # request parameters arrive as strings or floats
+    for key in (
+        "max_tokens",
+        "top_k",
+        "seed",
+        "min_tokens",
+    ):  # request parameters arrive as strings or floats
         if isinstance(raw.get(key), float) and raw[key].is_integer():
             raw[key] = int(raw[key])
     return raw
@@ -241,8 +270,9 @@ def _scalar(request: Request, name: str) -> Any:
     return array.reshape(-1)[0]
 
 
-def _response(text: str, output: GenerationOutput, num_output_tokens: int,
-              outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _response(
+    text: str, output: GenerationOutput, num_output_tokens: int, outputs: tuple[str, ...]
+) -> dict[str, np.ndarray]:
     """One response: text_output, and the optional outputs asked for. `num_output_tokens`: this response's own."""
     optional = {
         "finish_reason": np.array([str(output.finish_reason).encode()], dtype=object),
@@ -250,4 +280,6 @@ def _response(text: str, output: GenerationOutput, num_output_tokens: int,
         "num_output_tokens": np.array([num_output_tokens], dtype=np.uint32),
         "num_cached_tokens": np.array([output.num_cached_tokens], dtype=np.uint32),
     }
-    return {"text_output": np.array([text.encode("utf-8")], dtype=object)} | {name: optional[name] for name in outputs}
+    return {"text_output": np.array([text.encode("utf-8")], dtype=object)} | {
+        name: optional[name] for name in outputs
+    }

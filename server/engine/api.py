@@ -36,8 +36,17 @@ class EngineUnavailable(RuntimeError):
 
 
 _SAMPLING_FIELDS = {
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "min_tokens",
 }
 
 
@@ -61,7 +70,9 @@ class SamplingParams(msgspec.Struct, array_like=True):
         """Validate a client's sampling fields (vLLM / OpenAI names); raise RequestError naming the field."""
         unknown = sorted(set(raw) - _SAMPLING_FIELDS)
         if unknown:
-            raise RequestError(unknown[0], f"unknown sampling field; allowed: {', '.join(sorted(_SAMPLING_FIELDS))}")
+            raise RequestError(
+                unknown[0], f"unknown sampling field; allowed: {', '.join(sorted(_SAMPLING_FIELDS))}"
+            )
         params = cls()
         for name, value in raw.items():
             if value is not None:
@@ -117,7 +128,9 @@ def validate_cache_salt(cache_salt: Any) -> None:
     if not isinstance(cache_salt, str):
         raise RequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
     if not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS:
-        raise RequestError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
+        raise RequestError(
+            "cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
+        )
     try:
         cache_salt.encode()
     except UnicodeEncodeError:
@@ -253,6 +266,9 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
     submit, frontends validate sampling fields with it. Raises RequestError("prompt") if no room is left."""
     room = engine.max_model_len - num_prompt_tokens
     if room < 1:
-        raise RequestError("prompt", f"{num_prompt_tokens} tokens; this model's context is {engine.max_model_len} "
-                           "tokens (prompt + output)")
+        raise RequestError(
+            "prompt",
+            f"{num_prompt_tokens} tokens; this model's context is {engine.max_model_len} "
+            "tokens (prompt + output)",
+        )
     return min(room, engine.max_tokens_limit)

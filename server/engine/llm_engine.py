@@ -60,7 +60,9 @@ class LLMEngine:
         self._chat_tokenizer = None
         self.model_name = config.model_name or self.files.name
         self.max_model_len = min(config.max_model_len, shape.max_position_embeddings)
-        self.max_tokens_limit = min(config.max_tokens_limit, self.max_model_len)  # largest max_tokens accepted
+        self.max_tokens_limit = min(
+            config.max_tokens_limit, self.max_model_len
+        )  # largest max_tokens accepted
         self.layout = KVLayout(
             fingerprint=f"{self.files.name}|{config.dtype}|bs{config.block_size}"
             f"|l{shape.num_layers}h{shape.num_kv_heads}d{shape.head_dim}",

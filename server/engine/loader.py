@@ -29,6 +29,7 @@ from server import settings
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(slots=True)
 class ModelFiles:
     """A folder holding config.json, *.safetensors and tokenizer files, ready to load."""

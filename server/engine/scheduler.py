@@ -38,7 +38,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_prefix_waits = 0  # times (per step) a waiting sequence was held back for a prefix being computed
+        self.num_prefix_waits = (
+            0  # times (per step) a waiting sequence was held back for a prefix being computed
+        )
         self.wait_for_running_prefix = True  # bench/engine.py turns it off for its baseline
 
     def has_work(self) -> bool:
@@ -85,17 +87,21 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
             if self.wait_for_running_prefix:
-                in_progress.update(seq.block_hashes[seq.num_registered_blocks:])
+                in_progress.update(seq.block_hashes[seq.num_registered_blocks :])
         return chunks
 
     def _blocks_in_progress(self) -> set[BlockHash]:
         """Hashes of full blocks that running sequences hold but have not yet computed and registered."""
-        return {block_hash for seq in self.running for block_hash in seq.block_hashes[seq.num_registered_blocks:]}
+        return {
+            block_hash for seq in self.running for block_hash in seq.block_hashes[seq.num_registered_blocks :]
+        }
 
     def _waits_for(self, seq: Sequence, in_progress: set[BlockHash]) -> bool:
         """True if the first block of `seq` missing from the prefix cache is one a running sequence computes."""
         cached = self.block_manager.cached
-        limit = (seq.num_tokens - 1) // self.block_manager.block_size  # as match_prefix: the last token is computed
+        limit = (
+            seq.num_tokens - 1
+        ) // self.block_manager.block_size  # as match_prefix: the last token is computed
         for block_hash in seq.block_hashes[:limit]:
             if block_hash not in cached:
                 return block_hash in in_progress

@@ -30,8 +30,9 @@ from server.openai.serving import OpenAIError, OpenAIServing, internal_error
 logger = logging.getLogger(__name__)
 
 
-def build_app(models: Mapping[str, Engine], metrics: FrontendMetrics | None = None,
-              api_key: str | None = None) -> FastAPI:
+def build_app(
+    models: Mapping[str, Engine], metrics: FrontendMetrics | None = None, api_key: str | None = None
+) -> FastAPI:
     """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`."""
     metrics = metrics or FrontendMetrics.create()
     serving = OpenAIServing(models, metrics)
@@ -81,8 +82,11 @@ class RequireAPIKey:
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        info = p.ErrorInfo(message="Incorrect or missing API key: send 'Authorization: Bearer <key>' (--api-key)",
-                           type="invalid_request_error", code="invalid_api_key")
+        info = p.ErrorInfo(
+            message="Incorrect or missing API key: send 'Authorization: Bearer <key>' (--api-key)",
+            type="invalid_request_error",
+            code="invalid_api_key",
+        )
         response = _error(401, info)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
@@ -95,8 +99,11 @@ class RequireAPIKey:
 async def _respond(result: Awaitable[Any]) -> Response:
     answer = await result
     if isinstance(answer, AsyncIterator):
-        return StreamingResponse(answer, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            answer,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return JSONResponse(p.dump(answer))
 
 
@@ -144,8 +151,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "
 
 def _param_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
     """`("body", "messages", 0, "role")` -> "messages.0.role"; pydantic's union-member tags are dropped."""
-    parts = [str(part) for part in loc[1:] if not (isinstance(part, str) and (
-        part in _TYPE_TAGS or "[" in part))]
+    parts = [
+        str(part) for part in loc[1:] if not (isinstance(part, str) and (part in _TYPE_TAGS or "[" in part))
+    ]
     return ".".join(parts) or None
 
 
@@ -154,4 +162,3 @@ async def _json_or_none(request: Request) -> Any:
         return await request.json()
     except ValueError:
         return None
-

@@ -42,8 +42,14 @@ class _Track:
 class Generation:
     """Submits engine requests, yields `(choice_index, output)` in arrival order, aborts leftovers on close."""
 
-    def __init__(self, engine: Engine, metrics: FrontendMetrics, model: str, client_gone: WaitForDisconnect,
-                 request_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: FrontendMetrics,
+        model: str,
+        client_gone: WaitForDisconnect,
+        request_id: str,
+    ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._model = model
@@ -74,7 +80,9 @@ class Generation:
             self._metrics.in_flight.labels(self._model).inc()
             self._metrics.queued.labels(self._model).inc()
             try:
-                self._engine.submit(GenerationRequest(request_id, token_ids, sampling, cache_salt), self._sink(index))
+                self._engine.submit(
+                    GenerationRequest(request_id, token_ids, sampling, cache_salt), self._sink(index)
+                )
             except BaseException:
                 self._forget(request_id, track)
                 raise

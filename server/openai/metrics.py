@@ -40,27 +40,54 @@ class FrontendMetrics:
         return cls(
             registry=reg,
             time_to_first_token=Histogram(
-                "strata_time_to_first_token_seconds", "Arrival to first generated token, seconds",
-                model, buckets=_LATENCY_BUCKETS, registry=reg),
+                "strata_time_to_first_token_seconds",
+                "Arrival to first generated token, seconds",
+                model,
+                buckets=_LATENCY_BUCKETS,
+                registry=reg,
+            ),
             inter_token_latency=Histogram(
-                "strata_inter_token_latency_seconds", "Gap between consecutive engine outputs, seconds per token",
-                model, buckets=_ITL_BUCKETS, registry=reg),
+                "strata_inter_token_latency_seconds",
+                "Gap between consecutive engine outputs, seconds per token",
+                model,
+                buckets=_ITL_BUCKETS,
+                registry=reg,
+            ),
             request_duration=Histogram(
-                "strata_request_duration_seconds", "Arrival to last token, seconds",
-                model, buckets=_DURATION_BUCKETS, registry=reg),
-            requests=Counter("strata_requests", "Finished HTTP requests by status", ("model", "status"), registry=reg),
-            in_flight=Gauge("strata_requests_in_flight", "Engine requests submitted and not finished",
-                            model, registry=reg),
-            queued=Gauge("strata_requests_queued", "Engine requests submitted that have not produced a token yet",
-                         model, registry=reg),
-            prompt_tokens=Counter("strata_prompt_tokens", "Prompt tokens of finished engine requests",
-                                  model, registry=reg),
-            cached_prompt_tokens=Counter("strata_cached_prompt_tokens",
-                                         "Prompt tokens whose KV came from cache (any tier)", model, registry=reg),
+                "strata_request_duration_seconds",
+                "Arrival to last token, seconds",
+                model,
+                buckets=_DURATION_BUCKETS,
+                registry=reg,
+            ),
+            requests=Counter(
+                "strata_requests", "Finished HTTP requests by status", ("model", "status"), registry=reg
+            ),
+            in_flight=Gauge(
+                "strata_requests_in_flight", "Engine requests submitted and not finished", model, registry=reg
+            ),
+            queued=Gauge(
+                "strata_requests_queued",
+                "Engine requests submitted that have not produced a token yet",
+                model,
+                registry=reg,
+            ),
+            prompt_tokens=Counter(
+                "strata_prompt_tokens", "Prompt tokens of finished engine requests", model, registry=reg
+            ),
+            cached_prompt_tokens=Counter(
+                "strata_cached_prompt_tokens",
+                "Prompt tokens whose KV came from cache (any tier)",
+                model,
+                registry=reg,
+            ),
             generation_tokens=Counter("strata_generation_tokens", "Generated tokens", model, registry=reg),
-            kv_hit_rate=Gauge("strata_kv_cache_hit_rate",
-                              "cached_prompt_tokens_total / prompt_tokens_total since start (0..1)",
-                              model, registry=reg),
+            kv_hit_rate=Gauge(
+                "strata_kv_cache_hit_rate",
+                "cached_prompt_tokens_total / prompt_tokens_total since start (0..1)",
+                model,
+                registry=reg,
+            ),
         )
 
     def record_tokens(self, model: str, prompt: int, cached: int, generated: int) -> None:

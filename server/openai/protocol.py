@@ -43,7 +43,9 @@ class SamplingFields(_Request):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     user: str | None = None
-    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with this salt (vLLM's)
+    cache_salt: str | None = (
+        None  # prefix-cache blocks are shared only among requests with this salt (vLLM's)
+    )
 
 
 class TextPart(_Request):

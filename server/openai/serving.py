@@ -34,16 +34,42 @@ from server.openai.metrics import FrontendMetrics
 logger = logging.getLogger(__name__)
 
 # Fields of the OpenAI API that Strata does not implement: refused by name rather than silently ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "tools", "functions", "response_format")
-_SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
+_UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "logit_bias",
+    "tools",
+    "functions",
+    "response_format",
+)
+_SAMPLING_NAMES = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
 
 
 class OpenAIError(Exception):
     """An error the API returns as `{"error": {...}}` with `status`."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.info = p.ErrorInfo(message=message, type=type_, param=param, code=code)
@@ -72,19 +98,24 @@ class OpenAIServing:
         self._created = int(time.time())
 
     def list_models(self) -> p.ModelList:
-        cards = [p.ModelCard(id=name, created=self._created, max_model_len=engine.max_model_len)
-                 for name, engine in self._models.items()]
+        cards = [
+            p.ModelCard(id=name, created=self._created, max_model_len=engine.max_model_len)
+            for name, engine in self._models.items()
+        ]
         return p.ModelList(data=cards)
 
     def count_invalid(self, model: str) -> None:
         """Count a request refused before it reached serving (malformed JSON, schema errors)."""
         self._metrics.requests.labels(model if model in self._models else "", "invalid").inc()
 
-    async def chat(self, request: p.ChatCompletionRequest, client_gone: WaitForDisconnect
-                   ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+    async def chat(
+        self, request: p.ChatCompletionRequest, client_gone: WaitForDisconnect
+    ) -> p.ChatCompletionResponse | AsyncIterator[str]:
         engine = self._engine(request)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in request.messages]
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in request.messages
+        ]
 
         def prompts() -> list[list[int]]:
             return [self._tokenize(request.model, "messages", engine.apply_chat_template, messages)]
@@ -94,51 +125,83 @@ class OpenAIServing:
             return self._sse(request, generation, request.n, _ChatChunks(request, generation.request_id))
         choices = await self._collect(request, generation, request.n)
         return p.ChatCompletionResponse(
-            id=f"chatcmpl-{generation.request_id}", model=request.model, usage=_usage(choices, request.n),
-            choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content="".join(c.text)),
-                                  finish_reason=c.finish_reason) for i, c in enumerate(choices)])
+            id=f"chatcmpl-{generation.request_id}",
+            model=request.model,
+            usage=_usage(choices, request.n),
+            choices=[
+                p.ChatChoice(
+                    index=i,
+                    message=p.AssistantMessage(content="".join(c.text)),
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+        )
 
-    async def completion(self, request: p.CompletionRequest, client_gone: WaitForDisconnect
-                         ) -> p.CompletionResponse | AsyncIterator[str]:
+    async def completion(
+        self, request: p.CompletionRequest, client_gone: WaitForDisconnect
+    ) -> p.CompletionResponse | AsyncIterator[str]:
         engine = self._engine(request)
         texts = _prompt_list(request.prompt)
         if not texts:
             self._fail(request.model, 400, "the prompt list is empty", "prompt")
 
         def prompts() -> list[list[int]]:
-            return [self._tokenize(request.model, "prompt", engine.encode, text) if isinstance(text, str) else text
-                    for text in texts]
+            return [
+                self._tokenize(request.model, "prompt", engine.encode, text)
+                if isinstance(text, str)
+                else text
+                for text in texts
+            ]
 
         generation = await self._start(request, engine, prompts, client_gone)
         num_choices = len(texts) * request.n
         if request.stream:
-            return self._sse(request, generation, num_choices, _CompletionChunks(request, generation.request_id))
+            return self._sse(
+                request, generation, num_choices, _CompletionChunks(request, generation.request_id)
+            )
         choices = await self._collect(request, generation, num_choices)
         return p.CompletionResponse(
-            id=f"cmpl-{generation.request_id}", model=request.model, usage=_usage(choices, request.n),
-            choices=[p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
-                     for i, c in enumerate(choices)])
+            id=f"cmpl-{generation.request_id}",
+            model=request.model,
+            usage=_usage(choices, request.n),
+            choices=[
+                p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
+                for i, c in enumerate(choices)
+            ],
+        )
 
     def _engine(self, request: p.SamplingFields) -> Engine:
         engine = self._models.get(request.model)
         if engine is None:
             self._metrics.requests.labels("", "invalid").inc()
-            raise OpenAIError(404, f"The model `{request.model}` does not exist", param="model",
-                              code="model_not_found")
-        unsupported = [name for name in _UNSUPPORTED if (request.model_extra or {}).get(name) not in (None, False)]
+            raise OpenAIError(
+                404, f"The model `{request.model}` does not exist", param="model", code="model_not_found"
+            )
+        unsupported = [
+            name for name in _UNSUPPORTED if (request.model_extra or {}).get(name) not in (None, False)
+        ]
         if unsupported:
-            self._fail(request.model, 400, f"`{unsupported[0]}` is not supported by this server", unsupported[0])
+            self._fail(
+                request.model, 400, f"`{unsupported[0]}` is not supported by this server", unsupported[0]
+            )
         return engine
 
-    def _tokenize(self, model: str, param: str, tokenize: Callable[[Any], list[int]], value: Any) -> list[int]:
+    def _tokenize(
+        self, model: str, param: str, tokenize: Callable[[Any], list[int]], value: Any
+    ) -> list[int]:
         try:
             return tokenize(value)
         except RequestError as exc:
             self._fail(model, 400, f"{param}: {exc.message}", param)
         except EngineUnavailable as exc:
             self._metrics.requests.labels(model, "error").inc()
-            raise OpenAIError(503, f"model `{model}` cannot take requests now: {exc}",
-                              type_="service_unavailable", code="engine_unavailable") from None
+            raise OpenAIError(
+                503,
+                f"model `{model}` cannot take requests now: {exc}",
+                type_="service_unavailable",
+                code="engine_unavailable",
+            ) from None
         except Exception:
             logger.exception("tokenizing %s failed", param)
             self._metrics.requests.labels(model, "error").inc()
@@ -152,8 +215,13 @@ class OpenAIServing:
         param = _param_name(request, exc.field)
         self._fail(request.model, 400, f"{param}: {exc.message}", param)
 
-    async def _start(self, request: p.SamplingFields, engine: Engine, prompts: Callable[[], list[list[int]]],
-                     client_gone: WaitForDisconnect) -> Generation:
+    async def _start(
+        self,
+        request: p.SamplingFields,
+        engine: Engine,
+        prompts: Callable[[], list[list[int]]],
+        client_gone: WaitForDisconnect,
+    ) -> Generation:
         """Tokenize, validate and submit n engine requests per prompt (`{request_id}-{i}`) in one worker-thread
         hop: tokenizing and an engine's submit (a worker round trip) may block, the event loop must not. Errors
         come before the first byte, so a bad streaming request still gets its 4xx status."""
@@ -165,8 +233,13 @@ class OpenAIServing:
             raise
         return generation
 
-    def _submit(self, request: p.SamplingFields, engine: Engine, prompts: Callable[[], list[list[int]]],
-                generation: Generation) -> None:
+    def _submit(
+        self,
+        request: p.SamplingFields,
+        engine: Engine,
+        prompts: Callable[[], list[list[int]]],
+        generation: Generation,
+    ) -> None:
         try:
             validate_cache_salt(request.cache_salt)
         except RequestError as exc:
@@ -178,13 +251,19 @@ class OpenAIServing:
             self._fail_field(request, exc)
         except EngineUnavailable as exc:
             self._metrics.requests.labels(request.model, "error").inc()
-            raise OpenAIError(503, f"model `{request.model}` cannot take requests now: {exc}",
-                              type_="service_unavailable", code="engine_unavailable") from None
+            raise OpenAIError(
+                503,
+                f"model `{request.model}` cannot take requests now: {exc}",
+                type_="service_unavailable",
+                code="engine_unavailable",
+            ) from None
         except Exception:
             self._metrics.requests.labels(request.model, "error").inc()
             raise
 
-    def _sampling(self, request: p.SamplingFields, engine: Engine, token_ids: list[int]) -> list[SamplingParams]:
+    def _sampling(
+        self, request: p.SamplingFields, engine: Engine, token_ids: list[int]
+    ) -> list[SamplingParams]:
         """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible.
 
         max_tokens defaults to its limit (`max_output_tokens`: the room the context leaves, capped by the engine).
@@ -196,7 +275,9 @@ class OpenAIServing:
         requested = _max_tokens(request)
         try:
             limit = max_output_tokens(engine, len(token_ids))
-            raw["max_tokens"] = limit if requested is None else requested  # 0 is an error, not "use the default"
+            raw["max_tokens"] = (
+                limit if requested is None else requested
+            )  # 0 is an error, not "use the default"
             base = SamplingParams.from_dict(raw, max_tokens_limit=limit)
         except RequestError as exc:
             self._fail_field(request, exc)
@@ -204,7 +285,9 @@ class OpenAIServing:
             return [msgspec.structs.replace(base) for _ in range(request.n)]
         return [msgspec.structs.replace(base, seed=base.seed + j) for j in range(request.n)]
 
-    async def _collect(self, request: p.SamplingFields, generation: Generation, num_choices: int) -> list[_Choice]:
+    async def _collect(
+        self, request: p.SamplingFields, generation: Generation, num_choices: int
+    ) -> list[_Choice]:
         choices = [_Choice() for _ in range(num_choices)]
         status = "aborted"
         try:
@@ -219,8 +302,9 @@ class OpenAIServing:
             generation.close()
             self._metrics.requests.labels(request.model, status).inc()
 
-    async def _sse(self, request: p.SamplingFields, generation: Generation, num_choices: int,
-                   chunks: _Chunks) -> AsyncIterator[str]:
+    async def _sse(
+        self, request: p.SamplingFields, generation: Generation, num_choices: int, chunks: _Chunks
+    ) -> AsyncIterator[str]:
         choices = [_Choice() for _ in range(num_choices)]
         status = "aborted"
         try:
@@ -259,18 +343,23 @@ class _ChatChunks:
         self._created = int(time.time())
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
-        return p.ChatCompletionChunk(id=self._id, created=self._created, model=self._model,
-                                     choices=choices, usage=usage)
+        return p.ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+        )
 
     def for_output(self, index: int, output: GenerationOutput, first: bool) -> list[Any]:
         out = []
         if first:
-            out.append(self._chunk([p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant",
-                                                                                         content=""))]))
+            out.append(
+                self._chunk(
+                    [p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))]
+                )
+            )
         if output.new_text or output.finished:
             delta = p.DeltaMessage(content=output.new_text or None)
-            out.append(self._chunk([p.ChatChunkChoice(index=index, delta=delta,
-                                                      finish_reason=output.finish_reason)]))
+            out.append(
+                self._chunk([p.ChatChunkChoice(index=index, delta=delta, finish_reason=output.finish_reason)])
+            )
         return out
 
     def usage(self, usage: p.Usage) -> p.ChatCompletionChunk:
@@ -290,7 +379,9 @@ class _CompletionChunks:
         return [p.CompletionResponse(id=self._id, created=self._created, model=self._model, choices=[choice])]
 
     def usage(self, usage: p.Usage) -> p.CompletionResponse:
-        return p.CompletionResponse(id=self._id, created=self._created, model=self._model, choices=[], usage=usage)
+        return p.CompletionResponse(
+            id=self._id, created=self._created, model=self._model, choices=[], usage=usage
+        )
 
 
 def _sse(model: Any) -> str:
@@ -312,8 +403,12 @@ def _usage(choices: list[_Choice], n: int) -> p.Usage:
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.output_tokens for c in choices)
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in firsts)))
+    return p.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in firsts)),
+    )
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -332,10 +427,12 @@ def _max_tokens(request: p.SamplingFields) -> int | None:
 
 def _param_name(request: p.SamplingFields, field_name: str) -> str:
     """The engine's field name as the client spelled it."""
-    if field_name == "max_tokens" and isinstance(request, p.ChatCompletionRequest) \
-            and request.max_completion_tokens is not None:
+    if (
+        field_name == "max_tokens"
+        and isinstance(request, p.ChatCompletionRequest)
+        and request.max_completion_tokens is not None
+    ):
         return "max_completion_tokens"
     if field_name in ("prompt_token_ids", "prompt"):
         return "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
     return field_name
-

@@ -49,12 +49,16 @@ def backend_of(config: ModelConfig, path: Path, text: str) -> str:
     """Strata's backend for this config: one of PYTHON, LIBTORCH, LLM."""
     declared = config.backend or config.platform
     if not declared:
-        raise ConfigError(path, 'no "backend" or "platform" given; use backend: "python", "pytorch" or "strata_llm"')
+        raise ConfigError(
+            path, 'no "backend" or "platform" given; use backend: "python", "pytorch" or "strata_llm"'
+        )
     backend = _BACKEND_ALIASES.get(declared)
     if backend is None:
         field = "backend" if config.backend else "platform"
         allowed = ", ".join(sorted(_BACKEND_ALIASES))
-        raise ConfigError(path, f'{field} "{declared}" is not supported; supported: {allowed}', _line_of(text, field))
+        raise ConfigError(
+            path, f'{field} "{declared}" is not supported; supported: {allowed}', _line_of(text, field)
+        )
     return backend
 
 
@@ -62,7 +66,9 @@ def check_name(config: ModelConfig, folder_name: str, path: Path, text: str) -> 
     """Triton requires the config's name, when given, to match the model's folder."""
     if config.name and config.name != folder_name:
         raise ConfigError(
-            path, f'name "{config.name}" does not match the model folder "{folder_name}"', _line_of(text, "name")
+            path,
+            f'name "{config.name}" does not match the model folder "{folder_name}"',
+            _line_of(text, "name"),
         )
 
 

@@ -112,7 +112,9 @@ def _read_model(folder: Path, stamp: Fingerprint) -> ModelSource:
 
 def select_versions(config: ModelConfig, folder: Path, config_path: Path) -> list[int]:
     """The versions `version_policy` serves (Triton's default: the latest one)."""
-    available = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    available = sorted(
+        int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0
+    )
     if not available:
         raise ConfigError(folder, "no version folder: expected <model>/<N>/ with N a positive integer")
     policy = config.version_policy.WhichOneof("policy_choice")
@@ -123,7 +125,8 @@ def select_versions(config: ModelConfig, folder: Path, config_path: Path) -> lis
         missing = [v for v in wanted if v not in available]
         if missing:
             raise ConfigError(
-                config_path, f"version_policy.specific names version(s) {missing} with no folder under {folder}"
+                config_path,
+                f"version_policy.specific names version(s) {missing} with no folder under {folder}",
             )
         return wanted
     count = config.version_policy.latest.num_versions if policy == "latest" else 1

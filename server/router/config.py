@@ -42,11 +42,21 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("strategy", "fallback"):
             if getattr(self, name) not in STRATEGIES:
-                raise ValueError(f"router {name}: {getattr(self, name)!r} is not one of {', '.join(STRATEGIES)}")
+                raise ValueError(
+                    f"router {name}: {getattr(self, name)!r} is not one of {', '.join(STRATEGIES)}"
+                )
         if self.fallback == "kv-aware":
             raise ValueError("router fallback: must not be kv-aware (it is used when the KV index fails)")
-        for name in ("overlap_weight", "temperature", "onboard_cost_g2", "onboard_cost_g3", "onboard_cost_g4",
-                     "lookup_budget_s", "lookup_cooldown_s", "stale_after_s"):
+        for name in (
+            "overlap_weight",
+            "temperature",
+            "onboard_cost_g2",
+            "onboard_cost_g3",
+            "onboard_cost_g4",
+            "lookup_budget_s",
+            "lookup_cooldown_s",
+            "stale_after_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"router {name}: must be >= 0, got {getattr(self, name)}")
         if self.migration_limit < 0:

@@ -31,12 +31,17 @@ def blocks_to_prefill(num_blocks: int, prefix: WorkerPrefix | None, g4: int, con
     g2 = min(max(prefix.g2, g1), num_blocks)
     g3 = min(max(prefix.g3, g2), num_blocks)
     g4 = min(max(g4, g3), num_blocks)
-    return ((g2 - g1) * config.onboard_cost_g2 + (g3 - g2) * config.onboard_cost_g3
-            + (g4 - g3) * config.onboard_cost_g4 + (num_blocks - g4))
+    return (
+        (g2 - g1) * config.onboard_cost_g2
+        + (g3 - g2) * config.onboard_cost_g3
+        + (g4 - g3) * config.onboard_cost_g4
+        + (num_blocks - g4)
+    )
 
 
-def worker_cost(worker: WorkerLoad, num_blocks: int, prefix: WorkerPrefix | None, g4: int,
-                config: RouterConfig) -> float:
+def worker_cost(
+    worker: WorkerLoad, num_blocks: int, prefix: WorkerPrefix | None, g4: int, config: RouterConfig
+) -> float:
     prefill = worker.pending_prefill + blocks_to_prefill(num_blocks, prefix, g4, config)
     decode = worker.active_blocks + num_blocks
     return config.overlap_weight * prefill / worker.prefill_speed + decode / worker.decode_speed

@@ -46,45 +46,89 @@ class RouterMetrics:
         reg = registry if registry is not None else CollectorRegistry()
         return cls(
             registry=reg,
-            decisions=Counter("strata_router_decisions", "Routing decisions", ("strategy", "reason"), registry=reg),
-            decision_seconds=Histogram("strata_router_decision_seconds", "Time to pick a worker incl. the lookup",
-                                       buckets=_DECISION_BUCKETS, registry=reg),
-            all_busy=Counter("strata_router_all_busy", "Decisions taken with every worker above busy_threshold",
-                             registry=reg),
-            request_blocks=Counter("strata_router_request_blocks", "Full blocks of routed requests", registry=reg),
-            reusable_blocks=Counter("strata_router_reusable_blocks",
-                                    "Leading blocks the chosen worker held in some tier (predicted hits)",
-                                    registry=reg),
-            index_stale=Gauge("strata_router_index_stale",
-                              "1 while requests flow and the KV index has applied no event for stale_after_s",
-                              registry=reg),
-            worker_active_blocks=Gauge("strata_router_worker_active_blocks",
-                                       "KV blocks in use per worker (max of report and router's count)",
-                                       ("worker",), registry=reg),
-            worker_in_flight=Gauge("strata_router_worker_in_flight", "Requests running or queued per worker",
-                                   ("worker",), registry=reg),
-            worker_info=Gauge("strata_worker_info", "1 per worker in the router; its hardware as labels",
-                              _INFO_LABELS, registry=reg),
-            worker_prefill_tok_s=Gauge("strata_worker_prefill_tokens_per_second",
-                                       "Prefill speed the router uses per worker (calibrated, then measured)",
-                                       ("worker",), registry=reg),
-            worker_decode_tok_s=Gauge("strata_worker_decode_tokens_per_second",
-                                      "Decode speed per request the router uses per worker (calibrated, then measured)",
-                                      ("worker",), registry=reg),
-            worker_kv_capacity_bytes=Gauge("strata_worker_kv_capacity_bytes", "KV pool of each worker, bytes",
-                                           ("worker",), registry=reg),
-            migrations=Counter("strata_router_migrations", "Requests resumed on another worker after `worker` "
-                               "died or left mid-request", ("worker",), registry=reg),
-            worker_messages_rejected=Counter("strata_worker_messages_rejected", "Frames on a worker's link that "
-                                             "were not messages (each drops the worker)", ("worker",), registry=reg),
+            decisions=Counter(
+                "strata_router_decisions", "Routing decisions", ("strategy", "reason"), registry=reg
+            ),
+            decision_seconds=Histogram(
+                "strata_router_decision_seconds",
+                "Time to pick a worker incl. the lookup",
+                buckets=_DECISION_BUCKETS,
+                registry=reg,
+            ),
+            all_busy=Counter(
+                "strata_router_all_busy",
+                "Decisions taken with every worker above busy_threshold",
+                registry=reg,
+            ),
+            request_blocks=Counter(
+                "strata_router_request_blocks", "Full blocks of routed requests", registry=reg
+            ),
+            reusable_blocks=Counter(
+                "strata_router_reusable_blocks",
+                "Leading blocks the chosen worker held in some tier (predicted hits)",
+                registry=reg,
+            ),
+            index_stale=Gauge(
+                "strata_router_index_stale",
+                "1 while requests flow and the KV index has applied no event for stale_after_s",
+                registry=reg,
+            ),
+            worker_active_blocks=Gauge(
+                "strata_router_worker_active_blocks",
+                "KV blocks in use per worker (max of report and router's count)",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_in_flight=Gauge(
+                "strata_router_worker_in_flight",
+                "Requests running or queued per worker",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_info=Gauge(
+                "strata_worker_info",
+                "1 per worker in the router; its hardware as labels",
+                _INFO_LABELS,
+                registry=reg,
+            ),
+            worker_prefill_tok_s=Gauge(
+                "strata_worker_prefill_tokens_per_second",
+                "Prefill speed the router uses per worker (calibrated, then measured)",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_decode_tok_s=Gauge(
+                "strata_worker_decode_tokens_per_second",
+                "Decode speed per request the router uses per worker (calibrated, then measured)",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_kv_capacity_bytes=Gauge(
+                "strata_worker_kv_capacity_bytes", "KV pool of each worker, bytes", ("worker",), registry=reg
+            ),
+            migrations=Counter(
+                "strata_router_migrations",
+                "Requests resumed on another worker after `worker` died or left mid-request",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_messages_rejected=Counter(
+                "strata_worker_messages_rejected",
+                "Frames on a worker's link that were not messages (each drops the worker)",
+                ("worker",),
+                registry=reg,
+            ),
         )
 
     def show_worker(self, model: str, worker: str, hardware: HardwareInfo | None) -> None:
         """Export a worker's description (replacing an earlier one under the same id)."""
         self.hide_worker(worker)
         hw = hardware
-        labels = (model, worker, hw.host, hw.device, hw.device_name, str(hw.cpu_cores), str(hw.torch_threads)) \
-            if hw else (model, worker, "", "", "", "", "")
+        labels = (
+            (model, worker, hw.host, hw.device, hw.device_name, str(hw.cpu_cores), str(hw.torch_threads))
+            if hw
+            else (model, worker, "", "", "", "", "")
+        )
         self._info_labels[worker] = labels
         self.worker_info.labels(*labels).set(1)
         self.worker_kv_capacity_bytes.labels(worker).set(hw.kv_capacity_bytes if hw else 0)

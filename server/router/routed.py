@@ -148,8 +148,15 @@ class _InFlight:
 class RoutedEngine:
     """Implements `server.engine.api.Engine` over the workers, and `WorkerListener` for each of them."""
 
-    def __init__(self, workers: Sequence[RoutableWorker], router: Router, block_size: int | None,
-                 salt: BlockHash | None, model_name: str | None = None, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        workers: Sequence[RoutableWorker],
+        router: Router,
+        block_size: int | None,
+        salt: BlockHash | None,
+        model_name: str | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         """`block_size`/`salt` None: the first worker's (remote-only models); `model_name` and `max_model_len`
         default to the first worker's, and are required without one."""
         if not workers and (model_name is None or max_model_len is None):
@@ -178,7 +185,10 @@ class RoutedEngine:
             if problem is not None:
                 raise ValueError(f"worker {worker.worker_id}: {problem}")
             if self.block_size is None:  # the first worker of a remote-only model
-                self.block_size, self.salt = info.block_size, BlockHash(info.salt) if info.salt is not None else None
+                self.block_size, self.salt = (
+                    info.block_size,
+                    BlockHash(info.salt) if info.salt is not None else None,
+                )
             meter = self._meters.setdefault(speed_class(worker.worker_id, info), SpeedMeter())
             meter.seed(info.speeds)
             self._speeds[worker.worker_id] = meter
@@ -195,8 +205,10 @@ class RoutedEngine:
         if model_name != self.model_name:
             return f"serves {model_name!r}, not {self.model_name!r}"
         if self.block_size is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
-            return (f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
-                    f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json")
+            return (
+                f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
+                f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json"
+            )
         return None
 
     def has_live_worker(self, worker_id: WorkerId) -> bool:
@@ -211,12 +223,17 @@ class RoutedEngine:
     @property
     def max_tokens_limit(self) -> int:
         """The smallest of the live workers' (the configured context while none is live)."""
-        return min((w.max_tokens_limit for w in self._workers.values() if w.alive), default=self._max_model_len)
+        return min(
+            (w.max_tokens_limit for w in self._workers.values() if w.alive), default=self._max_model_len
+        )
 
     @property
     def block_layout(self) -> KVBlockLayout | None:
-        return KVBlockLayout(self.block_size, self.salt) if self.block_size is not None and self.salt is not None \
+        return (
+            KVBlockLayout(self.block_size, self.salt)
+            if self.block_size is not None and self.salt is not None
             else None
+        )
 
     def stats(self) -> PoolStats:
         """The live workers' last reports, summed."""
@@ -249,7 +266,9 @@ class RoutedEngine:
             for flight in self._in_flight.values():
                 if flight.worker_id == decision.worker_id:
                     flight.alone = alone = False
-            self._in_flight[request.request_id] = _InFlight(request, decision.worker_id, time.monotonic(), alone)
+            self._in_flight[request.request_id] = _InFlight(
+                request, decision.worker_id, time.monotonic(), alone
+            )
         try:
             worker.submit(request, self._sink(request.request_id, sink))
         except BaseException:
@@ -259,7 +278,9 @@ class RoutedEngine:
     def _block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
         """The prompt's full-block hashes as the worker's engine computes them, from the request's own root (its
         cache salt), so a salted prefix is found only where that salt stored it."""
-        return block_hashes(request.prompt_token_ids, self.block_size, request_salt(self.salt, request.cache_salt))
+        return block_hashes(
+            request.prompt_token_ids, self.block_size, request_salt(self.salt, request.cache_salt)
+        )
 
     def abort(self, request_id: RequestId) -> None:
         with self._lock:
@@ -322,18 +343,30 @@ class RoutedEngine:
         aborted, has used its migrations, or no worker takes it."""
         request = flight.request
         done = len(flight.output_ids)
-        if flight.aborted or flight.migrations >= self.router.config.migration_limit or done >= request.sampling.max_tokens:
+        if (
+            flight.aborted
+            or flight.migrations >= self.router.config.migration_limit
+            or done >= request.sampling.max_tokens
+        ):
             return False
-        sampling = msgspec.structs.replace(request.sampling, max_tokens=request.sampling.max_tokens - done,
-                                           min_tokens=max(0, request.sampling.min_tokens - done))
-        continuation = msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids + flight.output_ids,
-                                               sampling=sampling)  # same id and cache salt
+        sampling = msgspec.structs.replace(
+            request.sampling,
+            max_tokens=request.sampling.max_tokens - done,
+            min_tokens=max(0, request.sampling.min_tokens - done),
+        )
+        continuation = msgspec.structs.replace(
+            request, prompt_token_ids=request.prompt_token_ids + flight.output_ids, sampling=sampling
+        )  # same id and cache salt
         dead = flight.worker_id
         self.router.release(request.request_id)
         try:
             decision = self.router.route(request.request_id, self._block_hashes(continuation))
             # set before submit: the new worker's first output may arrive before submit returns
-            flight.worker_id, flight.alone, flight.migrations = decision.worker_id, False, flight.migrations + 1
+            flight.worker_id, flight.alone, flight.migrations = (
+                decision.worker_id,
+                False,
+                flight.migrations + 1,
+            )
             try:
                 self._workers[decision.worker_id].submit(continuation, sink)
             except Exception:
@@ -343,8 +376,14 @@ class RoutedEngine:
             logger.warning("request %s could not be migrated from %s: %s", request.request_id, dead, exc)
             return False
         self.router.metrics.migrations.labels(dead).inc()
-        logger.warning("request %s migrated from %s to %s after %d tokens (%s)", request.request_id, dead,
-                       decision.worker_id, done, failed.error)
+        logger.warning(
+            "request %s migrated from %s to %s after %d tokens (%s)",
+            request.request_id,
+            dead,
+            decision.worker_id,
+            done,
+            failed.error,
+        )
         return True
 
     def _first_token(self, request_id: RequestId, output: GenerationOutput) -> None:
@@ -355,17 +394,25 @@ class RoutedEngine:
             flight.first_token_at = time.monotonic()
             self.router.prefill_done(request_id)
             if flight.alone:
-                self._speeds[flight.worker_id].add_prefill(output.num_prompt_tokens - output.num_cached_tokens,
-                                                           flight.first_token_at - flight.submitted_at)
+                self._speeds[flight.worker_id].add_prefill(
+                    output.num_prompt_tokens - output.num_cached_tokens,
+                    flight.first_token_at - flight.submitted_at,
+                )
 
     def _finish(self, request_id: RequestId, output: GenerationOutput | None = None) -> None:
         if output is not None and output.finish_reason in ("stop", "length"):
             self._first_token(request_id, output)
         with self._lock:
             flight = self._in_flight.pop(request_id, None)
-            if flight is not None and output is not None and flight.first_token_at is not None and flight.alone:
-                self._speeds[flight.worker_id].add_decode(output.num_output_tokens - 1,
-                                                          time.monotonic() - flight.first_token_at)
+            if (
+                flight is not None
+                and output is not None
+                and flight.first_token_at is not None
+                and flight.alone
+            ):
+                self._speeds[flight.worker_id].add_decode(
+                    output.num_output_tokens - 1, time.monotonic() - flight.first_token_at
+                )
         self.router.release(request_id)
 
     @property
@@ -385,10 +432,14 @@ class RoutedEngine:
         pool = worker.stats()
         speed = self._speeds[worker.worker_id]
         self.router.metrics.show_speeds(worker.worker_id, speed.prefill_tok_s, speed.decode_tok_s)
-        return WorkerStats(worker.worker_id, kv_capacity_blocks=pool.num_blocks,
-                           active_blocks=pool.num_blocks - pool.num_free_blocks,
-                           in_flight=pool.num_running + pool.num_waiting,
-                           prefill_tok_s=speed.prefill_tok_s, decode_tok_s=speed.decode_tok_s)
+        return WorkerStats(
+            worker.worker_id,
+            kv_capacity_blocks=pool.num_blocks,
+            active_blocks=pool.num_blocks - pool.num_free_blocks,
+            in_flight=pool.num_running + pool.num_waiting,
+            prefill_tok_s=speed.prefill_tok_s,
+            decode_tok_s=speed.decode_tok_s,
+        )
 
 
 def _smooth(previous: float, sample: float, alpha: float) -> float:

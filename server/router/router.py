@@ -61,8 +61,13 @@ class _Routed:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, lookup: OverlapLookup | None = None,
-                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        lookup: OverlapLookup | None = None,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if config.strategy == "kv-aware" and lookup is None:
             raise ValueError("router: kv-aware routing needs an overlap lookup (the KVBM index)")
         self.config = config
@@ -97,7 +102,9 @@ class Router:
         with self._lock:
             if self._workers.pop(worker_id, None) is None:
                 return
-            self._routed = {rid: routed for rid, routed in self._routed.items() if routed.worker_id != worker_id}
+            self._routed = {
+                rid: routed for rid, routed in self._routed.items() if routed.worker_id != worker_id
+            }
             self._refresh_speeds()
             self.metrics.worker_active_blocks.remove(worker_id)
             self.metrics.worker_in_flight.remove(worker_id)
@@ -106,8 +113,9 @@ class Router:
         """Pick a worker for a request and count its blocks there until `release(request_id)` (and its prefill
         work until `prefill_done(request_id)` or release)."""
         started = time.perf_counter()
-        report, events, failure = self._query(block_hashes) if self.config.strategy == "kv-aware" \
-            else (None, 0, None)
+        report, events, failure = (
+            self._query(block_hashes) if self.config.strategy == "kv-aware" else (None, 0, None)
+        )
         with self._lock:
             if not self._workers:
                 raise NoWorkerError("no worker is registered with the router")
@@ -122,28 +130,50 @@ class Router:
             else:
                 strategy = self.config.fallback if failure else self.config.strategy
                 worker, reason = self._pick_simple(strategy, candidates), failure or "configured"
-            decision = self._record(request_id, worker, strategy, reason, block_hashes,
-                                    prefixes.get(worker.stats.worker_id), report.g4 if report is not None else 0)
+            decision = self._record(
+                request_id,
+                worker,
+                strategy,
+                reason,
+                block_hashes,
+                prefixes.get(worker.stats.worker_id),
+                report.g4 if report is not None else 0,
+            )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if logger.isEnabledFor(logging.DEBUG):
             self._log_decision(request_id, decision, prefixes, report.g4 if report is not None else 0)
         return decision
 
-    def _log_decision(self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix],
-                      g4: int) -> None:
+    def _log_decision(
+        self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix], g4: int
+    ) -> None:
         """One line per decision: each worker's reusable prefix, load (this request already counted on its
         worker), relative speeds, and whether it was skipped as busy. Read by bench/routing.py replay-serve
         --keep-logs to tell where cache hits were lost."""
         with self._lock:
-            others = {worker_id: (reusable_blocks(prefixes.get(worker_id), g4), load.active_blocks,
-                                  load.stats.active_blocks, round(load.pending_prefill, 1),
-                                  round(load.prefill_speed, 2), round(load.decode_speed, 2),
-                                  load.is_busy(self.config.busy_threshold))
-                      for worker_id, load in self._workers.items()}
-        logger.debug("route %s -> %s (%s/%s, %d of %d blocks reusable); workers (reusable, active, KV in use, "
-                     "pending, prefill speed, decode speed, busy): %s",
-                     request_id, decision.worker_id, decision.strategy, decision.reason, decision.reusable_blocks,
-                     decision.num_blocks, others)
+            others = {
+                worker_id: (
+                    reusable_blocks(prefixes.get(worker_id), g4),
+                    load.active_blocks,
+                    load.stats.active_blocks,
+                    round(load.pending_prefill, 1),
+                    round(load.prefill_speed, 2),
+                    round(load.decode_speed, 2),
+                    load.is_busy(self.config.busy_threshold),
+                )
+                for worker_id, load in self._workers.items()
+            }
+        logger.debug(
+            "route %s -> %s (%s/%s, %d of %d blocks reusable); workers (reusable, active, KV in use, "
+            "pending, prefill speed, decode speed, busy): %s",
+            request_id,
+            decision.worker_id,
+            decision.strategy,
+            decision.reason,
+            decision.reusable_blocks,
+            decision.num_blocks,
+            others,
+        )
 
     def prefill_done(self, request_id: str) -> None:
         """The request produced its first token: its prefill no longer queues ahead of new requests."""
@@ -182,14 +212,23 @@ class Router:
             report = self._lookup.query(block_hashes)  # type: ignore[union-attr]
             events = self._lookup.events_applied  # type: ignore[union-attr]
         except Exception:
-            logger.warning("KV index lookup failed; using %s for %.1f s", self.config.fallback,
-                           self.config.lookup_cooldown_s, exc_info=True)
+            logger.warning(
+                "KV index lookup failed; using %s for %.1f s",
+                self.config.fallback,
+                self.config.lookup_cooldown_s,
+                exc_info=True,
+            )
             self._lookup_paused_until = now + self.config.lookup_cooldown_s
             return None, 0, "lookup_error"
         elapsed = self._clock() - now
         if elapsed > self.config.lookup_budget_s:
-            logger.warning("KV index lookup took %.1f ms (budget %.1f ms); using %s for %.1f s", elapsed * 1e3,
-                           self.config.lookup_budget_s * 1e3, self.config.fallback, self.config.lookup_cooldown_s)
+            logger.warning(
+                "KV index lookup took %.1f ms (budget %.1f ms); using %s for %.1f s",
+                elapsed * 1e3,
+                self.config.lookup_budget_s * 1e3,
+                self.config.fallback,
+                self.config.lookup_cooldown_s,
+            )
             self._lookup_paused_until = now + self.config.lookup_cooldown_s
             return None, 0, "lookup_timeout"
         return report, events, None
@@ -201,8 +240,9 @@ class Router:
             self.metrics.all_busy.inc()
         return free or loads
 
-    def _prefixes(self, candidates: list[WorkerLoad], report: PrefixReport, block_hashes: Sequence[BlockHash]
-                  ) -> dict[str, WorkerPrefix]:
+    def _prefixes(
+        self, candidates: list[WorkerLoad], report: PrefixReport, block_hashes: Sequence[BlockHash]
+    ) -> dict[str, WorkerPrefix]:
         """The index's prefixes per worker, raised to the blocks of its in-flight requests (count_in_flight)."""
         prefixes = report.workers
         if not self.config.count_in_flight:
@@ -212,14 +252,20 @@ class Router:
             held = load.in_flight_prefix(block_hashes)
             known = prefixes.get(load.stats.worker_id)
             if held and (known is None or known.g1 < held):
-                raised[load.stats.worker_id] = WorkerPrefix(held, max(held, known.g2), max(held, known.g3)) \
-                    if known is not None else WorkerPrefix(held, held, held)
+                raised[load.stats.worker_id] = (
+                    WorkerPrefix(held, max(held, known.g2), max(held, known.g3))
+                    if known is not None
+                    else WorkerPrefix(held, held, held)
+                )
         return raised
 
-    def _pick_kv_aware(self, candidates: list[WorkerLoad], prefixes: dict[str, WorkerPrefix], g4: int,
-                       num_blocks: int) -> tuple[WorkerLoad, str]:
-        costs = [worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), g4, self.config)
-                 for load in candidates]
+    def _pick_kv_aware(
+        self, candidates: list[WorkerLoad], prefixes: dict[str, WorkerPrefix], g4: int, num_blocks: int
+    ) -> tuple[WorkerLoad, str]:
+        costs = [
+            worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), g4, self.config)
+            for load in candidates
+        ]
         if self.config.temperature > 0:
             chosen = candidates[self._sample(costs)]
         else:
@@ -251,13 +297,23 @@ class Router:
         weights = [math.exp(-(cost - low) / span / self.config.temperature) for cost in costs]
         return self._rng.choices(range(len(costs)), weights=weights)[0]
 
-    def _record(self, request_id: str, worker: WorkerLoad, strategy: Strategy, reason: str,
-                block_hashes: Sequence[BlockHash], prefix: WorkerPrefix | None, g4: int) -> RouteDecision:
+    def _record(
+        self,
+        request_id: str,
+        worker: WorkerLoad,
+        strategy: Strategy,
+        reason: str,
+        block_hashes: Sequence[BlockHash],
+        prefix: WorkerPrefix | None,
+        g4: int,
+    ) -> RouteDecision:
         worker_id = worker.stats.worker_id
         num_blocks = len(block_hashes)
         reusable = reusable_blocks(prefix, g4)
         prefill = blocks_to_prefill(num_blocks, prefix, g4, self.config)
-        held = tuple(block_hashes) if self.config.count_in_flight and self.config.strategy == "kv-aware" else ()
+        held = (
+            tuple(block_hashes) if self.config.count_in_flight and self.config.strategy == "kv-aware" else ()
+        )
         # +1 block: the partial last block and decode growth
         self._routed[request_id] = _Routed(worker_id, num_blocks + 1, prefill, held)
         worker.hold(held)

@@ -41,8 +41,10 @@ class StalenessCheck:
         self.stale = stale
         self._gauge.set(int(stale))
         if stale:
-            logger.warning("KV index is stale: no block event for %.0f s while requests kept coming; cache "
-                           "locality of routing decisions is out of date (are workers publishing KV events?)",
-                           self.stale_after_s)
+            logger.warning(
+                "KV index is stale: no block event for %.0f s while requests kept coming; cache "
+                "locality of routing decisions is out of date (are workers publishing KV events?)",
+                self.stale_after_s,
+            )
         else:
             logger.info("KV index is receiving events again")

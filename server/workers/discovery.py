@@ -96,8 +96,13 @@ class Discovery:
         try:
             remote = self._connect(record, self.directory.server_id)
         except WorkerDied as exc:
-            log.warning("%s: could not attach worker %s at %s: %s", self.directory.model, worker_id,
-                        record.address.to_worker, exc)
+            log.warning(
+                "%s: could not attach worker %s at %s: %s",
+                self.directory.model,
+                worker_id,
+                record.address.to_worker,
+                exc,
+            )
             self.directory.release(worker_id)
             return
         self._remotes[worker_id] = remote

@@ -26,7 +26,9 @@ from server.engine.api import GenerationOutput, GenerationRequest, LocalEngine, 
 CALIBRATION_PROMPT_TOKENS = 128  # prefill tokens in total (summed over the short prompts)
 CALIBRATION_OUTPUT_TOKENS = 4  # per prompt: the first comes from prefill, the rest from decode steps
 _CALIBRATION_TIMEOUT_S = 30.0
-CALIBRATION_LOCK = Path(tempfile.gettempdir()) / "strata-calibration.lock"  # one calibration at a time per host
+CALIBRATION_LOCK = (
+    Path(tempfile.gettempdir()) / "strata-calibration.lock"
+)  # one calibration at a time per host
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +64,18 @@ def describe_hardware(engine: LocalEngine) -> HardwareInfo:
     cpu = _cpu_model()
     on_gpu = device.startswith("cuda") and torch.cuda.is_available()
     return HardwareInfo(
-        host=socket.gethostname(), device=device,
+        host=socket.gethostname(),
+        device=device,
         device_name=torch.cuda.get_device_name(torch.device(device)) if on_gpu else cpu,
-        cpu_model=cpu, cpu_cores=os.cpu_count() or 0,
+        cpu_model=cpu,
+        cpu_cores=os.cpu_count() or 0,
         torch_threads=resources.num_threads,
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        device_memory_bytes=torch.cuda.get_device_properties(torch.device(device)).total_memory if on_gpu else 0,
-        kv_capacity_blocks=resources.kv_capacity_blocks, kv_capacity_bytes=resources.kv_capacity_bytes,
+        device_memory_bytes=torch.cuda.get_device_properties(torch.device(device)).total_memory
+        if on_gpu
+        else 0,
+        kv_capacity_blocks=resources.kv_capacity_blocks,
+        kv_capacity_bytes=resources.kv_capacity_bytes,
     )
 
 
@@ -102,12 +109,15 @@ def _calibrate(engine: LocalEngine) -> Speeds:
     prefill_s = max(first_at.values()) - started
     decode_s = sum(finished[rid][0] - first_at[rid] for rid in finished) / count
     decoded = sum(finished[rid][1] - 1 for rid in finished) / count
-    return Speeds(prefill_tok_s=count * prompt_len / prefill_s if prefill_s > 0 else 0.0,
-                  decode_tok_s=decoded / decode_s if decode_s > 0 and decoded > 0 else 0.0)
+    return Speeds(
+        prefill_tok_s=count * prompt_len / prefill_s if prefill_s > 0 else 0.0,
+        decode_tok_s=decoded / decode_s if decode_s > 0 and decoded > 0 else 0.0,
+    )
 
 
-def _collect(outputs: queue.SimpleQueue[GenerationOutput], count: int
-             ) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
+def _collect(
+    outputs: queue.SimpleQueue[GenerationOutput], count: int
+) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
     """When each request produced its first token, and when it finished with how many output tokens."""
     first_at: dict[str, float] = {}
     finished: dict[str, tuple[float, int]] = {}

@@ -66,9 +66,13 @@ class WorkerInfo:
     def summary(self) -> str:
         """One log line: where it runs and how fast it measured."""
         hw = self.hardware
-        where = f"{hw.host} {hw.device} ({hw.device_name}), {hw.cpu_cores} cores, {hw.torch_threads} threads, " \
-            f"{hw.memory_bytes / 2**30:.1f} GiB, KV {hw.kv_capacity_blocks} blocks / " \
-            f"{hw.kv_capacity_bytes / 2**20:.0f} MiB" if hw else "unknown hardware"
+        where = (
+            f"{hw.host} {hw.device} ({hw.device_name}), {hw.cpu_cores} cores, {hw.torch_threads} threads, "
+            f"{hw.memory_bytes / 2**30:.1f} GiB, KV {hw.kv_capacity_blocks} blocks / "
+            f"{hw.kv_capacity_bytes / 2**20:.0f} MiB"
+            if hw
+            else "unknown hardware"
+        )
         return f"{where}; prefill {self.speeds.prefill_tok_s:.0f} tok/s, decode {self.speeds.decode_tok_s:.1f} tok/s"
 
 
@@ -189,7 +193,9 @@ class Codec:
         """Raises BadMessage for a message over the size limit (the receiver would refuse it)."""
         frame = self._encoder.encode(message)
         if len(frame) > self.max_message_bytes:
-            raise BadMessage(f"{type(message).__name__} of {len(frame)} bytes is over {self.max_message_bytes}")
+            raise BadMessage(
+                f"{type(message).__name__} of {len(frame)} bytes is over {self.max_message_bytes}"
+            )
         return frame
 
     def decode(self, frame: bytes) -> Message:

@@ -99,7 +99,9 @@ class Registration:
         self.record = record
         self.model = record.info.model_name
         self.lease_ms = int(lease_s * 1000)
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # tells this process's lease from a predecessor's
+        self._token = (
+            f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # tells this process's lease from a predecessor's
+        )
         self._link = RedisLink(redis_url)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._lease_loop, name="worker-lease", daemon=True)
@@ -108,13 +110,21 @@ class Registration:
         """Take the lease (waiting out a dead predecessor's), publish the record, announce "join".
         Raises redis.RedisError if Redis is unreachable, WorkerIdTaken if a live worker has this id."""
         client, worker_id = self._link.client, self.record.worker_id
-        if not client.set(registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
+        if not client.set(
+            registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms
+        ):
             remaining_ms = client.pttl(registration_lease_key(self.model, worker_id))
-            log.info("worker id %s still leased (%d ms left): waiting for it to expire", worker_id, remaining_ms)
+            log.info(
+                "worker id %s still leased (%d ms left): waiting for it to expire", worker_id, remaining_ms
+            )
             self._stop.wait(max(remaining_ms, 0) / 1000 + 0.05)
-            if not client.set(registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms):
-                raise WorkerIdTaken(f"worker id {worker_id!r} is in use by a live worker of {self.model}; "
-                                    "choose another with --worker-id")
+            if not client.set(
+                registration_lease_key(self.model, worker_id), self._token, nx=True, px=self.lease_ms
+            ):
+                raise WorkerIdTaken(
+                    f"worker id {worker_id!r} is in use by a live worker of {self.model}; "
+                    "choose another with --worker-id"
+                )
         client.hset(registrations_key(self.model), worker_id, self.record.to_json())
         self.announce("join")
         self._thread.start()
@@ -123,8 +133,12 @@ class Registration:
         self._link.call(lambda r: self._announce(r, event, reason), None)
 
     def _announce(self, client: redis.Redis | redis.client.Pipeline, event: str, reason: str) -> None:
-        client.xadd(events_key(self.model), {"event": event, "worker": self.record.worker_id, "reason": reason},
-                    maxlen=STREAM_MAXLEN, approximate=True)
+        client.xadd(
+            events_key(self.model),
+            {"event": event, "worker": self.record.worker_id, "reason": reason},
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
 
     def release_claim(self, server_id: str) -> None:
         """The server `server_id` let go (or went silent): free the worker for the next server at once."""
@@ -161,7 +175,9 @@ class Registration:
 
     def _renew(self, client: redis.Redis) -> bool:
         """Refresh the lease; True if it had lapsed (the record, maybe removed meanwhile, is written again)."""
-        previous = client.set(registration_lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True)
+        previous = client.set(
+            registration_lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True
+        )
         if previous is None:
             client.hset(registrations_key(self.model), self.record.worker_id, self.record.to_json())
         return previous is None
@@ -188,15 +204,20 @@ class Directory:
         found = self._link.call(lambda r: r.xread({events_key(self.model): after}, block=block_ms), None)
         if found is None:
             return None
-        return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
-                for _, entries in found for entry_id, fields in entries]
+        return [
+            (entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+            for _, entries in found
+            for entry_id, fields in entries
+        ]
 
     def live_records(self) -> list[WorkerRecord] | None:
         """Registered workers whose lease is alive, or None if Redis is unreachable; registrations whose lease
         is gone are removed (with a "leave" event)."""
         raw = self._link.call(lambda r: r.hgetall(registrations_key(self.model)), None)
         ids = [worker_id.decode() for worker_id in raw or {}]
-        alive = self._link.call(lambda r: _exist(r, [registration_lease_key(self.model, w) for w in ids]), None)
+        alive = self._link.call(
+            lambda r: _exist(r, [registration_lease_key(self.model, w) for w in ids]), None
+        )
         if raw is None or alive is None:
             return None
         records = []
@@ -245,8 +266,14 @@ class Directory:
         self._link.close()
 
     def _remove_expired(self, worker_id: str) -> None:
-        keys = [registrations_key(self.model), registration_lease_key(self.model, worker_id), events_key(self.model)]
-        removed = self._link.call(lambda r: r.eval(_REMOVE_EXPIRED, len(keys), *keys, worker_id, STREAM_MAXLEN), 0)
+        keys = [
+            registrations_key(self.model),
+            registration_lease_key(self.model, worker_id),
+            events_key(self.model),
+        ]
+        removed = self._link.call(
+            lambda r: r.eval(_REMOVE_EXPIRED, len(keys), *keys, worker_id, STREAM_MAXLEN), 0
+        )
         if removed:
             log.warning("%s: worker %s's lease expired; registration removed", self.model, worker_id)
 

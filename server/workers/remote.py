@@ -92,17 +92,29 @@ class WorkerListener(Protocol):
 class RemoteEngine:
     """Implements `server.engine.api.Engine` over one worker."""
 
-    def __init__(self, worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,
-                 info: WorkerInfo, heartbeat_timeout_s: float, call_timeout_s: float,
-                 event_sink: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: WorkerId,
+        process: multiprocessing.process.BaseProcess | None,
+        channel: Channel,
+        info: WorkerInfo,
+        heartbeat_timeout_s: float,
+        call_timeout_s: float,
+        event_sink: EventSink | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.info = info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
-        self.block_layout = KVBlockLayout(info.block_size, info.salt) \
-            if info.block_size is not None and info.salt is not None else None
+        self.block_layout = (
+            KVBlockLayout(info.block_size, info.salt)
+            if info.block_size is not None and info.salt is not None
+            else None
+        )
         self.messages_rejected = 0  # frames on the link that were not messages (each one drops the worker)
-        self._stats = PoolStats(0, 0, 0, 0, 0, 0)  # the worker's last report (zeros until its first heartbeat)
+        self._stats = PoolStats(
+            0, 0, 0, 0, 0, 0
+        )  # the worker's last report (zeros until its first heartbeat)
         self._process = process
         self._channel = channel
         self._event_sink = event_sink
@@ -116,36 +128,57 @@ class RemoteEngine:
         self._last_heard = time.monotonic()
         self._dead: str | None = None
         self._closing = False  # the server is stopping this worker: its requests end, nothing is resumed
-        self._leaving = False  # the worker said bye (orderly): not logged as a failure, its requests resumable
+        self._leaving = (
+            False  # the worker said bye (orderly): not logged as a failure, its requests resumable
+        )
         self._receiver = threading.Thread(target=self._receive_loop, name=f"remote-{worker_id}", daemon=True)
         self._receiver.start()
 
     @classmethod
-    def spawn(cls, worker_id: WorkerId, spec: WorkerSpec, start_timeout_s: float = 300.0,
-              heartbeat_timeout_s: float = 5.0, call_timeout_s: float = 60.0,
-              event_sink: EventSink | None = None) -> RemoteEngine:
+    def spawn(
+        cls,
+        worker_id: WorkerId,
+        spec: WorkerSpec,
+        start_timeout_s: float = 300.0,
+        heartbeat_timeout_s: float = 5.0,
+        call_timeout_s: float = 60.0,
+        event_sink: EventSink | None = None,
+    ) -> RemoteEngine:
         """Start a worker process (spawn) and wait until its engine is built; its forwarded KVBM events (see
         `WorkerSpec.forward_events`) go to `event_sink` (the router's index in embedded mode)."""
         spec = dataclasses.replace(spec, worker_id=worker_id)
         address = ChannelAddress.fresh()
         channel = Channel(address, server_side=True)
         process = multiprocessing.get_context("spawn").Process(
-            target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True)
+            target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True
+        )
         process.start()
         try:
-            info = _wait_for_hello(worker_id, process, channel, time.monotonic() + start_timeout_s, event_sink)
+            info = _wait_for_hello(
+                worker_id, process, channel, time.monotonic() + start_timeout_s, event_sink
+            )
         except WorkerDied:
             process.kill()
             process.join(10)
             channel.close()
             raise
-        logger.info("worker %s up: pid %d, model %s; %s", worker_id, info.pid, info.model_name, info.summary())
+        logger.info(
+            "worker %s up: pid %d, model %s; %s", worker_id, info.pid, info.model_name, info.summary()
+        )
         return cls(worker_id, process, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @classmethod
-    def connect(cls, worker_id: WorkerId, address: ChannelAddress, server_id: str, curve: CurveKeys,
-                start_timeout_s: float = 10.0, heartbeat_timeout_s: float = 3.0, call_timeout_s: float = 60.0,
-                event_sink: EventSink | None = None) -> RemoteEngine:
+    def connect(
+        cls,
+        worker_id: WorkerId,
+        address: ChannelAddress,
+        server_id: str,
+        curve: CurveKeys,
+        start_timeout_s: float = 10.0,
+        heartbeat_timeout_s: float = 3.0,
+        call_timeout_s: float = 60.0,
+        event_sink: EventSink | None = None,
+    ) -> RemoteEngine:
         """Attach to a worker that bound `address` (a `strata worker` on any host) and wait for its hello. The
         caller holds the worker's claim: a bound worker must have one server at a time (see transport.py).
         `curve`: keys from the cluster secret; with another secret than the worker's no hello ever comes."""
@@ -155,10 +188,17 @@ class RemoteEngine:
             info = _wait_for_hello(worker_id, None, channel, time.monotonic() + start_timeout_s, event_sink)
         except WorkerDied as exc:
             channel.close()
-            raise WorkerDied(f"{exc} (unreachable at {address.to_worker}, or it holds another cluster secret)") \
-                from None
-        logger.info("remote worker %s joined: %s pid %d, model %s; %s", worker_id, address.to_worker, info.pid,
-                    info.model_name, info.summary())
+            raise WorkerDied(
+                f"{exc} (unreachable at {address.to_worker}, or it holds another cluster secret)"
+            ) from None
+        logger.info(
+            "remote worker %s joined: %s pid %d, model %s; %s",
+            worker_id,
+            address.to_worker,
+            info.pid,
+            info.model_name,
+            info.summary(),
+        )
         return cls(worker_id, None, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @property
@@ -230,7 +270,9 @@ class RemoteEngine:
     def _tokens(self, call: Encode | ApplyChatTemplate) -> list[int]:
         answer = self._call(call)
         if not isinstance(answer, TokenIds):
-            raise RuntimeError(f"worker {self.worker_id} answered {type(call).__name__} with {type(answer).__name__}")
+            raise RuntimeError(
+                f"worker {self.worker_id} answered {type(call).__name__} with {type(answer).__name__}"
+            )
         return answer.token_ids
 
     def _call(self, call: Call) -> Accepted | TokenIds:
@@ -283,8 +325,11 @@ class RemoteEngine:
     def _reject(self, error: BadMessage) -> None:
         """A frame that is not a message: whoever sent it, this link can no longer be trusted."""
         self.messages_rejected += 1
-        logger.error("worker %s's link carried a frame that is not a message (%s); dropping the worker",
-                     self.worker_id, error)
+        logger.error(
+            "worker %s's link carried a frame that is not a message (%s); dropping the worker",
+            self.worker_id,
+            error,
+        )
         for listener in self._listeners:
             listener.on_rejected(self)
         self.kill()
@@ -292,7 +337,9 @@ class RemoteEngine:
 
     def _deliver(self, output: GenerationOutput) -> None:
         with self._lock:
-            sink = self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            sink = (
+                self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+            )
         if sink is not None:
             sink(output)
 
@@ -330,12 +377,26 @@ class RemoteEngine:
         for future in calls.values():
             future.set_exception(WorkerDied(f"worker {self.worker_id} died: {reason}"))
         for request_id, sink in sinks.items():
-            sink(GenerationOutput(request_id, [], "", finished=True, finish_reason="error",
-                                  error=f"worker {self.worker_id} died: {reason}", retryable=not self._closing))
+            sink(
+                GenerationOutput(
+                    request_id,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="error",
+                    error=f"worker {self.worker_id} died: {reason}",
+                    retryable=not self._closing,
+                )
+            )
 
 
-def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BaseProcess | None, channel: Channel,
-                    deadline: float, event_sink: EventSink | None) -> WorkerInfo:
+def _wait_for_hello(
+    worker_id: WorkerId,
+    process: multiprocessing.process.BaseProcess | None,
+    channel: Channel,
+    deadline: float,
+    event_sink: EventSink | None,
+) -> WorkerInfo:
     """The worker's hello; KVBM events it publishes while building its engine go to `event_sink` meanwhile."""
     while True:
         try:
@@ -343,9 +404,13 @@ def _wait_for_hello(worker_id: WorkerId, process: multiprocessing.process.BasePr
             if message is None and process is not None and not process.is_alive():
                 message = channel.recv(timeout_s=_TICK_S)  # what it sent just before exiting, if anything
                 if message is None:
-                    raise WorkerDied(f"worker {worker_id} exited while starting (exit code {process.exitcode})")
+                    raise WorkerDied(
+                        f"worker {worker_id} exited while starting (exit code {process.exitcode})"
+                    )
         except BadMessage as exc:
-            raise WorkerDied(f"worker {worker_id}'s link carried a frame that is not a message: {exc}") from None
+            raise WorkerDied(
+                f"worker {worker_id}'s link carried a frame that is not a message: {exc}"
+            ) from None
         if message is None and time.monotonic() > deadline:
             raise WorkerDied(f"worker {worker_id} did not start in time")
         if isinstance(message, Hello):

@@ -73,8 +73,14 @@ class RemoteWorkerOptions:
 class RemoteWorker:
     """Owns the engine's link to its servers; `run` returns after `stop` is set (e.g. by a signal)."""
 
-    def __init__(self, engine: LocalEngine, info: WorkerInfo, options: RemoteWorkerOptions,
-                 events: ChannelEvents | None = None, on_attach: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LocalEngine,
+        info: WorkerInfo,
+        options: RemoteWorkerOptions,
+        events: ChannelEvents | None = None,
+        on_attach: Callable[[], None] | None = None,
+    ) -> None:
         """`events`: the engine's KVBM sink when block events go to the attached server's index; `on_attach`
         then asks the KVBM agent to announce what it holds, for the new server's index."""
         self.engine = engine
@@ -84,8 +90,9 @@ class RemoteWorker:
         self.messages_rejected = 0  # frames that were not messages (each one dropped its sender's connection)
         self._events = events
         self._on_attach = on_attach
-        self._channel = Channel(ChannelAddress.tcp(options.host, options.port), server_side=False,
-                                curve=options.curve)
+        self._channel = Channel(
+            ChannelAddress.tcp(options.host, options.port), server_side=False, curve=options.curve
+        )
         self.address = self._channel.address  # wildcard ports resolved: the same ports for every session
         record = WorkerRecord(options.worker_id, self.address.with_host(options.advertise_host), info)
         self.registration = Registration(options.redis_url, record, options.lease_s)
@@ -93,8 +100,13 @@ class RemoteWorker:
     def run(self) -> None:
         """Register, then serve one server after another until stopped; always deregister."""
         self.registration.register()
-        log.info("worker %s of %s registered at %s; %s", self.options.worker_id, self.info.model_name,
-                 self.registration.record.address.to_worker, self.info.summary())
+        log.info(
+            "worker %s of %s registered at %s; %s",
+            self.options.worker_id,
+            self.info.model_name,
+            self.registration.record.address.to_worker,
+            self.info.summary(),
+        )
         try:
             while not self.stop.is_set():
                 self._session()
@@ -154,8 +166,9 @@ class RemoteWorker:
         self._channel = Channel(self.address, server_side=False, curve=self.options.curve)
 
 
-def run_worker(args: argparse.Namespace, overrides: dict[str, Any], kvbm: KVBMConfig | None,
-               cluster_secret: bytes) -> int:
+def run_worker(
+    args: argparse.Namespace, overrides: dict[str, Any], kvbm: KVBMConfig | None, cluster_secret: bytes
+) -> int:
     """`strata worker` (the CLI parses the flags into `args`, the engine `overrides`, the `kvbm` tiers and the
     cluster secret): build the model's engine as `strata serve` would, calibrate, register, serve until
     SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it)."""
@@ -175,8 +188,15 @@ def run_worker(args: argparse.Namespace, overrides: dict[str, Any], kvbm: KVBMCo
     engine = LLMEngine(config, connector)
     info = describe(engine, calibrate_logged(engine))
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
-    options = RemoteWorkerOptions(worker_id, args.redis_url, args.host, advertise, args.port, args.lease_secs,
-                                  curve=CurveKeys.from_secret(cluster_secret))
+    options = RemoteWorkerOptions(
+        worker_id,
+        args.redis_url,
+        args.host,
+        advertise,
+        args.port,
+        args.lease_secs,
+        curve=CurveKeys.from_secret(cluster_secret),
+    )
     try:
         worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -203,13 +223,17 @@ def model_engine_config(repository: Path, model: str, overrides: dict[str, Any])
         raise ValueError(f"--model-repository {repository}: not a folder")
     if not folder.is_dir():
         known = sorted(p.name for p in repository.iterdir() if p.is_dir() and not p.name.startswith("."))
-        raise ValueError(f"--model {model}: no such model in {repository} (found: {', '.join(known) or 'none'})")
+        raise ValueError(
+            f"--model {model}: no such model in {repository} (found: {', '.join(known) or 'none'})"
+        )
     source = read_model(folder)
     if isinstance(source, BrokenModel):
         raise ValueError(f"--model {model}: {source.error}")
     if source.backend != LLM:
-        raise ValueError(f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r}); only LLM models "
-                         "have workers")
+        raise ValueError(
+            f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r}); only LLM models "
+            "have workers"
+        )
     config = EngineConfig.from_json(folder / str(source.versions[-1]) / source.model_filename)
     config.model_name = model
     for key, value in overrides.items():

@@ -52,7 +52,9 @@ from server.workers.protocol import MAX_MESSAGE_BYTES, BadMessage, Codec, Messag
 logger = logging.getLogger(__name__)
 
 _REMOTE_SEND_TIMEOUT_MS = 1000
-_ZMQ_MAX_FACTOR = 4  # ZMQ_MAXMSGSIZE = 4 x the checked limit: oversized frames up to it get a log line and a count
+_ZMQ_MAX_FACTOR = (
+    4  # ZMQ_MAXMSGSIZE = 4 x the checked limit: oversized frames up to it get a log line and a count
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,9 @@ class CurveKeys:
     def from_secret(cls, secret: bytes) -> CurveKeys:
         worker_secret = z85.encode(derive_key(secret, "zmq-curve-worker"))
         client_secret = z85.encode(derive_key(secret, "zmq-curve-client"))
-        return cls(zmq.curve_public(worker_secret), worker_secret, zmq.curve_public(client_secret), client_secret)
+        return cls(
+            zmq.curve_public(worker_secret), worker_secret, zmq.curve_public(client_secret), client_secret
+        )
 
 
 class _AdmitOneKey:
@@ -85,7 +89,9 @@ class _AdmitOneKey:
         if key == self.client_public:
             return True
         self.refused += 1
-        logger.warning("refused a connection whose CURVE key is not the cluster's (wrong or no cluster secret)")
+        logger.warning(
+            "refused a connection whose CURVE key is not the cluster's (wrong or no cluster secret)"
+        )
         return False
 
 
@@ -112,7 +118,9 @@ class ChannelAddress:
 
     def with_host(self, host: str) -> ChannelAddress:
         """The same TCP ports on another host name (what a worker bound on 0.0.0.0 advertises)."""
-        return ChannelAddress(_retarget(self.to_worker, host), _retarget(self.to_server, host), self.worker_binds)
+        return ChannelAddress(
+            _retarget(self.to_worker, host), _retarget(self.to_server, host), self.worker_binds
+        )
 
     def paths(self) -> list[str]:
         """Socket files to remove after use (ipc only)."""
@@ -130,10 +138,17 @@ class Channel:
     are refused both ways. A TCP link needs `curve` (see the module docstring); `refused_peers` counts the
     connections a worker turned away for not holding the cluster's key."""
 
-    def __init__(self, address: ChannelAddress, server_side: bool, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        address: ChannelAddress,
+        server_side: bool,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        curve: CurveKeys | None = None,
+    ) -> None:
         if address.worker_binds and curve is None:
-            raise ValueError("a TCP link to a worker is authenticated: it needs the cluster secret's CURVE keys")
+            raise ValueError(
+                "a TCP link to a worker is authenticated: it needs the cluster secret's CURVE keys"
+            )
         self._codec = Codec(ToServer if server_side else ToWorker, max_message_bytes)
         self._context = zmq.Context()
         self._authenticator: ThreadAuthenticator | None = None
@@ -147,8 +162,9 @@ class Channel:
         # never waits on a worker that is gone.
         self._out.setsockopt(zmq.LINGER, 0 if server_side else 2000)
         self._in.setsockopt(zmq.LINGER, 0)
-        out_endpoint, in_endpoint = (address.to_worker, address.to_server) if server_side \
-            else (address.to_server, address.to_worker)
+        out_endpoint, in_endpoint = (
+            (address.to_worker, address.to_server) if server_side else (address.to_server, address.to_worker)
+        )
         binds = server_side != address.worker_binds
         if not server_side and address.worker_binds:
             # a bound PUSH with no peer blocks in send: bound the wait, so a worker whose server vanished
@@ -204,8 +220,11 @@ class Channel:
             try:
                 self._out.send(frame)
             except zmq.Again:
-                logger.debug("no server took a %s message within %d ms; dropped", type(message).__name__,
-                             _REMOTE_SEND_TIMEOUT_MS)
+                logger.debug(
+                    "no server took a %s message within %d ms; dropped",
+                    type(message).__name__,
+                    _REMOTE_SEND_TIMEOUT_MS,
+                )
 
     def recv(self, timeout_s: float | None = None) -> Message | None:
         """The next message, or None if none came within `timeout_s`. Raises BadMessage for a frame that is not a

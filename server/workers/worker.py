@@ -84,7 +84,9 @@ def _exit_with_parent() -> None:
 def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     """Entry point of the spawned process."""
     _exit_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s"
+    )
     channel = Channel(address, server_side=False)
     try:
         events = ChannelEvents(channel) if spec.forward_events else None
@@ -110,8 +112,12 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
 def calibrate_logged(engine: LocalEngine) -> Speeds:
     started = time.monotonic()
     speeds = calibrate(engine)
-    logger.info("calibrated in %.2f s: prefill %.0f tok/s, decode %.1f tok/s", time.monotonic() - started,
-                speeds.prefill_tok_s, speeds.decode_tok_s)
+    logger.info(
+        "calibrated in %.2f s: prefill %.0f tok/s, decode %.1f tok/s",
+        time.monotonic() - started,
+        speeds.prefill_tok_s,
+        speeds.decode_tok_s,
+    )
     return speeds
 
 
@@ -129,8 +135,13 @@ class ChannelEvents:
             channel.send(Event(event))
 
 
-def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None = None, *,
-                     worker_id: str, events: EventSink | None) -> LocalEngine:
+def build_llm_engine(
+    engine_config: EngineConfig,
+    kvbm_config: KVBMConfig | None = None,
+    *,
+    worker_id: str,
+    events: EventSink | None,
+) -> LocalEngine:
     """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config), forward_events=...)`: an
     LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
     server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set."""
@@ -144,17 +155,26 @@ def build_llm_engine(engine_config: EngineConfig, kvbm_config: KVBMConfig | None
 def describe(engine: LocalEngine, speeds: Speeds) -> WorkerInfo:
     layout = engine.block_layout
     return WorkerInfo(
-        model_name=engine.model_name, max_model_len=engine.max_model_len, max_tokens_limit=engine.max_tokens_limit,
+        model_name=engine.model_name,
+        max_model_len=engine.max_model_len,
+        max_tokens_limit=engine.max_tokens_limit,
         block_size=layout.block_size if layout is not None else None,
-        salt=layout.salt if layout is not None else None, pid=os.getpid(),
-        hardware=describe_hardware(engine), speeds=speeds)
+        salt=layout.salt if layout is not None else None,
+        pid=os.getpid(),
+        hardware=describe_hardware(engine),
+        speeds=speeds,
+    )
 
 
 _TICK_S = 0.2  # how often a remote worker's serve loop looks at its stop flag and its server's silence
 
 
-def serve_channel(channel: Channel, engine: LocalEngine, stop: threading.Event | None = None,
-                  server_timeout_s: float | None = None) -> str:
+def serve_channel(
+    channel: Channel,
+    engine: LocalEngine,
+    stop: threading.Event | None = None,
+    server_timeout_s: float | None = None,
+) -> str:
     """Answer one server's messages until it sends Stop; then abort what it left running on the engine.
 
     Returns why serving ended: "stop"; `MALFORMED` after a frame that is not a message (logged; whoever sent it,
@@ -174,8 +194,14 @@ def serve_channel(channel: Channel, engine: LocalEngine, stop: threading.Event |
     return reason
 
 
-def _answer(channel: Channel, engine: LocalEngine, sink: Callable[[GenerationOutput], None], active: set[RequestId],
-            stop: threading.Event | None, server_timeout_s: float | None) -> str:
+def _answer(
+    channel: Channel,
+    engine: LocalEngine,
+    sink: Callable[[GenerationOutput], None],
+    active: set[RequestId],
+    stop: threading.Event | None,
+    server_timeout_s: float | None,
+) -> str:
     last_heard = time.monotonic()
     while True:
         try:
@@ -198,8 +224,9 @@ def _answer(channel: Channel, engine: LocalEngine, sink: Callable[[GenerationOut
             _send_answer(channel, _call(engine, message, sink, active))
 
 
-def _call(engine: LocalEngine, call: Call, sink: Callable[[GenerationOutput], None],
-          active: set[RequestId]) -> Answer:
+def _call(
+    engine: LocalEngine, call: Call, sink: Callable[[GenerationOutput], None], active: set[RequestId]
+) -> Answer:
     try:
         if isinstance(call, Submit):
             active.add(call.request.request_id)
@@ -226,10 +253,16 @@ def _send_answer(channel: Channel, answer: Answer) -> None:
         channel.send(CallFailed(answer.call_id, f"answer not sent: {exc}"))
 
 
-def start_heartbeat(channel: Channel, engine: LocalEngine, interval_s: float, stop: threading.Event,
-                    parent_pid: int | None = None) -> threading.Thread:
+def start_heartbeat(
+    channel: Channel,
+    engine: LocalEngine,
+    interval_s: float,
+    stop: threading.Event,
+    parent_pid: int | None = None,
+) -> threading.Thread:
     """Beat with the engine's pool stats until `stop`; with `parent_pid` (a spawned worker), exit the process
     if the server that spawned it is gone."""
+
     def beat() -> None:
         while not stop.wait(interval_s):
             if parent_pid is not None and os.getppid() != parent_pid:

@@ -45,9 +45,15 @@ def test_only_requests_with_the_same_salt_share_cached_tokens(engine: LLMEngine)
     assert again.new_token_ids == first.new_token_ids  # a salt changes what is shared, not the answer
 
 
-@pytest.mark.parametrize(("cache_salt", "message"), [
-    ("", "1 to 256"), ("x" * 257, "1 to 256"), (7, "string"), ("\ud800", "Unicode"),
-])
+@pytest.mark.parametrize(
+    ("cache_salt", "message"),
+    [
+        ("", "1 to 256"),
+        ("x" * 257, "1 to 256"),
+        (7, "string"),
+        ("\ud800", "Unicode"),
+    ],
+)
 def test_a_bad_salt_is_refused_naming_the_field(engine: LLMEngine, cache_salt, message: str):
     with pytest.raises(RequestError) as raised:
         engine.submit(_salted([1, 2, 3], "bad-salt", cache_salt), lambda output: None)

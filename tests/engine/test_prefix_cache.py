@@ -140,7 +140,11 @@ def test_waiting_sequence_waits_for_the_prefix_a_running_one_computes():
 
     manager = BlockManager(num_blocks=32, block_size=4)
     scheduler = Scheduler(manager, max_num_batched_tokens=64, max_concurrent=8)
-    a, b, c = make_seq(list(range(14))), make_seq(list(range(12)) + [50, 51, 52]), make_seq(list(range(100, 110)))
+    a, b, c = (
+        make_seq(list(range(14))),
+        make_seq(list(range(12)) + [50, 51, 52]),
+        make_seq(list(range(100, 110))),
+    )
     for seq in (a, b, c):
         scheduler.add(seq)
     first = scheduler.schedule()

@@ -55,7 +55,9 @@ def test_the_same_secret_passes_both_ways():
 
 
 def test_a_client_with_the_wrong_secret_is_refused():
-    server_error, client_error = handshake(derive_key(SECRET, "k"), derive_key(b"another-secret-0123456789", "k"))
+    server_error, client_error = handshake(
+        derive_key(SECRET, "k"), derive_key(b"another-secret-0123456789", "k")
+    )
     assert isinstance(server_error, AuthError) and "client's proof" in str(server_error)
     assert isinstance(client_error, AuthError)  # the server closed without proving anything
 

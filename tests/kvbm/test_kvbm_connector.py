@@ -29,7 +29,9 @@ def gb(blocks: int, layout: KVLayout) -> float:
 def connector(layout: KVLayout, cache_id: str, seed: int = 0, **config) -> tuple[KVBMConnector, torch.Tensor]:
     kv_cache = make_kv_cache(layout, NUM_BLOCKS, seed)
     config.setdefault("host_cache_gb", gb(16, layout))
-    kvbm = KVBMConnector(KVBMConfig(cache_id=cache_id, g4_key=G4_KEY, **config), metrics=KVBMMetrics(), events=KVIndex())
+    kvbm = KVBMConnector(
+        KVBMConfig(cache_id=cache_id, g4_key=G4_KEY, **config), metrics=KVBMMetrics(), events=KVIndex()
+    )
     kvbm.bind(kv_cache, layout)
     return kvbm, kv_cache
 

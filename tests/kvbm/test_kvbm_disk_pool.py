@@ -27,7 +27,9 @@ def read(pool: DiskPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarray
 
 def test_round_trip_and_lru(tmp_path: Path) -> None:
     evicted: list[int] = []
-    pool = DiskPool(tmp_path, "fp", BLOCK, 4, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone))
+    pool = DiskPool(
+        tmp_path, "fp", BLOCK, 4, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone)
+    )
     blocks = data(5)
     pool.put([BlockHash(h) for h in range(5)], blocks)
     assert evicted == [0]

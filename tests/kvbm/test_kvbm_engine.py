@@ -80,7 +80,9 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
 
 def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: str) -> None:
     """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis."""
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, g4_key=G4_KEY)
+    config = KVBMConfig(
+        cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, g4_key=G4_KEY
+    )
     writer = build_connector(config, "node-a", index=KVIndex())
     with engine(40, writer) as first:
         prompt = first.encode(document(TOPICS[0]))

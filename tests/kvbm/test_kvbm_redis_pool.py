@@ -21,9 +21,12 @@ def data(count: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(count)]
 
 
-def pool_for(url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, key: bytes = G4_KEY,
-             **kwargs) -> RedisPool:
-    return RedisPool(RedisLink(url, metrics, timeout_s=0.5), key, fingerprint, BLOCK, metrics=metrics, **kwargs)
+def pool_for(
+    url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, key: bytes = G4_KEY, **kwargs
+) -> RedisPool:
+    return RedisPool(
+        RedisLink(url, metrics, timeout_s=0.5), key, fingerprint, BLOCK, metrics=metrics, **kwargs
+    )
 
 
 def read(pool: RedisPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarray]]:
@@ -64,7 +67,9 @@ def test_other_layout_never_reads_these_blocks(redis_url: str) -> None:
 
 def test_capacity_trims_least_recently_used(redis_url: str) -> None:
     evicted: list[int] = []
-    pool = pool_for(redis_url, capacity_blocks=3, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone))
+    pool = pool_for(
+        redis_url, capacity_blocks=3, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone)
+    )
     pool.put([BlockHash(1), BlockHash(2), BlockHash(3)], data(3))
     time.sleep(0.01)  # the LRU score has wall-clock resolution
     read(pool, [1])

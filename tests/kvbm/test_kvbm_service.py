@@ -122,7 +122,8 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
     port = free_port()
     root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)], cwd=root,
+        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", str(port)],
+        cwd=root,
         env={**os.environ, "STRATA_CLUSTER_SECRET": CLUSTER_SECRET.decode()},
     )
     client = KVIndexClient(f"127.0.0.1:{port}", SERVICE_KEY)
@@ -198,13 +199,20 @@ def test_a_client_without_the_secret_gets_no_answer_and_the_service_keeps_servin
 def test_the_service_refuses_to_start_without_a_secret(redis_url: str) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {key: value for key, value in os.environ.items() if key != "STRATA_CLUSTER_SECRET"}
-    result = subprocess.run([sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", "0"], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbm", "--redis-url", redis_url, "--port", "0"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "secrets.token_hex(32)" in result.stderr
 
 
-def test_a_malformed_stream_entry_is_skipped_and_counted(service: KVBMService, worker: KVBMConnector,
-                                                          redis_url: str) -> None:
+def test_a_malformed_stream_entry_is_skipped_and_counted(
+    service: KVBMService, worker: KVBMConnector, redis_url: str
+) -> None:
     """Anyone who can write to Redis can append to the event stream: the follower skips what does not parse."""
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
     client = redis.Redis.from_url(redis_url)

@@ -68,8 +68,14 @@ class FakeEngine:
 
     def stats(self) -> PoolStats:
         running = sum(not event.is_set() for event in self._abort_events.values())
-        return PoolStats(num_blocks=0, num_free_blocks=0, num_cached_blocks=0, num_running=running, num_waiting=0,
-                         num_preemptions=0)
+        return PoolStats(
+            num_blocks=0,
+            num_free_blocks=0,
+            num_cached_blocks=0,
+            num_running=running,
+            num_waiting=0,
+            num_preemptions=0,
+        )
 
     def close(self) -> None:
         for abort in self._abort_events.values():
@@ -87,8 +93,18 @@ class FakeEngine:
             stop = text.strip() in request.sampling.stop
             last = stop or i + 1 == request.sampling.max_tokens
             reason = ("stop" if stop else "length") if last else None
-            sink(GenerationOutput(request.request_id, [1000 + i + shift], "" if stop else text, last, reason,
-                                  prompt, cached, i + 1))
+            sink(
+                GenerationOutput(
+                    request.request_id,
+                    [1000 + i + shift],
+                    "" if stop else text,
+                    last,
+                    reason,
+                    prompt,
+                    cached,
+                    i + 1,
+                )
+            )
             if last:
                 return
 

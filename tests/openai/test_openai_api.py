@@ -34,7 +34,8 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 def test_chat_completion(client: openai.OpenAI, served: Served) -> None:
     reply = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
     assert reply.choices[0].message.content == " t0 t1 t2"
     assert reply.choices[0].finish_reason == "length"
     prompt = len("<user>hi<assistant>")
@@ -44,13 +45,23 @@ def test_chat_completion(client: openai.OpenAI, served: Served) -> None:
     assert reply.usage.prompt_tokens_details.cached_tokens == 4
     sampling = served.engine.submitted[0].sampling
     assert (sampling.max_tokens, sampling.temperature) == (3, 0.0)
-    assert served.engine.submitted[0].request_id == f"{reply.id.removeprefix('chatcmpl-')}-0"  # logs correlate
+    assert (
+        served.engine.submitted[0].request_id == f"{reply.id.removeprefix('chatcmpl-')}-0"
+    )  # logs correlate
 
 
 def test_chat_sampling_fields_reach_the_engine(client: openai.OpenAI, served: Served) -> None:
     client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5, top_p=0.5,
-        presence_penalty=0.5, frequency_penalty=-0.5, seed=7, stop=["t9"], extra_body={"top_k": 20})
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=5,
+        top_p=0.5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        seed=7,
+        stop=["t9"],
+        extra_body={"top_k": 20},
+    )
     sampling = served.engine.submitted[0].sampling
     assert (sampling.max_tokens, sampling.top_p, sampling.top_k, sampling.seed) == (5, 0.5, 20, 7)
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.stop) == (0.5, -0.5, ["t9"])
@@ -58,7 +69,8 @@ def test_chat_sampling_fields_reach_the_engine(client: openai.OpenAI, served: Se
 
 def test_chat_n_submits_independent_seeded_requests(client: openai.OpenAI, served: Served) -> None:
     reply = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3, seed=10)
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3, seed=10
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert [c.message.content for c in reply.choices] == [" t10 t11", " t11 t12", " t12 t13"]
     assert len({r.request_id for r in served.engine.submitted}) == 3
@@ -68,15 +80,20 @@ def test_chat_n_submits_independent_seeded_requests(client: openai.OpenAI, serve
 
 def test_stop_string_ends_the_choice(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=10, stop="t2")
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=10, stop="t2"
+    )
     assert reply.choices[0].message.content == " t0 t1"
     assert reply.choices[0].finish_reason == "stop"
 
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
-        stream_options={"include_usage": True})
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -113,22 +130,25 @@ def _chat(**fields: object) -> dict[str, object]:
     return {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "fake"}, "messages"),
-    ({"model": "fake", "messages": "hi"}, "messages"),
-    ({"model": "fake", "messages": []}, "messages"),
-    (_chat(max_tokens="ten"), "max_tokens"),
-    (_chat(max_tokens=100_000), "max_tokens"),
-    (_chat(max_completion_tokens=100_000), "max_completion_tokens"),
-    (_chat(temperature=-0.5), "temperature"),
-    (_chat(top_p=0), "top_p"),
-    (_chat(n=0), "n"),
-    (_chat(logprobs=True), "logprobs"),
-    ({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
-    (_chat(cache_salt=""), "cache_salt"),
-    (_chat(cache_salt=7), "cache_salt"),
-    (_chat(cache_salt="x" * 257), "cache_salt"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "fake"}, "messages"),
+        ({"model": "fake", "messages": "hi"}, "messages"),
+        ({"model": "fake", "messages": []}, "messages"),
+        (_chat(max_tokens="ten"), "max_tokens"),
+        (_chat(max_tokens=100_000), "max_tokens"),
+        (_chat(max_completion_tokens=100_000), "max_completion_tokens"),
+        (_chat(temperature=-0.5), "temperature"),
+        (_chat(top_p=0), "top_p"),
+        (_chat(n=0), "n"),
+        (_chat(logprobs=True), "logprobs"),
+        ({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        (_chat(cache_salt=""), "cache_salt"),
+        (_chat(cache_salt=7), "cache_salt"),
+        (_chat(cache_salt="x" * 257), "cache_salt"),
+    ],
+)
 def test_bad_chat_requests_get_openai_400(served: Served, body: dict[str, object], param: str) -> None:
     response = _post(served, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
@@ -147,9 +167,16 @@ def test_bad_cache_salt_on_completions_is_400(served: Served, cache_salt: object
 
 
 def test_cache_salt_reaches_the_engine(client: openai.OpenAI, served: Served) -> None:
-    client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=1, n=2,
-                                   extra_body={"cache_salt": "tenant-a"})
-    client.completions.create(model="fake", prompt=["a", "b"], max_tokens=1, extra_body={"cache_salt": "x" * 256})
+    client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        n=2,
+        extra_body={"cache_salt": "tenant-a"},
+    )
+    client.completions.create(
+        model="fake", prompt=["a", "b"], max_tokens=1, extra_body={"cache_salt": "x" * 256}
+    )
     client.completions.create(model="fake", prompt="a", max_tokens=1)
     salts = [request.cache_salt for request in served.engine.submitted]
     assert salts == ["tenant-a", "tenant-a", "x" * 256, "x" * 256, None]
@@ -171,13 +198,19 @@ def test_unknown_model_is_404(served: Served, client: openai.OpenAI) -> None:
 
 def test_bad_request_through_the_client_raises_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
     assert "temperature" in str(raised.value)
 
 
 def test_malformed_json_is_400(served: Served) -> None:
-    response = httpx.post(f"{served.base_url}/v1/chat/completions", content=b"{not json",
-                          headers={"content-type": "application/json"}, timeout=10)
+    response = httpx.post(
+        f"{served.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
 
@@ -211,8 +244,9 @@ def test_health_metrics_docs(served: Served, client: openai.OpenAI) -> None:
 
 def test_client_disconnect_aborts_the_stream(served: Served) -> None:
     served.engine.step_s = 0.02
-    with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", timeout=10,
-                      json=_chat(max_tokens=200, stream=True)) as response:
+    with httpx.stream(
+        "POST", f"{served.base_url}/v1/chat/completions", timeout=10, json=_chat(max_tokens=200, stream=True)
+    ) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     request_id = served.engine.submitted[0].request_id
@@ -228,8 +262,11 @@ def test_client_disconnect_aborts_a_non_streaming_request(served: Served) -> Non
 
 
 def test_finished_requests_are_not_aborted(client: openai.OpenAI, served: Served) -> None:
-    list(client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
-                                        max_tokens=3, stream=True))
+    list(
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
+    )
     client.completions.create(model="fake", prompt="x", max_tokens=2, n=2)
     assert served.engine.aborted == []
 

@@ -34,10 +34,13 @@ def test_the_right_key_is_served_streaming_included(base_url: str) -> None:
 def test_a_wrong_or_missing_key_gets_401_in_openais_shape(base_url: str, key: str) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key or "placeholder", max_retries=0)
     if not key:  # no Authorization header at all
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0,
-                               default_headers={"Authorization": ""})
+        client = openai.OpenAI(
+            base_url=f"{base_url}/v1", api_key="x", max_retries=0, default_headers={"Authorization": ""}
+        )
     with pytest.raises(openai.AuthenticationError) as caught:
-        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     assert caught.value.status_code == 401
     assert caught.value.body["code"] == "invalid_api_key"
     assert caught.value.body["type"] == "invalid_request_error"

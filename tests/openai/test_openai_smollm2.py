@@ -18,20 +18,32 @@ MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  
 
 @pytest.fixture(scope="module")
 def smollm2_client() -> Iterator[openai.OpenAI]:
-    config = EngineConfig(cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=200,
-                          max_model_len=1024, max_tokens_limit=64, num_threads=2, model_name="smollm2")
+    config = EngineConfig(
+        cache_dir=str(MODEL_CACHE),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=200,
+        max_model_len=1024,
+        max_tokens_limit=64,
+        num_threads=2,
+        model_name="smollm2",
+    )
     with LLMEngine(config) as engine, serve_app(build_app({"smollm2": engine})) as base_url:
         yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.slow
 def test_chat_with_smollm2_reuses_the_cached_prompt(smollm2_client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly and clearly."},
-                {"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    first = smollm2_client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
-                                                   temperature=0)
-    second = smollm2_client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
-                                                    temperature=0)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant who answers briefly and clearly."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word."},
+    ]
+    first = smollm2_client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0
+    )
+    second = smollm2_client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0
+    )
     assert "Paris" in first.choices[0].message.content
     assert second.choices[0].message.content == first.choices[0].message.content
     assert first.usage.prompt_tokens > 16
@@ -44,8 +56,9 @@ def test_cache_salt_keeps_tenants_apart(smollm2_client: openai.OpenAI) -> None:
 
     def cached(cache_salt: str | None) -> int:
         extra = {"cache_salt": cache_salt} if cache_salt else None
-        reply = smollm2_client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
-                                                  extra_body=extra)
+        reply = smollm2_client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra
+        )
         return reply.usage.prompt_tokens_details.cached_tokens
 
     assert cached("tenant-a") == 0
@@ -56,8 +69,14 @@ def test_cache_salt_keeps_tenants_apart(smollm2_client: openai.OpenAI) -> None:
 
 @pytest.mark.slow
 def test_streamed_completion_with_smollm2(smollm2_client: openai.OpenAI) -> None:
-    stream = smollm2_client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6,
-                                               temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = smollm2_client.completions.create(
+        model="smollm2",
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert "Paris" in text

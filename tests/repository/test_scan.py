@@ -20,7 +20,9 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
 """
 
 
-def make_model(root: Path, config: str = GOOD, versions=(1,), name: str = "m", filename: str = "model.py") -> Path:
+def make_model(
+    root: Path, config: str = GOOD, versions=(1,), name: str = "m", filename: str = "model.py"
+) -> Path:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(config)
@@ -47,7 +49,7 @@ def test_example_repository_parses():
 
 
 def test_syntax_error_names_file_and_line(tmp_path):
-    folder = make_model(tmp_path, GOOD.replace('output [ {', 'output [ {{'))
+    folder = make_model(tmp_path, GOOD.replace("output [ {", "output [ {{"))
     assert error_of(folder).startswith(f"{folder / 'config.pbtxt'}:5:")
 
 
@@ -69,7 +71,9 @@ def test_missing_version_folder(tmp_path):
 
 
 def test_specific_version_policy_names_missing_version(tmp_path):
-    folder = make_model(tmp_path, GOOD + "version_policy: { specific: { versions: [ 1, 3 ] } }\n", versions=(1, 2))
+    folder = make_model(
+        tmp_path, GOOD + "version_policy: { specific: { versions: [ 1, 3 ] } }\n", versions=(1, 2)
+    )
     assert "[3]" in error_of(folder)
 
 
@@ -86,8 +90,12 @@ def test_unsupported_backend_names_field(tmp_path):
 
 @pytest.mark.parametrize(
     "policy, expected",
-    [("", [3]), ("version_policy: { latest: { num_versions: 2 } }", [2, 3]), ("version_policy: { all: {} }", [1, 2, 3]),
-     ("version_policy: { specific: { versions: [ 1 ] } }", [1])],
+    [
+        ("", [3]),
+        ("version_policy: { latest: { num_versions: 2 } }", [2, 3]),
+        ("version_policy: { all: {} }", [1, 2, 3]),
+        ("version_policy: { specific: { versions: [ 1 ] } }", [1]),
+    ],
 )
 def test_version_policy(tmp_path, policy, expected):
     model = read_model(make_model(tmp_path, GOOD + policy, versions=(1, 2, 3)))

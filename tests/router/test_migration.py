@@ -31,8 +31,11 @@ class MortalWorker(LocalWorker):
 
         def forward(output: GenerationOutput) -> None:
             with self._lock:
-                live = self.alive and (self._sinks.pop(output.request_id) if output.finished
-                                       else self._sinks.get(output.request_id))
+                live = self.alive and (
+                    self._sinks.pop(output.request_id)
+                    if output.finished
+                    else self._sinks.get(output.request_id)
+                )
             if live:
                 live(output)
 
@@ -45,8 +48,17 @@ class MortalWorker(LocalWorker):
         for listener in self.listeners:
             listener.on_death(self)
         for request_id, sink in sinks.items():
-            sink(GenerationOutput(request_id, [], "", True, "error", error=f"worker {self.worker_id} died",
-                                  retryable=retryable))
+            sink(
+                GenerationOutput(
+                    request_id,
+                    [],
+                    "",
+                    True,
+                    "error",
+                    error=f"worker {self.worker_id} died",
+                    retryable=retryable,
+                )
+            )
 
 
 def _setup(workers: int = 2, **config) -> tuple[RoutedEngine, Router, list[MortalWorker]]:
@@ -56,8 +68,9 @@ def _setup(workers: int = 2, **config) -> tuple[RoutedEngine, Router, list[Morta
     return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
 
 
-def _start(routed: RoutedEngine, prompt: list[int], max_tokens: int, first_tokens: int, cache_salt: str | None = None
-           ) -> tuple[queue.SimpleQueue[GenerationOutput], list[GenerationOutput]]:
+def _start(
+    routed: RoutedEngine, prompt: list[int], max_tokens: int, first_tokens: int, cache_salt: str | None = None
+) -> tuple[queue.SimpleQueue[GenerationOutput], list[GenerationOutput]]:
     """Submit, and return once `first_tokens` outputs arrived."""
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     request = GenerationRequest(RequestId("r"), prompt, SamplingParams(max_tokens=max_tokens), cache_salt)
@@ -66,7 +79,9 @@ def _start(routed: RoutedEngine, prompt: list[int], max_tokens: int, first_token
     return outputs, seen
 
 
-def _rest(outputs: queue.SimpleQueue[GenerationOutput], seen: list[GenerationOutput]) -> list[GenerationOutput]:
+def _rest(
+    outputs: queue.SimpleQueue[GenerationOutput], seen: list[GenerationOutput]
+) -> list[GenerationOutput]:
     while not seen[-1].finished:
         seen.append(outputs.get(timeout=10))
     return seen

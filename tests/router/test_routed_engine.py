@@ -44,8 +44,14 @@ class LocalWorker:
         self.model_name, self.max_model_len = self.engine.model_name, self.engine.max_model_len
         self.max_tokens_limit = self.engine.max_tokens_limit
         self.block_layout: KVBlockLayout = self.engine.block_layout
-        self.info = WorkerInfo(self.model_name, self.max_model_len, self.max_tokens_limit,
-                               self.block_layout.block_size, self.block_layout.salt, 1)
+        self.info = WorkerInfo(
+            self.model_name,
+            self.max_model_len,
+            self.max_tokens_limit,
+            self.block_layout.block_size,
+            self.block_layout.salt,
+            1,
+        )
         self.alive = True
         self.submitted: list[RequestId] = []
         self.aborted: list[RequestId] = []
@@ -59,8 +65,14 @@ class LocalWorker:
         self.listeners.append(listener)
 
     def stats(self) -> PoolStats:
-        return PoolStats(num_blocks=100, num_free_blocks=100, num_cached_blocks=0, num_running=0, num_waiting=0,
-                         num_preemptions=0)
+        return PoolStats(
+            num_blocks=100,
+            num_free_blocks=100,
+            num_cached_blocks=0,
+            num_running=0,
+            num_waiting=0,
+            num_preemptions=0,
+        )
 
     def close(self) -> None:
         self.engine.close()
@@ -87,8 +99,9 @@ def _setup(workers: int = 2) -> tuple[RoutedEngine, Router, list[LocalWorker]]:
     return RoutedEngine(local, router, block_size=4, salt=SALT), router, local
 
 
-def _request(request_id: str, prompt: list[int], max_tokens: int = 2,
-             cache_salt: str | None = None) -> GenerationRequest:
+def _request(
+    request_id: str, prompt: list[int], max_tokens: int = 2, cache_salt: str | None = None
+) -> GenerationRequest:
     return GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=max_tokens), cache_salt)
 
 
@@ -143,17 +156,33 @@ def test_the_router_hashes_a_salted_prompt_as_the_engine_does(monkeypatch: pytes
     """A real LLMEngine whose KVBM agent publishes to the router's index: the router's hashes of a salted prompt
     are the blocks the engine stored, so a same-salt follow-up finds its whole prefix and another salt none."""
     index = KVIndex()
-    config = EngineConfig(cache_dir=str(MODEL_CACHE), dtype="float32", device="cpu", num_kv_blocks=64,
-                          max_model_len=512, max_tokens_limit=8, num_threads=2)
+    config = EngineConfig(
+        cache_dir=str(MODEL_CACHE),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        max_model_len=512,
+        max_tokens_limit=8,
+        num_threads=2,
+    )
     engine = build_llm_engine(config, worker_id="real", events=index)
     try:
         router = Router(RouterConfig(), index)
         worker = LocalWorker("real", index, engine)
-        routed = RoutedEngine([worker], router, worker.block_layout.block_size, BlockHash(worker.block_layout.salt))
+        routed = RoutedEngine(
+            [worker], router, worker.block_layout.block_size, BlockHash(worker.block_layout.salt)
+        )
         routes = _record_routes(monkeypatch, router)
-        prompt = engine.encode("Tenants must not learn about each other's prompts from the prefix cache. " * 5)
+        prompt = engine.encode(
+            "Tenants must not learn about each other's prompts from the prefix cache. " * 5
+        )
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        for request_id, cache_salt in (("a", "tenant-a"), ("a-again", "tenant-a"), ("b", "tenant-b"), ("plain", None)):
+        for request_id, cache_salt in (
+            ("a", "tenant-a"),
+            ("a-again", "tenant-a"),
+            ("b", "tenant-b"),
+            ("plain", None),
+        ):
             routed.submit(_request(request_id, prompt, cache_salt=cache_salt), outputs.put)
             assert _finish(outputs).finish_reason == "length"
         stored = set(engine.block_manager.cached)  # type: ignore[attr-defined]
@@ -190,7 +219,11 @@ def test_a_dead_worker_leaves_the_router() -> None:
 def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> None:
     routed, _, _ = _setup(workers=1)
     speed = routed._speeds[WorkerId("w0")]
-    speed.min_samples, speed.min_prefill_tokens, speed.min_decode_tokens = 1, 1, 1  # the step engine's tiny prompts
+    speed.min_samples, speed.min_prefill_tokens, speed.min_decode_tokens = (
+        1,
+        1,
+        1,
+    )  # the step engine's tiny prompts
     first: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     routed.submit(_request("first", list(range(40)), max_tokens=50), first.put)
     first.get(timeout=10)
@@ -235,8 +268,16 @@ def test_a_mostly_cached_prompt_is_not_a_prefill_speed_sample() -> None:
 def _described(worker_id: str, index: KVIndex, host: str, prefill_tok_s: float) -> LocalWorker:
     worker = LocalWorker(worker_id, index)
     hardware = HardwareInfo(host, "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
-    worker.info = WorkerInfo(worker.model_name, worker.max_model_len, worker.max_tokens_limit, 4, SALT, 1, hardware,
-                             Speeds(prefill_tok_s, 20.0))
+    worker.info = WorkerInfo(
+        worker.model_name,
+        worker.max_model_len,
+        worker.max_tokens_limit,
+        4,
+        SALT,
+        1,
+        hardware,
+        Speeds(prefill_tok_s, 20.0),
+    )
     return worker
 
 
@@ -245,8 +286,11 @@ def test_twin_workers_on_one_host_share_their_speed_meter() -> None:
     shared machine look slow for the whole run; another host's worker keeps its own speed."""
     index = KVIndex()
     router = Router(RouterConfig(), index)
-    workers = [_described("a0", index, "host-a", 150.0), _described("a1", index, "host-a", 270.0),
-               _described("b0", index, "host-b", 600.0)]
+    workers = [
+        _described("a0", index, "host-a", 150.0),
+        _described("a1", index, "host-a", 270.0),
+        _described("b0", index, "host-b", 600.0),
+    ]
     routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
     a0, a1, b0 = (routed._speeds[WorkerId(w)] for w in ("a0", "a1", "b0"))
     assert a0 is a1 and a0 is not b0

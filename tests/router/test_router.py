@@ -89,7 +89,9 @@ def test_hot_shared_prefix_spreads_over_all_workers() -> None:
 
 def test_queued_prefill_work_counts_as_load() -> None:
     """Requests still waiting for prefill load their worker by the prefill they need, not only their blocks."""
-    router, index = make_router(workers=2)  # only w0 ever holds the system prompt (in-flight blocks not counted)
+    router, index = make_router(
+        workers=2
+    )  # only w0 ever holds the system prompt (in-flight blocks not counted)
     system_prompt = hashes((7, 20))
     store(index, "w0", system_prompt)
     routed = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 5))).worker_id for i in range(100))
@@ -105,7 +107,11 @@ def test_in_flight_prefix_counts_before_the_index_hears_of_it(count_in_flight: b
     assert first.worker_id != busy.worker_id
     follow_up = router.route("turn-2", hashes((1, 30), (2, 10)))
     if count_in_flight:  # 10 blocks to prefill where turn-1 runs, 40 on the other worker
-        assert (follow_up.worker_id, follow_up.reason, follow_up.reusable_blocks) == (first.worker_id, "prefix_hit", 30)
+        assert (follow_up.worker_id, follow_up.reason, follow_up.reusable_blocks) == (
+            first.worker_id,
+            "prefix_hit",
+            30,
+        )
     else:
         assert (follow_up.reason, follow_up.reusable_blocks) == ("no_prefix", 0)
     for request_id in ("busy", "turn-1", "turn-2"):
@@ -117,7 +123,9 @@ def test_in_flight_prefix_of_a_hot_prompt_still_spreads() -> None:
     """Counting in-flight blocks must not pile a burst of requests with one prompt onto one worker."""
     router, _ = make_router(count_in_flight=True)
     counts = Counter(router.route(f"r{i}", hashes((7, 20), (100 + i, 2))).worker_id for i in range(100))
-    assert set(counts) == {"w0", "w1", "w2", "w3"} and max(counts.values()) - min(counts.values()) <= 2, counts
+    assert set(counts) == {"w0", "w1", "w2", "w3"} and max(counts.values()) - min(counts.values()) <= 2, (
+        counts
+    )
 
 
 def test_busy_worker_is_skipped_even_with_the_best_prefix() -> None:
@@ -303,9 +311,15 @@ def test_removed_worker_gets_nothing_and_no_worker_is_an_error() -> None:
         router.route("r9", [])
 
 
-@pytest.mark.parametrize("config", [
-    {"strategy": "fastest"}, {"fallback": "kv-aware"}, {"busy_threshold": 0}, {"temperature": -1},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"strategy": "fastest"},
+        {"fallback": "kv-aware"},
+        {"busy_threshold": 0},
+        {"temperature": -1},
+    ],
+)
 def test_bad_config_names_the_field(config: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(config))):
         RouterConfig(**config)  # type: ignore[arg-type]
@@ -339,4 +353,6 @@ def test_concurrent_route_and_release_leave_no_load_behind() -> None:
     for thread in threads:
         thread.join()
     loads = router._workers.values()
-    assert all((load.routed_blocks, load.routed_requests, load.pending_prefill) == (0, 0, 0) for load in loads)
+    assert all(
+        (load.routed_blocks, load.routed_requests, load.pending_prefill) == (0, 0, 0) for load in loads
+    )

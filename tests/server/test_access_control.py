@@ -34,16 +34,25 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
     names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return cert_path, key_path
 
 
@@ -55,15 +64,25 @@ def upper(client, module, text: bytes) -> bytes:
 
 def test_restricted_apis_pass_through_to_triton(strata, tmp_path):
     repo = copy_models(tmp_path / "repo", "string_upper")
-    server = strata(repo, "--model-control-mode", "explicit", "--load-model", "string_upper",
-                    "--http-restricted-api", "model-repository,statistics:triton-access-token=s3cret",
-                    "--grpc-restricted-protocol", "model-repository:triton-access-token=s3cret",
-                    "--http-restricted-api", "trace:x-trace-key=t0k")
+    server = strata(
+        repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "string_upper",
+        "--http-restricted-api",
+        "model-repository,statistics:triton-access-token=s3cret",
+        "--grpc-restricted-protocol",
+        "model-repository:triton-access-token=s3cret",
+        "--http-restricted-api",
+        "trace:x-trace-key=t0k",
+    )
     http = httpclient.InferenceServerClient(server.http_url)
     with pytest.raises(InferenceServerException, match="(?i)unauthorized|permission|restricted"):
         http.get_model_repository_index()
-    assert {m["name"] for m in http.get_model_repository_index(headers={"triton-access-token": "s3cret"})} \
-        == {"string_upper"}
+    assert {
+        m["name"] for m in http.get_model_repository_index(headers={"triton-access-token": "s3cret"})
+    } == {"string_upper"}
     with pytest.raises(InferenceServerException):
         http.get_inference_statistics(headers={"triton-access-token": "wrong"})
     with pytest.raises(InferenceServerException):
@@ -100,10 +119,23 @@ def test_a_restriction_that_locks_strata_out_is_refused_at_start(strata, tmp_pat
 def test_grpc_and_openai_over_tls(strata, tmp_path):
     cert, key = self_signed(tmp_path)
     repo = copy_models(tmp_path / "repo", "string_upper")
-    server = strata(repo, "--grpc-use-ssl", "--grpc-server-cert", str(cert), "--grpc-server-key", str(key),
-                    "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-key", "sk-local")
-    secure = grpcclient.InferenceServerClient(f"localhost:{server.grpc_port}", ssl=True,
-                                              root_certificates=str(cert))
+    server = strata(
+        repo,
+        "--grpc-use-ssl",
+        "--grpc-server-cert",
+        str(cert),
+        "--grpc-server-key",
+        str(key),
+        "--ssl-certfile",
+        str(cert),
+        "--ssl-keyfile",
+        str(key),
+        "--api-key",
+        "sk-local",
+    )
+    secure = grpcclient.InferenceServerClient(
+        f"localhost:{server.grpc_port}", ssl=True, root_certificates=str(cert)
+    )
     assert upper(secure, grpcclient, b"tls") == b"TLS"
     plain = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException):
@@ -115,6 +147,8 @@ def test_grpc_and_openai_over_tls(strata, tmp_path):
     assert client.models.list().data == []  # no LLM in this repository: the port answers, authenticated
     assert trusted.get(f"{base}/health").status_code == 200
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", http_client=trusted, max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=f"{base}/v1", api_key="wrong", http_client=trusted, max_retries=0
+        ).models.list()
     with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
         httpx.get(f"http://127.0.0.1:{server.openai_port}/health", timeout=5)

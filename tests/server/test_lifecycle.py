@@ -82,5 +82,6 @@ def test_restart_after_kill_9(strata, tmp_path):
     assert client.is_model_ready("add_sub")
     client.close()
     assert not shm_regions(first.process.pid)
-    assert [p.name for p in second.runtime_dir.iterdir()] == [p.name for p in second.runtime_dir.glob(
-        f"serve-{second.process.pid}-*")]
+    assert [p.name for p in second.runtime_dir.iterdir()] == [
+        p.name for p in second.runtime_dir.glob(f"serve-{second.process.pid}-*")
+    ]

@@ -25,8 +25,11 @@ def server(tmp_path_factory):
 
 
 def post(server, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{server.http_url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, response.read().decode()
@@ -34,14 +37,21 @@ def post(server, path: str, body: dict) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-ALL_OUTPUTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
-               "return_num_cached_tokens": True}
+ALL_OUTPUTS = {
+    "return_finish_reason": True,
+    "return_num_input_tokens": True,
+    "return_num_output_tokens": True,
+    "return_num_cached_tokens": True,
+}
 OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 
 
 def test_generate_endpoint(server):
-    status, body = post(server, "/v2/models/smollm2/generate",
-                        {"text_input": PROMPT, **ALL_OUTPUTS, "parameters": {"temperature": 0, "max_tokens": 12}})
+    status, body = post(
+        server,
+        "/v2/models/smollm2/generate",
+        {"text_input": PROMPT, **ALL_OUTPUTS, "parameters": {"temperature": 0, "max_tokens": 12}},
+    )
     assert status == 200, body
     answer = json.loads(body)
     assert answer["text_output"].startswith(PROMPT) and len(answer["text_output"]) > len(PROMPT)
@@ -49,10 +59,16 @@ def test_generate_endpoint(server):
     assert answer["num_output_tokens"] == 12 and answer["num_input_tokens"] > 0
     assert 0 <= answer["num_cached_tokens"] <= answer["num_input_tokens"]
 
-    status, body = post(server, "/v2/models/smollm2/generate",
-                        {"text_input": PROMPT, "exclude_input_in_output": True,
-                         "parameters": {"temperature": 0, "max_tokens": 12}})
-    assert json.loads(body)["text_output"] == answer["text_output"][len(PROMPT):]
+    status, body = post(
+        server,
+        "/v2/models/smollm2/generate",
+        {
+            "text_input": PROMPT,
+            "exclude_input_in_output": True,
+            "parameters": {"temperature": 0, "max_tokens": 12},
+        },
+    )
+    assert json.loads(body)["text_output"] == answer["text_output"][len(PROMPT) :]
 
 
 def test_optional_outputs_only_when_asked_for(server):
@@ -60,21 +76,36 @@ def test_optional_outputs_only_when_asked_for(server):
     _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, "parameters": params})
     assert set(json.loads(body)) == {"model_name", "model_version", "text_output"}
     for flag, output in zip(ALL_OUTPUTS, OPTIONAL_OUTPUTS, strict=True):
-        _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: True, "parameters": params})
+        _, body = post(
+            server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: True, "parameters": params}
+        )
         assert set(json.loads(body)) - {"model_name", "model_version"} == {"text_output", output}, flag
-        _, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: False, "parameters": params})
+        _, body = post(
+            server, "/v2/models/smollm2/generate", {"text_input": PROMPT, flag: False, "parameters": params}
+        )
         assert output not in json.loads(body), flag
 
 
 def test_generate_stream_endpoint_matches_non_streaming(server):
     params = {"temperature": 0, "max_tokens": 10}
-    _, whole = post(server, "/v2/models/smollm2/generate",
-                    {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": params})
-    status, body = post(server, "/v2/models/smollm2/generate_stream",
-                        {"text_input": PROMPT, "stream": True, "return_finish_reason": True,
-                         "return_num_output_tokens": True, "parameters": params})
+    _, whole = post(
+        server,
+        "/v2/models/smollm2/generate",
+        {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": params},
+    )
+    status, body = post(
+        server,
+        "/v2/models/smollm2/generate_stream",
+        {
+            "text_input": PROMPT,
+            "stream": True,
+            "return_finish_reason": True,
+            "return_num_output_tokens": True,
+            "parameters": params,
+        },
+    )
     assert status == 200
-    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == json.loads(whole)["text_output"]
     # as in the vLLM backend: each response counts its own tokens; the reason is "None" until the last
@@ -83,9 +114,16 @@ def test_generate_stream_endpoint_matches_non_streaming(server):
 
 
 def test_streaming_with_the_prompt_in_the_output_is_rejected(server):
-    status, body = post(server, "/v2/models/smollm2/generate_stream",
-                        {"text_input": PROMPT, "stream": True, "exclude_input_in_output": False,
-                         "parameters": {"max_tokens": 2}})
+    status, body = post(
+        server,
+        "/v2/models/smollm2/generate_stream",
+        {
+            "text_input": PROMPT,
+            "stream": True,
+            "exclude_input_in_output": False,
+            "parameters": {"max_tokens": 2},
+        },
+    )
     assert status == 400 and "exclude_input_in_output" in body, body
 
 
@@ -101,7 +139,9 @@ def stream_over_grpc(server, requests: dict[str, dict[str, tuple[np.ndarray, str
                 tensor = grpcclient.InferInput(name, [1], dtype)
                 tensor.set_data_from_numpy(value)
                 inputs.append(tensor)
-            client.async_stream_infer("smollm2", inputs, request_id=request_id, enable_empty_final_response=True)
+            client.async_stream_infer(
+                "smollm2", inputs, request_id=request_id, enable_empty_final_response=True
+            )
         results: dict[str, list] = {request_id: [] for request_id in requests}
         finished = set()
         while len(finished) < len(requests):
@@ -120,38 +160,52 @@ def stream_over_grpc(server, requests: dict[str, dict[str, tuple[np.ndarray, str
 
 def grpc_inputs(max_tokens: int, **flags: bool) -> dict[str, tuple[np.ndarray, str]]:
     sampling = json.dumps({"temperature": 0, "max_tokens": max_tokens}).encode()
-    return {"text_input": (np.array([PROMPT.encode()], dtype=object), "BYTES"),
-            "stream": (np.array([True]), "BOOL"),
-            "sampling_parameters": (np.array([sampling], dtype=object), "BYTES"),
-            **{name: (np.array([value]), "BOOL") for name, value in flags.items()}}
+    return {
+        "text_input": (np.array([PROMPT.encode()], dtype=object), "BYTES"),
+        "stream": (np.array([True]), "BOOL"),
+        "sampling_parameters": (np.array([sampling], dtype=object), "BYTES"),
+        **{name: (np.array([value]), "BOOL") for name, value in flags.items()},
+    }
 
 
 def test_grpc_streaming_with_sampling_parameters(server):
     results = stream_over_grpc(server, {"a": grpc_inputs(6), "b": grpc_inputs(6)})
-    texts = {request_id: "".join(r.as_numpy("text_output")[0].decode() for r in got)
-             for request_id, got in results.items()}
+    texts = {
+        request_id: "".join(r.as_numpy("text_output")[0].decode() for r in got)
+        for request_id, got in results.items()
+    }
     assert texts["a"] == texts["b"] and texts["a"]
     assert all(r.as_numpy(name) is None for got in results.values() for r in got for name in OPTIONAL_OUTPUTS)
 
 
 def test_grpc_streaming_sends_the_optional_outputs_asked_for(server):
-    results = stream_over_grpc(server, {"all": grpc_inputs(6, **ALL_OUTPUTS),
-                                        "some": grpc_inputs(6, return_finish_reason=True,
-                                                            return_num_output_tokens=False)})
+    results = stream_over_grpc(
+        server,
+        {
+            "all": grpc_inputs(6, **ALL_OUTPUTS),
+            "some": grpc_inputs(6, return_finish_reason=True, return_num_output_tokens=False),
+        },
+    )
     every = results["all"]
     assert all(all(r.as_numpy(name) is not None for name in OPTIONAL_OUTPUTS) for r in every)
     assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in every) == 6
     assert every[-1].as_numpy("finish_reason")[0] == b"length"
     assert len({int(r.as_numpy("num_input_tokens")[0]) for r in every}) == 1
     some = results["some"]
-    assert all(r.as_numpy("finish_reason") is not None and r.as_numpy("num_output_tokens") is None for r in some)
+    assert all(
+        r.as_numpy("finish_reason") is not None and r.as_numpy("num_output_tokens") is None for r in some
+    )
 
 
 def test_cached_prefix_is_reported(server):
     long_prompt = "Strata serves models from a repository. " * 20
     params = {"temperature": 0, "max_tokens": 2}
-    body = {"text_input": long_prompt, "return_num_cached_tokens": True, "return_num_input_tokens": True,
-            "parameters": params}
+    body = {
+        "text_input": long_prompt,
+        "return_num_cached_tokens": True,
+        "return_num_input_tokens": True,
+        "parameters": params,
+    }
     first = json.loads(post(server, "/v2/models/smollm2/generate", body)[1])
     second = json.loads(post(server, "/v2/models/smollm2/generate", body)[1])
     assert first["num_cached_tokens"] == 0 or first["num_cached_tokens"] < second["num_cached_tokens"]
@@ -182,16 +236,27 @@ def test_cache_salt_keeps_tenants_apart(server):
         assert again[0] >= again[1] - 16, again
 
 
-@pytest.mark.parametrize("parameters, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                               ({"max_tokens": 0}, "max_tokens"), ({"bogus": 1}, "bogus"),
-                                               ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
-                                               ({"cache_salt": "x" * 257}, "cache_salt")])
+@pytest.mark.parametrize(
+    "parameters, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"bogus": 1}, "bogus"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"cache_salt": "x" * 257}, "cache_salt"),
+    ],
+)
 def test_bad_request_names_the_field(server, parameters, field):
     status, body = post(server, "/v2/models/smollm2/generate", {"text_input": "hi", "parameters": parameters})
     assert status == 400
     assert field in body and "Traceback" not in body
-    status, _ = post(server, "/v2/models/smollm2/generate",
-                     {"text_input": "hi", "parameters": {"temperature": 0, "max_tokens": 2}})
+    status, _ = post(
+        server,
+        "/v2/models/smollm2/generate",
+        {"text_input": "hi", "parameters": {"temperature": 0, "max_tokens": 2}},
+    )
     assert status == 200
 
 
@@ -199,8 +264,9 @@ def test_poll_mode_reloads_an_edited_llm_and_keeps_serving(tmp_path_factory):
     """An edited model.json re-binds the LLM; the server must not read the moment of re-binding as a crash."""
     tmp = tmp_path_factory.mktemp("poll")  # short: PyTriton's unix socket paths live under it
     repo = copy_models(tmp / "repo", "smollm2")
-    server = start_strata(repo, tmp, "--model-control-mode", "poll", "--repository-poll-secs", "0.3",
-                          wait_ready=True)
+    server = start_strata(
+        repo, tmp, "--model-control-mode", "poll", "--repository-poll-secs", "0.3", wait_ready=True
+    )
     try:
         _reload_and_check(server, repo)
     finally:

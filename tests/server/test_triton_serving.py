@@ -69,8 +69,9 @@ def test_infer_fp32_both_versions_batched(client):
     b = np.ones((3, 4), dtype=np.float32)
     m = client.module
     for version, scale in (("1", 1), ("2", 2)):
-        result = client.infer("add_sub", [_input(m, "INPUT0", a, "FP32"), _input(m, "INPUT1", b, "FP32")],
-                              model_version=version)
+        result = client.infer(
+            "add_sub", [_input(m, "INPUT0", a, "FP32"), _input(m, "INPUT1", b, "FP32")], model_version=version
+        )
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), (a + b) * scale)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), (a - b) * scale)
 
@@ -105,21 +106,32 @@ def test_bad_input_is_rejected_naming_the_tensor(client, name, dtype, shape):
 
 def test_repository_index_lists_every_model(client):
     index = client.get_model_repository_index()
-    rows = index if isinstance(index, list) else [
-        {"name": m.name, "version": m.version, "state": m.state} for m in index.models
-    ]
+    rows = (
+        index
+        if isinstance(index, list)
+        else [{"name": m.name, "version": m.version, "state": m.state} for m in index.models]
+    )
     states = {(r["name"], r["version"]): r["state"] for r in rows}
-    assert states == {("add_sub", "1"): "READY", ("add_sub", "2"): "READY",
-                      ("string_upper", "1"): "READY", ("torch_linear", "1"): "READY"}
+    assert states == {
+        ("add_sub", "1"): "READY",
+        ("add_sub", "2"): "READY",
+        ("string_upper", "1"): "READY",
+        ("torch_linear", "1"): "READY",
+    }
 
 
 def test_triton_metrics_per_model_and_version(server):
     client = httpclient.InferenceServerClient(server.http_url)
     a = np.ones((1, 4), dtype=np.float32)
-    client.infer("add_sub", [_input(httpclient, "INPUT0", a, "FP32"), _input(httpclient, "INPUT1", a, "FP32")],
-                 model_version="2")
+    client.infer(
+        "add_sub",
+        [_input(httpclient, "INPUT0", a, "FP32"), _input(httpclient, "INPUT1", a, "FP32")],
+        model_version="2",
+    )
     client.close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    )
     lines = [line for line in text.splitlines() if line.startswith("nv_inference_request_success")]
     counts = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
     assert counts['model="add_sub",version="2"'] >= 1

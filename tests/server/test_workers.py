@@ -31,13 +31,16 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120,
-                       max_retries=0) as client:
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120, max_retries=0
+    ) as client:
         yield client
 
 
 def metric_lines(server, name: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+    )
     rows = {}
     for line in text.splitlines():
         if line.startswith(name):
@@ -52,11 +55,20 @@ def worker_pids(server) -> list[int]:
 
 
 def test_openai_chat_and_completion_streaming(client):
-    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Name a color."}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
-    chunks = list(client.completions.create(model="smollm2", prompt="Counting: one, two,", max_tokens=6,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="smollm2",
+            prompt="Counting: one, two,",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 6
     models = [m.id for m in client.models.list()]
@@ -72,23 +84,36 @@ def test_tritonclient_streaming_on_the_same_workers(server):
     stream = grpcclient.InferInput("stream", [1], "BOOL")
     stream.set_data_from_numpy(np.array([True]))
     params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
-    params.set_data_from_numpy(np.array([json.dumps({"max_tokens": 5, "temperature": 0}).encode()], dtype=object))
+    params.set_data_from_numpy(
+        np.array([json.dumps({"max_tokens": 5, "temperature": 0}).encode()], dtype=object)
+    )
     grpc.async_stream_infer("smollm2", [text, stream, params], enable_empty_final_response=True)
-    wait_for(lambda: any(r is not None and r.get_response().parameters["triton_final_response"].bool_param
-                         for r, _ in outputs), 120, what="final streamed response")
+    wait_for(
+        lambda: any(
+            r is not None and r.get_response().parameters["triton_final_response"].bool_param
+            for r, _ in outputs
+        ),
+        120,
+        what="final streamed response",
+    )
     grpc.stop_stream()
     grpc.close()
     assert all(error is None for _, error in outputs)
-    assert "".join(r.as_numpy("text_output")[0].decode() for r, _ in outputs
-                   if not r.get_response().parameters["triton_final_response"].bool_param)
+    assert "".join(
+        r.as_numpy("text_output")[0].decode()
+        for r, _ in outputs
+        if not r.get_response().parameters["triton_final_response"].bool_param
+    )
 
 
 def test_shared_prefix_goes_where_it_is_cached(client, server):
     before = metric_lines(server, "strata_router_decisions_total")
-    first = client.completions.create(model="smollm2", prompt=SHARED_PREFIX + "Question one?", max_tokens=2,
-                                      temperature=0)
-    second = client.completions.create(model="smollm2", prompt=SHARED_PREFIX + "Question two?", max_tokens=2,
-                                       temperature=0)
+    first = client.completions.create(
+        model="smollm2", prompt=SHARED_PREFIX + "Question one?", max_tokens=2, temperature=0
+    )
+    second = client.completions.create(
+        model="smollm2", prompt=SHARED_PREFIX + "Question two?", max_tokens=2, temperature=0
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= 0.8 * first.usage.prompt_tokens
     after = metric_lines(server, "strata_router_decisions_total")
@@ -97,53 +122,76 @@ def test_shared_prefix_goes_where_it_is_cached(client, server):
 
 def test_bad_requests_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=0
+        )
     assert raised.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
 def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server):
-    request = dict(model="smollm2", prompt="Write a long story about a lighthouse keeper:", max_tokens=40,
-                   temperature=0)
+    request = dict(
+        model="smollm2", prompt="Write a long story about a lighthouse keeper:", max_tokens=40, temperature=0
+    )
     reference = client.completions.create(**request).choices[0].text
     pids = dict(re.findall(r"worker (\S+) up: pid (\d+)", server.log()))
     assert len(pids) == 2
     stream = client.completions.create(**request, stream=True, stream_options={"include_usage": True})
     chunks = [next(stream) for _ in range(4)]
-    busy = [labels for labels, value in metric_lines(server, "strata_router_worker_in_flight").items() if value]
+    busy = [
+        labels for labels, value in metric_lines(server, "strata_router_worker_in_flight").items() if value
+    ]
     holder = re.search(r'worker="([^"]+)"', busy[0]).group(1)
     os.kill(int(pids[holder]), signal.SIGKILL)
     chunks += list(stream)  # the same stream goes on: resumed on the other worker
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
     assert chunks[-1].usage.completion_tokens == 40
     assert text == reference  # greedy: the resumed answer is the one the dead worker would have given
     assert metric_lines(server, "strata_router_migrations_total") == {
-        f'strata_router_migrations_total{{worker="{holder}"}}': 1.0}
-    wait_for(lambda: len(metric_lines(server, "strata_router_worker_in_flight")) == 1, 30, what="worker dropped")
+        f'strata_router_migrations_total{{worker="{holder}"}}': 1.0
+    }
+    wait_for(
+        lambda: len(metric_lines(server, "strata_router_worker_in_flight")) == 1, 30, what="worker dropped"
+    )
     assert "left the router" in server.log()
     for i in range(4):
-        answer = client.completions.create(model="smollm2", prompt=f"Request {i} after a crash:", max_tokens=3,
-                                           temperature=0)
+        answer = client.completions.create(
+            model="smollm2", prompt=f"Request {i} after a crash:", max_tokens=3, temperature=0
+        )
         assert answer.usage.completion_tokens == 3
 
 
 def test_disconnect_cancels_on_the_worker(client, server):
-    stream = client.completions.create(model="smollm2", prompt="Write a very long story:", max_tokens=400,
-                                       temperature=0, stream=True)
+    stream = client.completions.create(
+        model="smollm2", prompt="Write a very long story:", max_tokens=400, temperature=0, stream=True
+    )
     for _, _chunk in zip(range(2), stream, strict=False):
         pass
     stream.close()
-    wait_for(lambda: sum(metric_lines(server, "strata_router_worker_in_flight").values()) == 0, 30,
-             what="request released after the client left")
+    wait_for(
+        lambda: sum(metric_lines(server, "strata_router_worker_in_flight").values()) == 0,
+        30,
+        what="request released after the client left",
+    )
     aborted = metric_lines(server, "strata_requests_total")
     assert any('status="aborted"' in labels and value >= 1 for labels, value in aborted.items())
 
 
 def test_workers_exit_when_the_server_is_killed(strata, tmp_path):
-    server = strata(copy_models(tmp_path / "repo", "smollm2"), "--workers", "2", "--no-kvbm",
-                    "--model-control-mode", "explicit", "--load-model", "smollm2")
+    server = strata(
+        copy_models(tmp_path / "repo", "smollm2"),
+        "--workers",
+        "2",
+        "--no-kvbm",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "smollm2",
+    )
     pids = worker_pids(server)
     assert len(pids) == 2
     os.kill(server.process.pid, signal.SIGKILL)

@@ -52,13 +52,20 @@ def start_server(redis_url: str, strategy: str = "round-robin") -> Server:
     """What `strata serve --accept-remote-workers` builds per model, in process: one spawned worker + discovery."""
     index = KVIndex()
     router = Router(RouterConfig(strategy=strategy), index)
-    local = RemoteEngine.spawn(WorkerId("local"), WorkerSpec(StepEngine, (0.005,), forward_events=True),
-                               event_sink=index)
+    local = RemoteEngine.spawn(
+        WorkerId("local"), WorkerSpec(StepEngine, (0.005,), forward_events=True), event_sink=index
+    )
     routed = RoutedEngine([local], router, block_size=4, salt=SALT)
 
     def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
-        return RemoteEngine.connect(WorkerId(record.worker_id), record.address, server_id, CURVE,
-                                    heartbeat_timeout_s=LEASE_S, event_sink=index)
+        return RemoteEngine.connect(
+            WorkerId(record.worker_id),
+            record.address,
+            server_id,
+            CURVE,
+            heartbeat_timeout_s=LEASE_S,
+            event_sink=index,
+        )
 
     discovery = Discovery(Directory(redis_url, "step", lease_s=LEASE_S), routed, connect).start()
     return Server(routed, router, discovery, index)
@@ -83,7 +90,8 @@ def remote_workers(redis_url: str) -> Iterator[callable]:
 
     def start(worker_id: str) -> multiprocessing.Process:
         process = multiprocessing.get_context("spawn").Process(
-            target=run_remote_step_worker, args=(worker_id, redis_url, LEASE_S), daemon=True)
+            target=run_remote_step_worker, args=(worker_id, redis_url, LEASE_S), daemon=True
+        )
         process.start()
         processes.append(process)
         return process
@@ -123,7 +131,9 @@ def test_remote_worker_joins_takes_requests_and_shows_its_hardware(server, remot
     assert record.address.to_worker.startswith("tcp://127.0.0.1:")
 
 
-def test_killed_remote_worker_is_routed_around_and_its_lease_expires(server, remote_workers, redis_url) -> None:
+def test_killed_remote_worker_is_routed_around_and_its_lease_expires(
+    server, remote_workers, redis_url
+) -> None:
     process = remote_workers("r1")
     wait_for(lambda: served_by(server, "r1"), 20, 0.05, what="r1 in the router")
     os.kill(process.pid, signal.SIGKILL)
@@ -132,7 +142,9 @@ def test_killed_remote_worker_is_routed_around_and_its_lease_expires(server, rem
     assert time.monotonic() - killed_at < LEASE_S + 1.0
     assert [generate(server.routed, f"after{i}", [5, 6]).finish_reason for i in range(3)] == ["length"] * 3
     client = redis.Redis.from_url(redis_url)
-    wait_for(lambda: not client.hexists(registrations_key("step"), "r1"), 10, 0.05, what="registration removed")
+    wait_for(
+        lambda: not client.hexists(registrations_key("step"), "r1"), 10, 0.05, what="registration removed"
+    )
     events = [fields for _, fields in client.xrange(events_key("step"))]
     assert {b"event": b"leave", b"worker": b"r1", b"reason": b"lease expired"} in events
 
@@ -167,7 +179,9 @@ def test_one_server_at_a_time_and_the_next_takes_over(redis_url, remote_workers)
         remote_workers("r1")
         wait_for(lambda: served_by(first, "r1") or served_by(second, "r1"), 20, 0.05, what="r1 claimed")
         holder, other = (first, second) if served_by(first, "r1") else (second, first)
-        time.sleep(LEASE_S)  # several claim refreshes and join-stream reads: the other server must not take it
+        time.sleep(
+            LEASE_S
+        )  # several claim refreshes and join-stream reads: the other server must not take it
         assert not served_by(other, "r1")
         stop_server(holder)  # lets go of r1, which announces itself free again
         wait_for(lambda: served_by(other, "r1"), 10, 0.05, what="r1 taken over")
@@ -211,7 +225,9 @@ def test_an_expired_registration_goes_with_its_leave_event_and_a_renewed_one_sta
     client = redis.Redis.from_url(redis_url)
     for worker_id in ("dead", "renewed"):
         client.hset(registrations_key("step"), worker_id, b"{}")
-    client.set(registration_lease_key("step", "renewed"), b"1", px=10_000)  # renewed after the server saw it lapse
+    client.set(
+        registration_lease_key("step", "renewed"), b"1", px=10_000
+    )  # renewed after the server saw it lapse
     directory = Directory(redis_url, "step")
     try:
         directory._remove_expired("renewed")

@@ -65,7 +65,10 @@ def push(endpoint: str, frame: bytes, curve: CurveKeys | None = None) -> None:
     sock.setsockopt(zmq.LINGER, 5000)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-            curve.worker_public, curve.client_public, curve.client_secret)
+            curve.worker_public,
+            curve.client_public,
+            curve.client_secret,
+        )
     sock.connect(endpoint)
     sock.send(frame)
     sock.close()
@@ -83,8 +86,10 @@ BAD_FRAMES = {
 
 def generate(engine: RemoteEngine | RoutedEngine, request_id: str, max_tokens: int = 3) -> GenerationOutput:
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-    engine.submit(GenerationRequest(RequestId(request_id), [1, 2, 3], SamplingParams(max_tokens=max_tokens)),
-                  outputs.put)
+    engine.submit(
+        GenerationRequest(RequestId(request_id), [1, 2, 3], SamplingParams(max_tokens=max_tokens)),
+        outputs.put,
+    )
     while not (output := outputs.get(timeout=10)).finished:
         pass
     return output
@@ -94,8 +99,15 @@ def generate(engine: RemoteEngine | RoutedEngine, request_id: str, max_tokens: i
 def remote_worker(redis_url: str) -> Iterator[RemoteWorker]:
     """A `strata worker` (StepEngine inside) in a thread of this process, so its counter can be read."""
     engine = StepEngine(0.002, worker_id="r1")
-    options = RemoteWorkerOptions("r1", redis_url, host="127.0.0.1", advertise_host="127.0.0.1", lease_s=LEASE_S,
-                                  heartbeat_s=0.2, curve=CURVE)
+    options = RemoteWorkerOptions(
+        "r1",
+        redis_url,
+        host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        lease_s=LEASE_S,
+        heartbeat_s=0.2,
+        curve=CURVE,
+    )
     worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options)
     thread = threading.Thread(target=worker.run, name="remote-worker", daemon=True)
     thread.start()
@@ -117,8 +129,9 @@ def attached(redis_url: str) -> Iterator[RemoteEngine]:
     try:
         record = directory.record("r1")
         assert record is not None and directory.claim("r1")
-        remote = RemoteEngine.connect(WorkerId("r1"), record.address, directory.server_id, CURVE,
-                                      heartbeat_timeout_s=LEASE_S)
+        remote = RemoteEngine.connect(
+            WorkerId("r1"), record.address, directory.server_id, CURVE, heartbeat_timeout_s=LEASE_S
+        )
         try:
             yield remote
         finally:
@@ -128,8 +141,9 @@ def attached(redis_url: str) -> Iterator[RemoteEngine]:
         directory.close()
 
 
-def test_the_pickle_exploit_on_a_free_worker_runs_nothing_and_it_serves_on(remote_worker, redis_url,
-                                                                            tmp_path) -> None:
+def test_the_pickle_exploit_on_a_free_worker_runs_nothing_and_it_serves_on(
+    remote_worker, redis_url, tmp_path
+) -> None:
     target = tmp_path / "pwned"
     push(remote_worker.address.to_worker, pickle_exploit(target), CURVE)
     wait_for(lambda: remote_worker.messages_rejected == 1, 10, 0.02, what="the frame rejected")
@@ -138,8 +152,9 @@ def test_the_pickle_exploit_on_a_free_worker_runs_nothing_and_it_serves_on(remot
         assert generate(remote, "after").finish_reason == "length"
 
 
-def test_the_pickle_exploit_on_a_serving_worker_drops_its_server_and_it_serves_the_next(remote_worker, redis_url,
-                                                                                        tmp_path) -> None:
+def test_the_pickle_exploit_on_a_serving_worker_drops_its_server_and_it_serves_the_next(
+    remote_worker, redis_url, tmp_path
+) -> None:
     target = tmp_path / "pwned"
     directory = Directory(redis_url, "step", lease_s=LEASE_S)
     try:
@@ -160,7 +175,9 @@ def test_the_pickle_exploit_on_a_serving_worker_drops_its_server_and_it_serves_t
 def test_every_kind_of_bad_frame_is_dropped_and_counted_by_a_worker(remote_worker, redis_url) -> None:
     for count, (kind, frame) in enumerate(BAD_FRAMES.items(), start=1):
         push(remote_worker.address.to_worker, frame, CURVE)
-        wait_for(lambda n=count: remote_worker.messages_rejected == n, 10, 0.02, what=f"the {kind} frame rejected")
+        wait_for(
+            lambda n=count: remote_worker.messages_rejected == n, 10, 0.02, what=f"the {kind} frame rejected"
+        )
     with attached(redis_url) as remote:
         assert generate(remote, "after").finish_reason == "length"
 
@@ -175,7 +192,9 @@ def test_a_bad_frame_on_a_server_link_drops_that_worker_and_its_requests_migrate
     routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
     try:
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-        routed.submit(GenerationRequest(RequestId("long"), [1, 2, 3], SamplingParams(max_tokens=40)), outputs.put)
+        routed.submit(
+            GenerationRequest(RequestId("long"), [1, 2, 3], SamplingParams(max_tokens=40)), outputs.put
+        )
         outputs.get(timeout=10)
         victim = next(w for w in workers if w.worker_id == routed._in_flight[RequestId("long")].worker_id)
         push(victim._channel.address.to_server, frame)  # the server's bound PULL endpoint of that link
@@ -193,7 +212,9 @@ def test_a_bad_frame_on_a_server_link_drops_that_worker_and_its_requests_migrate
 
 
 @pytest.mark.parametrize("keys", ["none", "another secret"])
-def test_a_peer_without_the_cluster_secret_reaches_nothing(remote_worker, redis_url, tmp_path, keys: str) -> None:
+def test_a_peer_without_the_cluster_secret_reaches_nothing(
+    remote_worker, redis_url, tmp_path, keys: str
+) -> None:
     """CURVE: a peer with no keys, or with the keys of another secret, never completes the handshake, so even a
     well-formed Attach (and the pickle exploit) never reaches the decoder. (`push` returns once its socket gave
     up delivering, after its linger; frames that arrived would be decoded before the real server's Attach.)"""
@@ -213,7 +234,9 @@ def test_a_server_with_another_secret_gets_no_hello(remote_worker, redis_url) ->
         assert record is not None and directory.claim("r1")
         wrong = CurveKeys.from_secret(b"another-cluster-secret-0123456789")
         with pytest.raises(WorkerDied, match="another cluster secret"):
-            RemoteEngine.connect(WorkerId("r1"), record.address, directory.server_id, wrong, start_timeout_s=2)
+            RemoteEngine.connect(
+                WorkerId("r1"), record.address, directory.server_id, wrong, start_timeout_s=2
+            )
         directory.release("r1")
     finally:
         directory.close()

@@ -38,15 +38,28 @@ from server.workers.protocol import (
 )
 
 HARDWARE = HardwareInfo("host", "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 100, 100 * 4096)
-REQUEST = GenerationRequest(RequestId("r-1"), [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=2**63,
-                                                                          stop=["\n"], stop_token_ids=[7]),
-                            cache_salt="tenant-a")
-TO_WORKER = [Attach("server-1"), Submit(1, REQUEST), Encode(2, "héllo"),
-             ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]), Abort(RequestId("r-1")),
-             Ack(), Stop()]
+REQUEST = GenerationRequest(
+    RequestId("r-1"),
+    [1, 2, 3],
+    SamplingParams(max_tokens=5, temperature=0.5, seed=2**63, stop=["\n"], stop_token_ids=[7]),
+    cache_salt="tenant-a",
+)
+TO_WORKER = [
+    Attach("server-1"),
+    Submit(1, REQUEST),
+    Encode(2, "héllo"),
+    ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]),
+    Abort(RequestId("r-1")),
+    Ack(),
+    Stop(),
+]
 TO_SERVER = [
-    Hello(WorkerInfo("step", 256, 200, 4, 2**64 - 1, 123, HARDWARE, Speeds(5000.0, 80.0))), Failed("no weights"),
-    Accepted(1), TokenIds(2, [104, 195]), Refused(3, "prompt", "too long"), CallFailed(4, "ValueError in worker"),
+    Hello(WorkerInfo("step", 256, 200, 4, 2**64 - 1, 123, HARDWARE, Speeds(5000.0, 80.0))),
+    Failed("no weights"),
+    Accepted(1),
+    TokenIds(2, [104, 195]),
+    Refused(3, "prompt", "too long"),
+    CallFailed(4, "ValueError in worker"),
     Out(GenerationOutput(RequestId("r-1"), [1000], " t0", True, "length", 3, 2, 1, None, True)),
     Beat(PoolStats(100, 90, 5, 2, 1, 0)),
     Event(TierEvent("w0", "moved", G2, (1, 2**64 - 1), from_tier=1, timestamp=1.5, node="host:0")),
@@ -65,7 +78,10 @@ def test_every_message_kind_round_trips_typed() -> None:
 
 def test_an_output_is_one_short_array() -> None:
     frame = Codec(ToWorker).encode(TO_SERVER[6])
-    assert msgspec.msgpack.decode(frame) == ["Out", ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True]]
+    assert msgspec.msgpack.decode(frame) == [
+        "Out",
+        ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True],
+    ]
 
 
 class _Exploit:
@@ -73,15 +89,18 @@ class _Exploit:
         return os.system, ("touch /nonexistent/never",)
 
 
-@pytest.mark.parametrize("frame", [
-    pickle.dumps(("call", 0, "submit", (_Exploit(),))),  # what the pickled protocol accepted
-    b"\xc1",  # not msgpack
-    msgspec.msgpack.encode(["Zap", 1]),  # unknown kind
-    Codec(ToServer).encode(Hello(TO_SERVER[0].info)),  # the other direction's kind
-    Codec(ToServer).encode(Submit(1, REQUEST))[:-4],  # truncated
-    msgspec.msgpack.encode(["Submit", 1, ["r", [1, "x"], []]]),  # a field of the wrong type
-    msgspec.msgpack.encode(["Abort"]),  # a field missing
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pickle.dumps(("call", 0, "submit", (_Exploit(),))),  # what the pickled protocol accepted
+        b"\xc1",  # not msgpack
+        msgspec.msgpack.encode(["Zap", 1]),  # unknown kind
+        Codec(ToServer).encode(Hello(TO_SERVER[0].info)),  # the other direction's kind
+        Codec(ToServer).encode(Submit(1, REQUEST))[:-4],  # truncated
+        msgspec.msgpack.encode(["Submit", 1, ["r", [1, "x"], []]]),  # a field of the wrong type
+        msgspec.msgpack.encode(["Abort"]),  # a field missing
+    ],
+)
 def test_frames_that_are_not_messages_are_refused(frame: bytes) -> None:
     with pytest.raises(BadMessage):
         Codec(ToWorker).decode(frame)
@@ -98,8 +117,12 @@ def test_oversized_frames_are_refused_both_ways() -> None:
 
 def test_values_out_of_range_are_refused() -> None:
     codec = Codec(ToServer)
-    bad_tier = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 9, "block_hashes": []}])
-    bad_hash = msgspec.msgpack.encode(["Event", {"worker_id": "w", "kind": "stored", "tier": 1, "block_hashes": [-1]}])
+    bad_tier = msgspec.msgpack.encode(
+        ["Event", {"worker_id": "w", "kind": "stored", "tier": 9, "block_hashes": []}]
+    )
+    bad_hash = msgspec.msgpack.encode(
+        ["Event", {"worker_id": "w", "kind": "stored", "tier": 1, "block_hashes": [-1]}]
+    )
     bad_reason = msgspec.msgpack.encode(["Out", ["r", [], "", True, "done!", 0, 0, 0, None, False]])
     for frame in (bad_tier, bad_hash, bad_reason):
         with pytest.raises(BadMessage):

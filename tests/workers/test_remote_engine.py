@@ -117,8 +117,9 @@ def test_killed_worker_is_detected_and_its_requests_fail() -> None:
 
 
 def test_hung_worker_is_declared_dead_after_missed_heartbeats() -> None:
-    remote = RemoteEngine.spawn(WorkerId("w-hang"), WorkerSpec(StepEngine, (0.01,), heartbeat_s=0.2),
-                                heartbeat_timeout_s=1.0)
+    remote = RemoteEngine.spawn(
+        WorkerId("w-hang"), WorkerSpec(StepEngine, (0.01,), heartbeat_s=0.2), heartbeat_timeout_s=1.0
+    )
     try:
         os.kill(remote.info.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -154,7 +155,10 @@ def test_routed_engine_keeps_a_conversation_on_the_worker_that_holds_it() -> Non
         assert _decisions(router)[("kv-aware", "prefix_hit")] == 4
         holders = index.query(block_hashes(turn, 4, SALT)).workers
         assert len(holders) == 1  # every turn went to the worker that held the conversation
-        assert 'strata_router_worker_active_blocks{worker="w0"} 0.0' in generate_latest(router.metrics.registry).decode()
+        assert (
+            'strata_router_worker_active_blocks{worker="w0"} 0.0'
+            in generate_latest(router.metrics.registry).decode()
+        )
     finally:
         for remote in workers:
             remote.close()
@@ -196,11 +200,16 @@ def test_openai_frontend_over_routed_worker_processes() -> None:
         app = build_app({"step": routed}, FrontendMetrics.create(registry))
         with _serve(app) as base_url:
             client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-            messages = [{"role": "system", "content": "You are a routing test."}, {"role": "user", "content": "hi"}]
+            messages = [
+                {"role": "system", "content": "You are a routing test."},
+                {"role": "user", "content": "hi"},
+            ]
             first = client.chat.completions.create(model="step", messages=messages, max_tokens=3)
             assert first.choices[0].message.content == " t0 t1 t2"
             messages += [{"role": "assistant", "content": "t0 t1 t2"}, {"role": "user", "content": "more"}]
-            chunks = list(client.chat.completions.create(model="step", messages=messages, max_tokens=2, stream=True))
+            chunks = list(
+                client.chat.completions.create(model="step", messages=messages, max_tokens=2, stream=True)
+            )
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t0 t1"
             with pytest.raises(openai.BadRequestError):
                 client.completions.create(model="step", prompt="x", max_tokens=500)

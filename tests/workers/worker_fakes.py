@@ -38,11 +38,18 @@ class StepEngine:
     max_model_len = 256
     max_tokens_limit = 200
     block_layout = KVBlockLayout(block_size=4, salt=SALT)
-    resources = EngineResources(device="cpu", num_threads=1, max_concurrent_requests=64, kv_capacity_blocks=100,
-                                kv_capacity_bytes=100 * 4096)
+    resources = EngineResources(
+        device="cpu",
+        num_threads=1,
+        max_concurrent_requests=64,
+        kv_capacity_blocks=100,
+        kv_capacity_bytes=100 * 4096,
+    )
     healthy = True
 
-    def __init__(self, step_s: float = 0.005, *, worker_id: str = "w", events: EventSink | None = None) -> None:
+    def __init__(
+        self, step_s: float = 0.005, *, worker_id: str = "w", events: EventSink | None = None
+    ) -> None:
         self.step_s = step_s
         self.worker_id = worker_id
         self.events = events
@@ -58,8 +65,14 @@ class StepEngine:
 
     def stats(self) -> PoolStats:
         running = sum(not event.is_set() for event in self._aborts.values())
-        return PoolStats(num_blocks=100, num_free_blocks=100, num_cached_blocks=0, num_running=running,
-                         num_waiting=0, num_preemptions=0)
+        return PoolStats(
+            num_blocks=100,
+            num_free_blocks=100,
+            num_cached_blocks=0,
+            num_running=running,
+            num_waiting=0,
+            num_preemptions=0,
+        )
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
@@ -85,8 +98,18 @@ class StepEngine:
                 sink(GenerationOutput(request.request_id, [], "", True, "abort", prompt, 0, i))
                 return
             last = i + 1 == total
-            sink(GenerationOutput(request.request_id, [1000 + i], f" t{i}", last, "length" if last else None,
-                                  prompt, 0, i + 1))
+            sink(
+                GenerationOutput(
+                    request.request_id,
+                    [1000 + i],
+                    f" t{i}",
+                    last,
+                    "length" if last else None,
+                    prompt,
+                    0,
+                    i + 1,
+                )
+            )
         abort.set()  # done: no longer counted as running
 
 
@@ -97,7 +120,9 @@ def broken_factory(**_: object) -> StepEngine:
 FAKE_SPEEDS = Speeds(prefill_tok_s=5000.0, decode_tok_s=80.0)
 
 
-def run_remote_step_worker(worker_id: str, redis_url: str, lease_s: float = 1.5, step_s: float = 0.005) -> None:
+def run_remote_step_worker(
+    worker_id: str, redis_url: str, lease_s: float = 1.5, step_s: float = 0.005
+) -> None:
     """A `strata worker` whose engine is a StepEngine (spawn target): registers, serves, leaves on SIGTERM."""
     import logging
     import signal
@@ -108,8 +133,15 @@ def run_remote_step_worker(worker_id: str, redis_url: str, lease_s: float = 1.5,
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s")
     events = ChannelEvents(None)
     engine = StepEngine(step_s, worker_id=worker_id, events=events)
-    options = RemoteWorkerOptions(worker_id, redis_url, host="127.0.0.1", advertise_host="127.0.0.1",
-                                  lease_s=lease_s, heartbeat_s=0.2, curve=CURVE)
+    options = RemoteWorkerOptions(
+        worker_id,
+        redis_url,
+        host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        lease_s=lease_s,
+        heartbeat_s=0.2,
+        curve=CURVE,
+    )
     worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options, events)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())

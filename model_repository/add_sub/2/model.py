@@ -25,7 +25,11 @@ class TritonPythonModel:
                 continue
             out0 = ((a + b) * self.scale).astype(self.out_dtype)
             out1 = ((a - b) * self.scale).astype(self.out_dtype)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out0), pb_utils.Tensor("OUTPUT1", out1)]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("OUTPUT0", out0), pb_utils.Tensor("OUTPUT1", out1)]
+                )
+            )
         return responses
 
     def finalize(self):

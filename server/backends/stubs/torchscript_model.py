@@ -35,7 +35,8 @@ class TritonPythonModel:
     def execute(self, requests):
         try:
             arrays = [
-                [pb_utils.get_input_tensor_by_name(r, name).as_numpy() for r in requests] for name in self.inputs
+                [pb_utils.get_input_tensor_by_name(r, name).as_numpy() for r in requests]
+                for name in self.inputs
             ]
             if self.batched:
                 sizes = [a.shape[0] for a in arrays[0]]
@@ -55,4 +56,6 @@ class TritonPythonModel:
         return [r.detach().cpu().numpy() for r in results]
 
     def _response(self, results):
-        return pb_utils.InferenceResponse([pb_utils.Tensor(n, r) for n, r in zip(self.outputs, results, strict=True)])
+        return pb_utils.InferenceResponse(
+            [pb_utils.Tensor(n, r) for n, r in zip(self.outputs, results, strict=True)]
+        )

@@ -11,4 +11,6 @@ class TritonPythonModel:
         raise pb_utils.TritonModelException(config["parameters"]["strata_error"]["string_value"])
 
     def execute(self, requests):
-        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("model is unavailable")) for _ in requests]
+        return [
+            pb_utils.InferenceResponse(error=pb_utils.TritonError("model is unavailable")) for _ in requests
+        ]
