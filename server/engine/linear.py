@@ -28,11 +28,14 @@ ROW_BUCKET = 64
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packing runs on this CPU for this dtype. Its bf16 path needs avx512bw/vl/dq or avx_ne_convert: on
+    an avx2-only CPU bf16 weights stay plain (torch's own kernels), rather than failing at load."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
