@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import os
 import socket
+from pathlib import Path
 
 from blake3 import blake3
 
@@ -43,6 +44,26 @@ def check_secret(secret: bytes, where: str) -> bytes:
             "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret"
         )
     return secret
+
+
+def load_secret(path: Path | None, env_value: str | None, needed_by: str | None) -> bytes | None:
+    """The cluster secret from the file at `path` (--cluster-secret-file), else `env_value`
+    (STRATA_CLUSTER_SECRET, read by the caller's CLI); None if neither and nothing needs it. ValueError, naming
+    the source or `needed_by` and saying how to make a secret, otherwise."""
+    if path is not None:
+        try:
+            return check_secret(path.read_bytes(), f"--cluster-secret-file {path}")
+        except OSError as exc:
+            raise ValueError(f"--cluster-secret-file {path}: {exc.strerror}") from exc
+    if env_value:
+        return check_secret(env_value.encode(), "STRATA_CLUSTER_SECRET")
+    if needed_by is None:
+        return None
+    raise ValueError(
+        f"{needed_by} needs a cluster secret (every link between machines is authenticated): "
+        "python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret; chmod 600 strata.secret; "
+        "then pass --cluster-secret-file strata.secret to every strata process (or set STRATA_CLUSTER_SECRET)"
+    )
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:

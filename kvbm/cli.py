@@ -33,20 +33,11 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
 def service_key(args: argparse.Namespace) -> bytes:
     """The query port's key, from --cluster-secret-file or STRATA_CLUSTER_SECRET (kvbm's own CLI reads its
     environment here: the package runs without `server`); ValueError saying how to make a secret if neither."""
-    from kvbm.auth import check_secret, derive_key
+    from kvbm.auth import derive_key, load_secret
 
-    if args.cluster_secret_file is not None:
-        secret = check_secret(
-            args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}"
-        )
-    elif os.environ.get("STRATA_CLUSTER_SECRET"):
-        secret = check_secret(os.environ["STRATA_CLUSTER_SECRET"].encode(), "STRATA_CLUSTER_SECRET")
-    else:
-        raise ValueError(
-            "the KVBM service needs the cluster secret: python -c 'import secrets; "
-            "print(secrets.token_hex(32))' > strata.secret, then --cluster-secret-file strata.secret "
-            "here and on every strata process (or STRATA_CLUSTER_SECRET)"
-        )
+    secret = load_secret(
+        args.cluster_secret_file, os.environ.get("STRATA_CLUSTER_SECRET"), "the KVBM service"
+    )
     return derive_key(secret, "kvbm-service")
 
 

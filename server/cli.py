@@ -178,25 +178,9 @@ def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 def cluster_secret(args: argparse.Namespace, needed_by: str | None) -> bytes | None:
     """The cluster secret from --cluster-secret-file or STRATA_CLUSTER_SECRET; ValueError if `needed_by` (the
     flag or command that needs it) is set and there is none, saying how to make one."""
-    from kvbm.auth import check_secret
+    from kvbm.auth import load_secret
 
-    if args.cluster_secret_file is not None:
-        try:
-            return check_secret(
-                args.cluster_secret_file.read_bytes(), f"--cluster-secret-file {args.cluster_secret_file}"
-            )
-        except OSError as exc:
-            raise ValueError(f"--cluster-secret-file {args.cluster_secret_file}: {exc.strerror}") from exc
-    if settings.cluster_secret():
-        return check_secret(settings.cluster_secret().encode(), "STRATA_CLUSTER_SECRET")
-    if needed_by is None:
-        return None
-    raise ValueError(
-        f"{needed_by} needs a cluster secret (every link between machines is authenticated): "
-        "python -c 'import secrets; print(secrets.token_hex(32))' > strata.secret; chmod 600 "
-        "strata.secret; then pass --cluster-secret-file strata.secret to every strata process "
-        "(or set STRATA_CLUSTER_SECRET)"
-    )
+    return load_secret(args.cluster_secret_file, settings.cluster_secret(), needed_by)
 
 
 def triton_access(args: argparse.Namespace) -> dict[str, object]:

@@ -35,7 +35,7 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take requests now (e.g. every worker process is gone); clients get 503."""
 
 
-_SAMPLING_FIELDS = {
+SAMPLING_FIELDS = (  # the client-settable fields of SamplingParams (vLLM / OpenAI names)
     "max_tokens",
     "temperature",
     "top_p",
@@ -47,7 +47,7 @@ _SAMPLING_FIELDS = {
     "frequency_penalty",
     "ignore_eos",
     "min_tokens",
-}
+)
 
 
 class SamplingParams(msgspec.Struct, array_like=True):
@@ -68,10 +68,10 @@ class SamplingParams(msgspec.Struct, array_like=True):
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
         """Validate a client's sampling fields (vLLM / OpenAI names); raise RequestError naming the field."""
-        unknown = sorted(set(raw) - _SAMPLING_FIELDS)
+        unknown = sorted(set(raw) - set(SAMPLING_FIELDS))
         if unknown:
             raise RequestError(
-                unknown[0], f"unknown sampling field; allowed: {', '.join(sorted(_SAMPLING_FIELDS))}"
+                unknown[0], f"unknown sampling field; allowed: {', '.join(sorted(SAMPLING_FIELDS))}"
             )
         params = cls()
         for name, value in raw.items():

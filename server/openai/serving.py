@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from server.engine.api import (
+    SAMPLING_FIELDS,
     Engine,
     EngineUnavailable,
     GenerationOutput,
@@ -43,19 +44,6 @@ _UNSUPPORTED = (
     "tools",
     "functions",
     "response_format",
-)
-_SAMPLING_NAMES = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
-    "ignore_eos",
 )
 
 
@@ -271,7 +259,7 @@ class OpenAIServing:
         prompt_param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
         if not token_ids:
             self._fail(request.model, 400, "the prompt is empty", prompt_param)
-        raw: dict[str, Any] = {name: getattr(request, name) for name in _SAMPLING_NAMES}
+        raw: dict[str, Any] = {name: getattr(request, name) for name in SAMPLING_FIELDS}
         requested = _max_tokens(request)
         try:
             limit = max_output_tokens(engine, len(token_ids))
