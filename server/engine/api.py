@@ -110,8 +110,8 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 
 
 def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        raise RequestError(name, f"must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r}")
     if value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise RequestError(name, f"must be in {bracket}{low}, {high}], got {value}")

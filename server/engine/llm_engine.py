@@ -154,6 +154,9 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
         request.sampling.validate(limit)
+        if not all(0 <= t < vocab for t in request.sampling.stop_token_ids):
+            # out of range, an id would fail inside the sampler's step and take every request batched with it
+            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         validate_cache_salt(request.cache_salt)
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
