@@ -11,7 +11,7 @@ from kvbm_testing import G4_KEY, RedisServer
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink
-from kvbm.redis_pool import RedisPool
+from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool
 
 BLOCK = 4096
 
@@ -144,3 +144,17 @@ def test_acl_user_and_password_come_from_the_url() -> None:
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
     finally:
         server.stop()
+
+
+def test_a_get_larger_than_one_fetch_chunk_keeps_every_block_in_place(redis_url: str) -> None:
+    """Onboarding fetches in chunks (verifying one while the next is in flight): results stay per block."""
+    pool = pool_for(redis_url)
+    count = 2 * FETCH_CHUNK_BLOCKS + 3
+    blocks = data(count, seed=5)
+    hashes = [BlockHash(100 + i) for i in range(count)]
+    pool.put(hashes, blocks)
+    client = redis.Redis.from_url(redis_url)
+    client.delete(pool.key(hashes[FETCH_CHUNK_BLOCKS + 1]))  # a miss in the second chunk
+    ok, dests = read(pool, [int(h) for h in hashes])
+    assert ok == [i != FETCH_CHUNK_BLOCKS + 1 for i in range(count)]
+    assert all(np.array_equal(dests[i], blocks[i]) for i in range(count) if ok[i])
