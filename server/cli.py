@@ -292,14 +292,14 @@ def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
     add_service_flags(p)
 
 
-def kvbm_config(args: argparse.Namespace) -> KVBMConfig | None:
-    """The KVBM tiers of the --kvbm-* flags (shared by `strata serve` and `strata worker`); None with --no-kvbm."""
+def kvbm_config(args: argparse.Namespace, secret: bytes | None) -> KVBMConfig | None:
+    """The KVBM tiers of the --kvbm-* flags (shared by `strata serve` and `strata worker`); None with --no-kvbm.
+    G4 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses G4 without one)."""
     from kvbm.auth import derive_key
     from kvbm.config import KVBMConfig
 
     if not args.kvbm:
         return None
-    secret = cluster_secret(args, "--redis-url (G4 blocks are signed)" if args.redis_url else None)
     kvbm = KVBMConfig(
         host_cache_gb=args.kvbm_host_cache_gb,
         disk_cache_gb=args.kvbm_disk_cache_gb,
@@ -351,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.workers.remote_worker import run_worker
 
         try:
-            overrides, kvbm = engine_overrides(args), kvbm_config(args)
             secret = cluster_secret(args, "strata worker (its TCP ports admit only servers that hold it)")
+            overrides, kvbm = engine_overrides(args), kvbm_config(args, secret)
         except ValueError as exc:
             logging.getLogger("strata").error("%s", exc)
             return 2

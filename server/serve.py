@@ -112,20 +112,27 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         raise ValueError(f"--workers: must be >= 0, got {args.workers}")
     if args.workers == 0 and not args.accept_remote_workers:
         raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
-    needed_by = (
-        "--accept-remote-workers"
-        if args.accept_remote_workers
-        else ("--kvbm-service" if args.kvbm_service else None)
-    )
+    secret = cluster_secret(args, secret_needed_by(args))  # read once: links and G4 keys derive from it
     return LLMServing(
         router,
         args.workers,
-        kvbm_config(args),
+        kvbm_config(args, secret),
         args.kvbm_service,
         engine_overrides(args),
         remote_workers=args.redis_url if args.accept_remote_workers else None,
-        cluster_secret=cluster_secret(args, needed_by),
+        cluster_secret=secret,
     )
+
+
+def secret_needed_by(args: argparse.Namespace) -> str | None:
+    """The flag of `strata serve` that needs the cluster secret, if any (named when it is missing)."""
+    if args.accept_remote_workers:
+        return "--accept-remote-workers"
+    if args.kvbm_service:
+        return "--kvbm-service"
+    if args.redis_url and args.kvbm:
+        return "--redis-url (G4 blocks are signed)"
+    return None
 
 
 def _shutdown(
