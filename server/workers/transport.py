@@ -83,12 +83,10 @@ class _AdmitOneKey:
 
     def __init__(self, client_public: bytes) -> None:
         self.client_public = client_public
-        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key == self.client_public:
             return True
-        self.refused += 1
         logger.warning(
             "refused a connection whose CURVE key is not the cluster's (wrong or no cluster secret)"
         )
@@ -135,8 +133,7 @@ def _retarget(endpoint: str, host: str) -> str:
 class Channel:
     """One end of the link: `send` from any thread, `recv` from one thread only. `address` is the address as
     bound (wildcard TCP ports resolved) on the binding side, else the one given. Frames over `max_message_bytes`
-    are refused both ways. A TCP link needs `curve` (see the module docstring); `refused_peers` counts the
-    connections a worker turned away for not holding the cluster's key."""
+    are refused both ways. A TCP link needs `curve` (see the module docstring)."""
 
     def __init__(
         self,
@@ -152,7 +149,6 @@ class Channel:
         self._codec = Codec(ToServer if server_side else ToWorker, max_message_bytes)
         self._context = zmq.Context()
         self._authenticator: ThreadAuthenticator | None = None
-        self._admit: _AdmitOneKey | None = None
         self._out = self._context.socket(zmq.PUSH)
         self._in = self._context.socket(zmq.PULL)
         if address.worker_binds:
@@ -201,14 +197,11 @@ class Channel:
                 sock.curve_secretkey = curve.worker_secret
                 sock.zap_domain = b"strata"
         if not server_side:
-            self._admit = _AdmitOneKey(curve.client_public)
             self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("zmq.auth"))
             self._authenticator.start()
-            self._authenticator.configure_curve_callback("strata", credentials_provider=self._admit)
-
-    @property
-    def refused_peers(self) -> int:
-        return self._admit.refused if self._admit is not None else 0
+            self._authenticator.configure_curve_callback(
+                "strata", credentials_provider=_AdmitOneKey(curve.client_public)
+            )
 
     def send(self, message: Message) -> None:
         """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a
