@@ -219,6 +219,13 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         help="override max_concurrent_requests of every LLM engine",
     )
     group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="override max_queued_requests of every LLM engine (default 256 per engine: requests waiting for a "
+        "slot; past it a request is refused with 429 + Retry-After, or UNAVAILABLE on Triton)",
+    )
+    group.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -316,12 +323,14 @@ def kvbm_config(args: argparse.Namespace, secret: bytes | None) -> KVBMConfig | 
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, int]:
-    """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-num-batched-tokens."""
+    """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests and
+    --max-num-batched-tokens."""
     return {
         key: value
         for key, value in (
             ("max_model_len", args.context_length),
             ("max_concurrent_requests", args.max_concurrent_requests),
+            ("max_queued_requests", args.max_queued_requests),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
         )
         if value is not None

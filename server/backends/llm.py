@@ -38,6 +38,7 @@ from server.backends.unavailable import stage_reason
 from server.deployment import LLMDeployment
 from server.engine.api import (
     Engine,
+    EngineOverloaded,
     EngineUnavailable,
     GenerationOutput,
     GenerationRequest,
@@ -171,6 +172,8 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
                 yield [response]
         except RequestError as exc:
             raise TritonClientError(str(exc)) from None
+        except EngineOverloaded as exc:  # PyTriton sets no error code: the message says UNAVAILABLE, as Triton's
+            raise TritonClientError(f"UNAVAILABLE: {exc}") from None
         except EngineUnavailable as exc:
             raise TritonClientError(f"{engine.model_name} cannot take requests now: {exc}") from None
         except Exception:

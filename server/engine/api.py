@@ -35,6 +35,15 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take requests now (e.g. every worker process is gone); clients get 503."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The engine's wait queue is full (`max_queued_requests`): the request was not queued and may be retried
+    after `retry_after_s` seconds; clients get 429 (OpenAI) or UNAVAILABLE (Triton)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 SAMPLING_FIELDS = (  # the client-settable fields of SamplingParams (vLLM / OpenAI names)
     "max_tokens",
     "temperature",
@@ -135,6 +144,24 @@ def validate_cache_salt(cache_salt: Any) -> None:
         cache_salt.encode()
     except UnicodeEncodeError:
         raise RequestError("cache_salt", "must be valid Unicode (no lone surrogates)") from None
+
+
+# A first bound on prompt text, before tokenizing: a text averaging more characters per token than this is no
+# language a tokenizer was trained on (SmolLM2's longest token is 81 characters, a run of spaces).
+MAX_CHARS_PER_TOKEN = 128
+
+
+def check_prompt_chars(field: str, num_chars: int, max_model_len: int) -> None:
+    """Raise RequestError(field) for a prompt of `num_chars` characters that cannot fit a context of
+    `max_model_len` tokens (more than MAX_CHARS_PER_TOKEN per token). Frontends call it before tokenizing, so an
+    absurd text is refused without the tokenizer's work."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > limit:
+        raise RequestError(
+            field,
+            f"{num_chars} characters cannot fit this model's context of {max_model_len} tokens "
+            f"(at most {limit} characters)",
+        )
 
 
 class GenerationRequest(msgspec.Struct, array_like=True):

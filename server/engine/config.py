@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int = 4096  # tokens: prompt + output
     max_num_batched_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
     max_concurrent_requests: int = 64  # running sequences; the rest wait in a queue
+    max_queued_requests: int = 256  # waiting sequences; past it submit raises EngineOverloaded (429)
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec
@@ -55,6 +56,7 @@ class EngineConfig:
             "max_model_len",
             "max_num_batched_tokens",
             "max_concurrent_requests",
+            "max_queued_requests",
             "max_tokens_limit",
         ]
         for key in positive + ["num_kv_blocks", "num_threads"]:

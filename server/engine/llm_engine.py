@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt, request_salt
 from server.engine.api import (
+    EngineOverloaded,
     EngineResources,
     GenerationOutput,
     GenerationRequest,
@@ -91,6 +92,7 @@ class LLMEngine:
         self._abort_ids: list[RequestId] = []
         self._active: dict[RequestId, Seq] = {}  # guarded by _cond: ids submitted and not yet finished
         self._stopping = False
+        self.num_rejected = 0  # submits refused because the wait queue was full
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
         log.info(
@@ -141,6 +143,12 @@ class LLMEngine:
                 raise RuntimeError("engine is shut down")
             if request.request_id in self._active:
                 raise RequestError("request_id", f"{request.request_id!r} is already running")
+            queued = len(self._inbox) + len(self.scheduler.waiting)  # the deque's len is safe from any thread
+            if queued >= self.config.max_queued_requests:
+                self.num_rejected += 1
+                raise EngineOverloaded(
+                    f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
+                )
             self._active[request.request_id] = seq
             self._inbox.append(seq)
             self._cond.notify()
@@ -227,7 +235,11 @@ class LLMEngine:
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._finish(seq, "abort")
                 return
-            self._step()
+            try:
+                self._step()
+            except Exception as err:  # a fault outside any one sequence's work: fail them all, keep serving
+                log.exception("engine step failed outside per-request work; failing every queued request")
+                self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), err)
 
     def _abort(self, request_id: RequestId) -> None:
         seq = self._active.get(request_id)
@@ -236,38 +248,105 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        chunks: list[ScheduledChunk] = []
+        """One scheduler step. A fault is contained to the requests it belongs to: a batched forward or sampler
+        that raises is retried one sequence at a time (rewriting a KV slot with the same values is harmless), and
+        per-sequence work (block registration, stop checks, detokenizing, the sink) fails only its own request."""
         try:
             chunks = self.scheduler.schedule()
-            if not chunks:
-                return
-            logits = self.runner.run(chunks)
-            self._postprocess(chunks, logits)
         except Exception as err:
-            log.exception("engine step failed; failing its %d requests", len(chunks))
-            # a failure while scheduling names no chunk: fail every queued request rather than spin on it
-            affected = [c.seq for c in chunks] or list(self.scheduler.running) + list(self.scheduler.waiting)
-            for seq in affected:
-                if seq.status is not SequenceStatus.FINISHED:
-                    self._finish(seq, "error", error=f"internal engine error ({type(err).__name__})")
+            # a failure while scheduling names no sequence: fail every queued request rather than spin on it
+            log.exception("engine scheduling failed; failing every queued request")
+            self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), err)
+            return
+        if not chunks:
+            return
+        try:
+            logits = self.runner.run(chunks)
+        except Exception as err:
+            if len(chunks) == 1:
+                log.exception("engine step failed for request %s", chunks[0].seq.request_id)
+                self._fail([chunks[0].seq], err)
+                return
+            log.warning(
+                "batched step of %d sequences failed (%r); retrying them one by one", len(chunks), err
+            )
+            for chunk in chunks:
+                self._step_alone(chunk)
+            return
+        self._postprocess(chunks, logits)
+
+    def _step_alone(self, chunk: ScheduledChunk) -> None:
+        try:
+            logits = self.runner.run([chunk])
+        except Exception as err:
+            log.exception("engine step failed for request %s", chunk.seq.request_id)
+            self._fail([chunk.seq], err)
+            return
+        self._postprocess([chunk], logits)
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        sampling = []
+        sampling: list[Seq] = []
+        rows: list[
+            int
+        ] = []  # each sampling sequence's row of `logits` (one row per chunk that ends its prompt)
+        row = 0
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.register_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
+            ends = seq.num_computed_tokens + chunk.num_tokens == seq.num_tokens
+            try:
+                seq.num_computed_tokens += chunk.num_tokens
+                self.block_manager.register_full_blocks(seq)
+            except Exception as err:
+                log.exception("registering the blocks of request %s failed", seq.request_id)
+                self._fail([seq], err)
+            else:
+                if ends:
+                    sampling.append(seq)
+                    rows.append(row)
+            row += ends
         if not sampling:
             return
-        for seq, token_id in zip(sampling, self.sampler(logits, sampling), strict=True):
-            seq.append_token(token_id)
-            reason = self._check_stop(seq, token_id)
+        if len(rows) < row:
+            logits = logits[rows]
+        try:
+            token_ids = self.sampler(logits, sampling)
+        except Exception as err:
+            if len(sampling) == 1:
+                log.exception("sampling failed for request %s", sampling[0].request_id)
+                self._fail(sampling, err)
+                return
+            log.warning(
+                "batched sampling of %d sequences failed (%r); sampling them one by one", len(sampling), err
+            )
+            token_ids = [self._sample_alone(seq, logits[i : i + 1]) for i, seq in enumerate(sampling)]
+        for seq, token_id in zip(sampling, token_ids, strict=True):
+            if token_id is None:
+                continue
+            try:
+                seq.append_token(token_id)
+                reason = self._check_stop(seq, token_id)
+            except Exception as err:
+                log.exception("stop check failed for request %s", seq.request_id)
+                self._fail([seq], err)
+                continue
             if reason:
                 self._finish(seq, reason)
             else:
                 self._emit(seq, finished=False)
+
+    def _sample_alone(self, seq: Seq, logits: torch.Tensor) -> int | None:
+        try:
+            return self.sampler(logits, [seq])[0]
+        except Exception as err:
+            log.exception("sampling failed for request %s", seq.request_id)
+            self._fail([seq], err)
+            return None
+
+    def _fail(self, seqs: list[Seq], err: Exception) -> None:
+        """Finish `seqs` with finish_reason "error"; their clients see the exception's type and message."""
+        reason = f"internal engine error: {type(err).__name__}: {err}"[:500]
+        for seq in seqs:
+            self._finish(seq, "error", error=reason)
 
     def _check_stop(self, seq: Seq, token_id: int) -> str | None:
         params = seq.sampling
@@ -283,7 +362,14 @@ class LLMEngine:
 
     def _emit(self, seq: Seq, finished: bool, reason: str | None = None, error: str | None = None) -> None:
         new_ids = seq.output_token_ids[seq.num_reported_tokens :]
-        text = seq.detokenizer.take_text(finished)
+        try:
+            text = seq.detokenizer.take_text(finished)
+        except Exception as err:
+            log.exception("detokenizing request %s failed", seq.request_id)
+            if not finished:
+                self._fail([seq], err)  # emits the finish, whose text is then ""
+                return
+            text = ""
         if not (new_ids or text or finished):
             return
         seq.num_reported_tokens = seq.num_output_tokens

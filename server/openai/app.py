@@ -113,14 +113,14 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def _error(status: int, info: p.ErrorInfo) -> JSONResponse:
-    return JSONResponse(p.dump(p.ErrorResponse(error=info)), status_code=status)
+def _error(status: int, info: p.ErrorInfo, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(p.dump(p.ErrorResponse(error=info)), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error(exc.status, exc.info)
+        return _error(exc.status, exc.info, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,9 +1,9 @@
 """Prometheus metrics of the OpenAI frontend, registered in a registry the caller owns.
 
 Every series carries the label `model` (the served model name). `strata_requests_total` adds `status`:
-"success" (finished normally), "invalid" (4xx: bad request, unknown model), "aborted" (client went away or the
-engine aborted it), "error" (5xx). Token counters and latency histograms count engine requests, so a request
-with `n=4` counts four prompts' worth of tokens.
+"success" (finished normally), "invalid" (4xx: bad request, unknown model), "rejected" (429: every wait queue
+was full), "aborted" (client went away or the engine aborted it), "error" (5xx). Token counters and latency
+histograms count engine requests, so a request with `n=4` counts four prompts' worth of tokens.
 """
 
 from __future__ import annotations

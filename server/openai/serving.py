@@ -2,7 +2,8 @@
 
 Non-streaming calls return a response model; streaming calls return an async iterator of SSE lines
 (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`). Errors a client can fix raise `OpenAIError` with the OpenAI
-status, type and the offending parameter; engine failures become a 500 whose message leaks nothing.
+status, type and the offending parameter; a full wait queue is a 429 with Retry-After; an engine failure of one
+request is a 500 with the engine's reason (exception type and message; tracebacks stay in the server log).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -21,6 +23,7 @@ import msgspec
 from server.engine.api import (
     SAMPLING_FIELDS,
     Engine,
+    EngineOverloaded,
     EngineUnavailable,
     GenerationOutput,
     RequestError,
@@ -57,14 +60,28 @@ class OpenAIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.info = p.ErrorInfo(message=message, type=type_, param=param, code=code)
+        self.headers = headers
 
 
-def internal_error() -> OpenAIError:
-    return OpenAIError(500, "internal server error; see the server log", "internal_server_error")
+def internal_error(reason: str | None = None) -> OpenAIError:
+    """500; `reason` is an engine's own account of a failed request (GenerationOutput.error)."""
+    return OpenAIError(500, reason or "internal server error; see the server log", "internal_server_error")
+
+
+def overloaded(model: str, exc: EngineOverloaded) -> OpenAIError:
+    """429 with Retry-After (whole seconds, at least 1): the engine's wait queue is full."""
+    return OpenAIError(
+        429,
+        f"model `{model}` is overloaded: {exc}",
+        type_="rate_limit_exceeded",
+        code="queue_full",
+        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+    )
 
 
 @dataclass(slots=True)
@@ -237,6 +254,9 @@ class OpenAIServing:
             generation.submit(jobs, request.cache_salt)
         except RequestError as exc:
             self._fail_field(request, exc)
+        except EngineOverloaded as exc:
+            self._metrics.requests.labels(request.model, "rejected").inc()
+            raise overloaded(request.model, exc) from None
         except EngineUnavailable as exc:
             self._metrics.requests.labels(request.model, "error").inc()
             raise OpenAIError(
@@ -283,7 +303,7 @@ class OpenAIServing:
                 _accumulate(choices[index], output)
                 if output.finish_reason == "error":
                     status = "error"
-                    raise internal_error()
+                    raise internal_error(output.error)
             status = "aborted" if any(c.finish_reason == "abort" for c in choices) else "success"
             return choices
         finally:
@@ -299,7 +319,7 @@ class OpenAIServing:
             async for index, output in generation.outputs():
                 if output.finish_reason == "error":
                     status = "error"
-                    yield _sse(p.ErrorResponse(error=internal_error().info))
+                    yield _sse(p.ErrorResponse(error=internal_error(output.error).info))
                     return
                 first = not choices[index].started
                 _accumulate(choices[index], output)

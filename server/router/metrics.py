@@ -39,6 +39,7 @@ class RouterMetrics:
     worker_kv_capacity_bytes: Gauge
     migrations: Counter
     worker_messages_rejected: Counter
+    worker_queue_full: Counter
     _info_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -115,6 +116,13 @@ class RouterMetrics:
             worker_messages_rejected=Counter(
                 "strata_worker_messages_rejected",
                 "Frames on a worker's link that were not messages (each drops the worker)",
+                ("worker",),
+                registry=reg,
+            ),
+            worker_queue_full=Counter(
+                "strata_worker_queue_full",
+                "Requests a worker refused because its wait queue was full (max_queued_requests); the router "
+                "then tries the next worker",
                 ("worker",),
                 registry=reg,
             ),

@@ -34,6 +34,7 @@ import msgspec
 from kvbm.block_hash import BlockHash, block_hashes, request_salt
 from server.engine.api import (
     Engine,
+    EngineOverloaded,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
@@ -259,21 +260,34 @@ class RoutedEngine:
         if self.block_size is None:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
         validate_cache_salt(request.cache_salt)
-        decision = self.router.route(request.request_id, self._block_hashes(request))
-        worker = self._workers[decision.worker_id]
-        with self._lock:
-            alone = True
-            for flight in self._in_flight.values():
-                if flight.worker_id == decision.worker_id:
-                    flight.alone = alone = False
-            self._in_flight[request.request_id] = _InFlight(
-                request, decision.worker_id, time.monotonic(), alone
-            )
-        try:
-            worker.submit(request, self._sink(request.request_id, sink))
-        except BaseException:
-            self._finish(request.request_id)
-            raise
+        hashes = self._block_hashes(request)
+        full: list[WorkerId] = []  # workers whose wait queue refused the request: try the next best one
+        while True:
+            decision = self.router.route(request.request_id, hashes, exclude=full)
+            worker = self._workers[decision.worker_id]
+            with self._lock:
+                alone = True
+                for flight in self._in_flight.values():
+                    if flight.worker_id == decision.worker_id:
+                        flight.alone = alone = False
+                self._in_flight[request.request_id] = _InFlight(
+                    request, decision.worker_id, time.monotonic(), alone
+                )
+            try:
+                worker.submit(request, self._sink(request.request_id, sink))
+                return
+            except EngineOverloaded as exc:
+                self._finish(request.request_id)
+                self.router.metrics.worker_queue_full.labels(decision.worker_id).inc()
+                full.append(decision.worker_id)
+                if not any(w.alive and w.worker_id not in full for w in self._workers.values()):
+                    raise EngineOverloaded(
+                        f"{self.model_name}: the wait queue of every worker is full; retry later",
+                        exc.retry_after_s,
+                    ) from None
+            except BaseException:
+                self._finish(request.request_id)
+                raise
 
     def _block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
         """The prompt's full-block hashes as the worker's engine computes them, from the request's own root (its

@@ -20,7 +20,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvbm.block_hash import BlockHash
@@ -109,19 +109,25 @@ class Router:
             self.metrics.worker_active_blocks.remove(worker_id)
             self.metrics.worker_in_flight.remove(worker_id)
 
-    def route(self, request_id: str, block_hashes: Sequence[BlockHash]) -> RouteDecision:
-        """Pick a worker for a request and count its blocks there until `release(request_id)` (and its prefill
-        work until `prefill_done(request_id)` or release)."""
+    def route(
+        self, request_id: str, block_hashes: Sequence[BlockHash], exclude: Collection[WorkerId] = ()
+    ) -> RouteDecision:
+        """Pick a worker (other than those in `exclude`) for a request and count its blocks there until
+        `release(request_id)` (and its prefill work until `prefill_done(request_id)` or release)."""
         started = time.perf_counter()
         report, events, failure = (
             self._query(block_hashes) if self.config.strategy == "kv-aware" else (None, 0, None)
         )
         with self._lock:
-            if not self._workers:
-                raise NoWorkerError("no worker is registered with the router")
+            if not self._workers.keys() - set(exclude):
+                raise NoWorkerError(
+                    "no worker is registered with the router"
+                    if not self._workers
+                    else "no worker left to try"
+                )
             if report is not None and block_hashes:
                 self.staleness.observe(events, self._clock(), _stores_new_blocks(report, len(block_hashes)))
-            candidates = self._candidates()
+            candidates = self._candidates(exclude)
             prefixes: dict[str, WorkerPrefix] = {}
             if report is not None:
                 prefixes = self._prefixes(candidates, report, block_hashes)
@@ -233,8 +239,8 @@ class Router:
             return None, 0, "lookup_timeout"
         return report, events, None
 
-    def _candidates(self) -> list[WorkerLoad]:
-        loads = list(self._workers.values())
+    def _candidates(self, exclude: Collection[WorkerId] = ()) -> list[WorkerLoad]:
+        loads = [load for worker_id, load in self._workers.items() if worker_id not in exclude]
         free = [load for load in loads if not load.is_busy(self.config.busy_threshold)]
         if not free:
             self.metrics.all_busy.inc()

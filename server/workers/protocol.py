@@ -22,6 +22,7 @@ worker -> server (`ToServer`):
     Accepted(call_id)                the engine queued a Submit's request
     TokenIds(call_id, token_ids)     the answer to Encode and ApplyChatTemplate
     Refused(call_id, field, message) the engine refused the call (RequestError), naming the input
+    Busy(call_id, message, retry_after_s)  the engine's wait queue is full (EngineOverloaded): not queued
     CallFailed(call_id, message)     the engine failed (logged by the worker)
     Out(output)                      from the engine thread, one per step per request
     Beat(stats)                      every `heartbeat_s`; the server declares the worker dead without them
@@ -153,6 +154,12 @@ class Refused(Message):
     message: str
 
 
+class Busy(Message):
+    call_id: int
+    message: str
+    retry_after_s: float
+
+
 class CallFailed(Message):
     call_id: int
     message: str
@@ -175,9 +182,9 @@ class Bye(Message):
 
 
 Call = Submit | Encode | ApplyChatTemplate
-Answer = Accepted | TokenIds | Refused | CallFailed
+Answer = Accepted | TokenIds | Refused | Busy | CallFailed
 ToWorker = Attach | Submit | Encode | ApplyChatTemplate | Abort | Ack | Stop
-ToServer = Hello | Failed | Accepted | TokenIds | Refused | CallFailed | Out | Beat | Event | Bye
+ToServer = Hello | Failed | Accepted | TokenIds | Refused | Busy | CallFailed | Out | Beat | Event | Bye
 
 
 class Codec:

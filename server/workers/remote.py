@@ -27,6 +27,7 @@ import msgspec
 
 from kvbm.events import EventSink
 from server.engine.api import (
+    EngineOverloaded,
     EngineUnavailable,
     GenerationOutput,
     GenerationRequest,
@@ -46,6 +47,7 @@ from server.workers.protocol import (
     Attach,
     BadMessage,
     Beat,
+    Busy,
     Bye,
     Call,
     CallFailed,
@@ -350,6 +352,10 @@ class RemoteEngine:
             return  # the caller timed out (or a second answer to one call)
         if isinstance(answer, Refused):
             future.set_exception(RequestError(answer.field, answer.message))
+        elif isinstance(answer, Busy):
+            future.set_exception(
+                EngineOverloaded(f"worker {self.worker_id}: {answer.message}", answer.retry_after_s)
+            )
         elif isinstance(answer, CallFailed):
             future.set_exception(RuntimeError(f"worker {self.worker_id}: {answer.message}"))
         else:

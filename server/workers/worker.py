@@ -21,7 +21,7 @@ from typing import Any
 
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
-from server.engine.api import GenerationOutput, LocalEngine, RequestError, RequestId
+from server.engine.api import EngineOverloaded, GenerationOutput, LocalEngine, RequestError, RequestId
 from server.engine.config import EngineConfig
 from server.workers.hardware import Speeds, calibrate, describe_hardware
 from server.workers.protocol import (
@@ -30,6 +30,7 @@ from server.workers.protocol import (
     Answer,
     BadMessage,
     Beat,
+    Busy,
     Call,
     CallFailed,
     Encode,
@@ -241,6 +242,8 @@ def _call(
         return TokenIds(call.call_id, engine.apply_chat_template(call.messages))
     except RequestError as exc:
         return Refused(call.call_id, exc.field, exc.message)
+    except EngineOverloaded as exc:
+        return Busy(call.call_id, str(exc), exc.retry_after_s)
     except Exception as exc:
         logger.exception("%s failed", type(call).__name__)
         return CallFailed(call.call_id, f"{type(exc).__name__} in worker {type(call).__name__}")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 
 import pytest
 import torch
 from conftest import collect_concurrently, engine_config, greedy, run, wait_until
 
-from server.engine.api import GenerationRequest, RequestError, RequestId, SamplingParams
+from server.engine.api import EngineOverloaded, GenerationRequest, RequestError, RequestId, SamplingParams
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import aiterate_outputs, iterate_outputs
 
@@ -98,9 +99,62 @@ def test_step_failure_fails_its_requests_and_engine_keeps_serving(engine, prompt
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     failed = run(engine, greedy(prompt_ids[1], "boom"))
-    assert failed.finish_reason == "error" and failed.error and "injected" not in failed.error
+    assert failed.finish_reason == "error" and "RuntimeError: injected" in failed.error
     ok = run(engine, greedy(prompt_ids[1], "after-boom"))
     assert ok.finish_reason in ("stop", "length") and ok.num_output_tokens > 0
+    wait_until(engine.is_idle)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def _inject_fault(engine, monkeypatch, where: str, bad: str) -> None:
+    """Make one stage of the engine step raise whenever request `bad` takes part in it."""
+
+    def poisoned(real, seqs_of):
+        def call(*args):
+            if any(seq.request_id == bad for seq in seqs_of(*args)):
+                raise ValueError(f"injected {where} fault")
+            return real(*args)
+
+        return call
+
+    if where == "forward":
+        monkeypatch.setattr(
+            engine.runner, "run", poisoned(engine.runner.run, lambda chunks: [c.seq for c in chunks])
+        )
+    elif where == "sampler":
+        monkeypatch.setattr(engine, "sampler", poisoned(engine.sampler, lambda logits, seqs: seqs))
+    elif where == "blocks":
+        manager = engine.block_manager
+        monkeypatch.setattr(
+            manager, "register_full_blocks", poisoned(manager.register_full_blocks, lambda s: [s])
+        )
+    else:
+        monkeypatch.setattr(engine, "_check_stop", poisoned(engine._check_stop, lambda seq, token: [seq]))
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler", "blocks", "stop_check"])
+def test_a_fault_in_one_sequence_fails_that_request_alone(engine, prompt_ids, monkeypatch, where):
+    """Fault injection: the poisoned request ends with finish_reason "error" and the reason; the requests batched
+    with it finish normally with the tokens they produce without the fault."""
+    requests = lambda tag: [greedy(prompt_ids[i], f"{tag}-{i}", max_tokens=6) for i in range(3)]  # noqa: E731
+    reference = collect_concurrently(engine, requests("ref"))
+    _inject_fault(engine, monkeypatch, where, bad="iso-1")
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    for request in requests("iso"):
+        engine.submit(request, outputs.put)
+    tokens: dict[str, list[int]] = {f"iso-{i}": [] for i in range(3)}
+    last = {}
+    while len(last) < 3:
+        output = outputs.get(timeout=120)
+        tokens[output.request_id].extend(output.new_token_ids)
+        if output.finished:
+            last[output.request_id] = output
+    assert last["iso-1"].finish_reason == "error"
+    assert f"ValueError: injected {where} fault" in last["iso-1"].error
+    for i in (0, 2):
+        assert last[f"iso-{i}"].finish_reason in ("stop", "length"), last[f"iso-{i}"].error
+        assert tokens[f"iso-{i}"] == reference[f"ref-{i}"]
+    assert engine.healthy
     wait_until(engine.is_idle)
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
@@ -149,3 +203,23 @@ def test_bfloat16_engine_and_byte_sized_pool(prompt_ids, engine):
         ours = run(bf16, greedy(ids, "bf16", max_tokens=6))
         reference = run(engine, greedy(ids, "fp32", max_tokens=6))
         assert ours.new_token_ids[:3] == reference.new_token_ids[:3]
+
+
+def test_a_full_wait_queue_refuses_new_requests(prompt_ids):
+    """max_queued_requests bounds the sequences waiting for a slot: one more is refused (not queued), and the
+    engine takes requests again once the queue drains."""
+    small = LLMEngine(engine_config(num_kv_blocks=128, max_concurrent_requests=1, max_queued_requests=2))
+    try:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        small.submit(greedy(prompt_ids[0], "running", max_tokens=250, ignore_eos=True), outputs.put)
+        wait_until(lambda: small.stats().num_running == 1)
+        for i in range(2):
+            small.submit(greedy(prompt_ids[1], f"queued-{i}", max_tokens=2), outputs.put)
+        with pytest.raises(EngineOverloaded, match="max_queued_requests"):
+            small.submit(greedy(prompt_ids[1], "refused", max_tokens=2), outputs.put)
+        assert small.num_rejected == 1
+        small.abort(RequestId("running"))
+        wait_until(small.is_idle)
+        assert run(small, greedy(prompt_ids[1], "after", max_tokens=2)).num_output_tokens == 2
+    finally:
+        small.close()

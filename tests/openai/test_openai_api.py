@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from server.engine.api import EngineOverloaded, GenerationOutput
+
 if TYPE_CHECKING:
     from conftest import Served  # fixtures come from tests/openai/conftest.py
 
@@ -282,3 +284,45 @@ def test_disconnect_during_a_slow_submit_leaves_no_request_running(served: Serve
 
 def _running(served: Served) -> list[str]:
     return [r.request_id for r in served.engine.submitted if r.request_id not in served.engine.aborted]
+
+
+def test_full_wait_queue_is_429_with_retry_after(served: Served, client: openai.OpenAI) -> None:
+    """n=2 whose second engine request is refused: 429 in OpenAI's shape, and the first one is aborted."""
+    real_submit = served.engine.submit
+
+    def refuse_second(request, sink) -> None:
+        if request.request_id.endswith("-1"):
+            raise EngineOverloaded("5 requests are waiting (max_queued_requests)", retry_after_s=2.5)
+        real_submit(request, sink)
+
+    served.engine.submit = refuse_second  # type: ignore[method-assign]
+    response = _post(served, "/v1/chat/completions", {**_chat(), "n": 2, "max_tokens": 50})
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "3"
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_exceeded" and error["code"] == "queue_full"
+    assert "max_queued_requests" in error["message"]
+    wait_for(lambda: len(served.engine.aborted) == 1)
+    assert served.engine.aborted[0].endswith("-0")
+    assert served.metrics.requests.labels("fake", "rejected")._value.get() == 1
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="fake", prompt="hi", n=2, max_tokens=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_failed_gets_500_with_the_reason(served: Served, stream: bool) -> None:
+    def failing(request, sink) -> None:
+        sink(
+            GenerationOutput(
+                request.request_id, [], "", True, "error", 3, 0, 0, "internal engine error: ValueError: x"
+            )
+        )
+
+    served.engine.submit = failing  # type: ignore[method-assign]
+    response = _post(served, "/v1/chat/completions", {**_chat(), "stream": stream})
+    if stream:
+        assert response.status_code == 200
+        assert "internal engine error: ValueError: x" in response.text
+    else:
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == "internal engine error: ValueError: x"

@@ -11,6 +11,7 @@ import pytest
 from kvbm.block_hash import BlockHash, block_hashes, request_salt
 from kvbm.index import KVIndex
 from server.engine.api import (
+    EngineOverloaded,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
@@ -128,8 +129,8 @@ def _record_routes(monkeypatch: pytest.MonkeyPatch, router: Router) -> dict[str,
     routes: dict[str, tuple[RouteDecision, list]] = {}
     route = router.route
 
-    def recorded(request_id: str, block_hashes: Sequence[BlockHash]) -> RouteDecision:
-        routes[request_id] = (decision := route(request_id, block_hashes)), list(block_hashes)
+    def recorded(request_id: str, block_hashes: Sequence[BlockHash], exclude=()) -> RouteDecision:
+        routes[request_id] = (decision := route(request_id, block_hashes, exclude)), list(block_hashes)
         return decision
 
     monkeypatch.setattr(router, "route", recorded)
@@ -297,3 +298,34 @@ def test_twin_workers_on_one_host_share_their_speed_meter() -> None:
     assert a0.prefill_tok_s == 150.0 * 0.8 + 270.0 * 0.2  # the second calibration is one more sample
     loads = {load.stats.worker_id: load for load in router._workers.values()}
     assert loads["a0"].prefill_speed == loads["a1"].prefill_speed < loads["b0"].prefill_speed
+
+
+def test_a_worker_with_a_full_queue_passes_the_request_to_the_next() -> None:
+    """A worker that refuses with EngineOverloaded is skipped (and counted); when every worker refuses, the
+    caller gets EngineOverloaded and the router holds nothing for the request."""
+    routed, router, workers = _setup(3)
+    full: set[str] = set()
+
+    def refusing(worker: LocalWorker):
+        real = worker.submit
+
+        def submit(request: GenerationRequest, sink: OutputSink) -> None:
+            if worker.worker_id in full:
+                raise EngineOverloaded(f"{worker.worker_id} is full", retry_after_s=2.0)
+            real(request, sink)
+
+        return submit
+
+    for worker in workers:
+        worker.submit = refusing(worker)  # type: ignore[method-assign]
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    full.update({"w0", "w1"})
+    routed.submit(_request("a", list(range(40))), outputs.put)
+    assert _finish(outputs).finish_reason == "length"
+    assert "a" in workers[2].submitted
+    full.add("w2")
+    with pytest.raises(EngineOverloaded, match="every worker") as refused:
+        routed.submit(_request("b", list(range(40))), outputs.put)
+    assert refused.value.retry_after_s == 2.0
+    assert all(load.routed_blocks == 0 and load.pending_prefill == 0 for load in router._workers.values())
+    assert sum(router.metrics.worker_queue_full.labels(f"w{i}")._value.get() for i in range(3)) >= 5

@@ -19,6 +19,7 @@ from server.workers.protocol import (
     Attach,
     BadMessage,
     Beat,
+    Busy,
     Bye,
     CallFailed,
     Codec,
@@ -64,6 +65,7 @@ TO_SERVER = [
     Beat(PoolStats(100, 90, 5, 2, 1, 0)),
     Event(TierEvent("w0", "moved", G2, (1, 2**64 - 1), from_tier=1, timestamp=1.5, node="host:0")),
     Bye("worker shutting down"),
+    Busy(5, "9 requests are waiting", 1.0),
 ]
 
 

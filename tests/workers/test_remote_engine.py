@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import signal
@@ -19,7 +20,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
-from server.engine.api import GenerationOutput, GenerationRequest, RequestError, RequestId, SamplingParams
+from server.engine.api import (
+    EngineOverloaded,
+    GenerationOutput,
+    GenerationRequest,
+    RequestError,
+    RequestId,
+    SamplingParams,
+)
 from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
 from server.router.config import RouterConfig
@@ -68,6 +76,21 @@ def test_request_error_comes_back_with_its_field(worker: RemoteEngine) -> None:
     with pytest.raises(RequestError) as raised:
         worker.submit(request("r2", [1] * 300), lambda _: None)
     assert raised.value.field == "prompt"
+
+
+def test_a_full_worker_refuses_with_engine_overloaded() -> None:
+    remote = RemoteEngine.spawn(
+        WorkerId("w-full"),
+        WorkerSpec(functools.partial(StepEngine, max_running=1), (0.01,)),
+        heartbeat_timeout_s=2.0,
+    )
+    try:
+        remote.submit(request("long", [1, 2], max_tokens=200), lambda _: None)
+        with pytest.raises(EngineOverloaded, match="1 requests running") as refused:
+            remote.submit(request("refused", [1, 2]), lambda _: None)
+        assert refused.value.retry_after_s == 1.5 and remote.alive
+    finally:
+        remote.close()
 
 
 def test_abort_reaches_the_worker(worker: RemoteEngine) -> None:

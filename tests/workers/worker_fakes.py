@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from kvbm.block_hash import block_hashes, model_salt
 from kvbm.events import G1, EventSink, TierEvent
 from server.engine.api import (
+    EngineOverloaded,
     EngineResources,
     GenerationOutput,
     GenerationRequest,
@@ -48,9 +49,15 @@ class StepEngine:
     healthy = True
 
     def __init__(
-        self, step_s: float = 0.005, *, worker_id: str = "w", events: EventSink | None = None
+        self,
+        step_s: float = 0.005,
+        *,
+        worker_id: str = "w",
+        events: EventSink | None = None,
+        max_running: int | None = None,
     ) -> None:
         self.step_s = step_s
+        self.max_running = max_running  # past it submit raises EngineOverloaded, as a full wait queue does
         self.worker_id = worker_id
         self.events = events
         self._aborts: dict[RequestId, threading.Event] = {}
@@ -76,6 +83,9 @@ class StepEngine:
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
+        running = sum(not abort.is_set() for abort in self._aborts.values())
+        if self.max_running is not None and running >= self.max_running:
+            raise EngineOverloaded(f"{running} requests running", retry_after_s=1.5)
         if self.events is not None:
             hashes = block_hashes(request.prompt_token_ids, self.block_layout.block_size, SALT)
             self.events.publish(TierEvent(self.worker_id, "stored", G1, tuple(hashes)))
