@@ -255,6 +255,11 @@ class Cluster:
                 start_new_session=True,
             )
 
+    def remote_log_tail(self) -> str:
+        """The last line the current remote worker process logged."""
+        lines = (self.root / f"remote-{self.remote_starts}.log").read_text(errors="replace").splitlines()
+        return lines[-1] if lines else ""
+
     def server_log(self) -> str:
         return self.server.log() if self.server is not None else ""
 
@@ -379,6 +384,14 @@ def pick_victim(alive: set[str], kill_last: bool, rng: random.Random) -> str | N
 # ---- resources ----
 
 
+def pid_alive(pid: int) -> bool:
+    """Running (a killed worker its server has not reaped yet is a zombie: dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def process_roles(cluster: Cluster, alive: set[str]) -> dict[str, list[int]]:
     """Role -> pids: serve, triton (tritonserver and its Python-backend stubs), each live worker (the remote one
     only once it has joined: a starting process says nothing about growth), and any other child of the server
@@ -387,7 +400,7 @@ def process_roles(cluster: Cluster, alive: set[str]) -> dict[str, list[int]]:
     serve = cluster.server.process.pid
     roles: dict[str, list[int]] = {"serve": [serve]}
     for worker_id, pid in cluster.local_pids().items():
-        if psutil.pid_exists(pid):
+        if pid_alive(pid):
             roles[worker_id] = [pid]
     if REMOTE_ID in alive and cluster.remote is not None and cluster.remote.poll() is None:
         roles[REMOTE_ID] = [cluster.remote.pid]
@@ -483,7 +496,7 @@ class ChaosLog:
     """What the chaos did (events: at_s, action, detail) and how malformed requests were answered."""
 
     events: list[dict[str, Any]] = field(default_factory=list)
-    malformed: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, status) -> count
+    malformed: list[tuple[str, str, float, float]] = field(default_factory=list)  # kind, status, start, end
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, at_s: float, action: str, detail: str) -> None:
@@ -554,13 +567,17 @@ class Chaos:
             self.liveness.join(REMOTE_ID, now)
             self.log.add(self.now(), "rejoined", REMOTE_ID)
         for worker_id, pid in cluster.local_pids(log).items():
-            if worker_id in self.liveness.alive() and not psutil.pid_exists(pid):
+            if worker_id in self.liveness.alive() and not pid_alive(pid):
                 self.liveness.leave(worker_id, now)
-                self.log.add(self.now(), "died by itself", f"{worker_id} (pid {pid})")
+                reason = re.findall(rf"worker {worker_id} died: (.*?); ending", log)
+                self.log.add(self.now(), "died by itself", f"{worker_id}: {reason[-1] if reason else pid}")
         remote = cluster.remote
         if remote is not None and remote.poll() is not None:
-            self.log.add(self.now(), "died by itself", f"{REMOTE_ID} exited with {remote.returncode}")
             self.liveness.leave(REMOTE_ID, now)
+            last_line = cluster.remote_log_tail()
+            redis_down = "--redis-url" in last_line  # it exits 2 if Redis is down when it registers
+            action = "could not register, Redis down" if redis_down else "died by itself"
+            self.log.add(self.now(), action, f"{REMOTE_ID} exited with {remote.returncode}: {last_line}")
             self._restart_remote()
 
     def _restart_remote(self) -> None:
@@ -596,6 +613,7 @@ class Chaos:
             for kind, path, body in _cycle(requests):
                 if self.stopped.wait(self.args.malformed_every_s):
                     return
+                started = time.monotonic()
                 try:
                     response = client.post(
                         self.cluster.url + path, content=body, headers={"content-type": "application/json"}
@@ -603,7 +621,7 @@ class Chaos:
                     status = str(response.status_code)
                 except httpx.HTTPError as exc:
                     status = type(exc).__name__
-                self.log.malformed[(kind, status)] += 1
+                self.log.malformed.append((kind, status, started, time.monotonic()))
 
 
 def _cycle(items: list[Any]) -> Any:
@@ -664,50 +682,79 @@ def judge(
     samples: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The report (see the module docstring) and whether each goal was met."""
-    log = cluster.server_log()
-    migrated = set(re.findall(r"request (\w+)-\d+ migrated from", log))
+    log, outage = cluster.server_log(), chaos.liveness.overlaps_outage
     failed = [o for o in outcomes if o.error is not None]
-    in_outage = [o for o in failed if chaos.liveness.overlaps_outage(o.started, o.ended)]
-    counted = [o for o in failed if not chaos.liveness.overlaps_outage(o.started, o.ended)]
+    counted = [o for o in failed if not outage(o.started, o.ended)]
+    in_outage = [o for o in failed if outage(o.started, o.ended)]
     wrong = [o for o in outcomes if o.error is None and o.text != reference[o.prompt]]
+    migrated = set(re.findall(r"request (\w+)-\d+ migrated from", log))
     baseline = next((s for s in samples if s["at_s"] >= chaos.args.baseline_s), samples[len(samples) // 2])
     growth = rss_growth(baseline, samples[-1])
-    malformed_bad = {f"{k} -> {s}": n for (k, s), n in chaos.log.malformed.items() if not s.startswith("4")}
+    malformed = malformed_summary(chaos)
+    counts = chaos_counts(chaos)
     goals = {
         "no_failed_while_a_worker_was_alive": not counted,
         "no_wrong_answers": not wrong,
-        "malformed_all_4xx": not malformed_bad,
+        "malformed_all_4xx_while_a_worker_was_alive": not malformed["not_4xx"],
+        "no_worker_died_unless_killed": counts["died_by_themselves"] == 0,
         "rss_growth_under_5pct": all(g < RSS_GROWTH_GOAL for g in growth.values()),
+    }
+    requests = {
+        "sent": len(outcomes),
+        "completed": len(outcomes) - len(failed),
+        "failed": len(failed),
+        "failed_while_a_worker_was_alive": len(counted),
+        "failed_with_no_worker_alive": len(in_outage),
+        "wrong_answers": len(wrong),
+        "completed_after_migration": sum(o.error is None and request_id(o) in migrated for o in outcomes),
     }
     return {
         "bench": "chaos",
         "scale": describe(chaos.args, len(prompts)),
-        "requests": {
-            "sent": len(outcomes),
-            "completed": len(outcomes) - len(failed),
-            "failed": len(failed),
-            "failed_while_a_worker_was_alive": len(counted),
-            "failed_with_no_worker_alive": len(in_outage),
-            "wrong_answers": len(wrong),
-            "completed_after_migration": sum(
-                o.error is None and o.response_id.removeprefix("cmpl-") in migrated for o in outcomes
-            ),
-        },
+        "requests": requests,
         "failures": failure_groups(counted, log),
         "failures_with_no_worker_alive": failure_groups(in_outage, log),
         "wrong": [wrong_detail(o, reference, migrated) for o in wrong[:10]],
         "migrations": migrations(cluster),
-        "chaos": chaos_counts(chaos),
+        "chaos": counts,
         "outages_s": [
             [round(s - chaos.started, 1), round(e - chaos.started, 1)] for s, e in chaos.liveness.outages
         ],
-        "malformed": {f"{k} -> {s}": n for (k, s), n in sorted(chaos.log.malformed.items())},
-        "malformed_not_4xx": malformed_bad,
+        "malformed": malformed,
         "resources": {"start": samples[0], "baseline": baseline, "end": samples[-1], "rss_growth": growth},
+        "server_log": log_summary(log),
         "events": chaos.log.events,
         "goals": goals,
         "ok": all(goals.values()),
     }
+
+
+def request_id(outcome: Outcome) -> str:
+    """The id the server logs the request under (without the choice suffix "-0")."""
+    return outcome.response_id.removeprefix("cmpl-")
+
+
+def malformed_summary(chaos: Chaos) -> dict[str, Any]:
+    """Answers per "kind -> status", and those that were not a 4xx while a worker was alive (with none alive,
+    a request that needs a worker to tokenize its prompt gets 503 before its fields are checked)."""
+    answers = Counter(f"{kind} -> {status}" for kind, status, _, _ in chaos.log.malformed)
+    bad = Counter(
+        f"{kind} -> {status}"
+        for kind, status, started, ended in chaos.log.malformed
+        if not status.startswith("4") and not chaos.liveness.overlaps_outage(started, ended)
+    )
+    return {"sent": len(chaos.log.malformed), "answers": dict(sorted(answers.items())), "not_4xx": dict(bad)}
+
+
+def log_summary(log: str, top: int = 20) -> dict[str, int]:
+    """The server's WARNING and ERROR lines, ids and numbers blanked out, by count (the most frequent `top`)."""
+    shapes: Counter[str] = Counter()
+    for line in log.splitlines():
+        match = re.match(r"\S+ \S+ (?:worker\[\d+\] )?(WARNING|ERROR) (.*)", line)
+        if match:
+            text = re.sub(r"(?<![\w-])\d+(\.\d+)?", "N", re.sub(r"\b[0-9a-f]{32}\b", "<id>", match[2]))
+            shapes[f"{match[1]} {text[:200]}"] += 1
+    return dict(shapes.most_common(top))
 
 
 def failure_groups(failed: list[Outcome], server_log: str) -> list[dict[str, Any]]:
@@ -718,8 +765,8 @@ def failure_groups(failed: list[Outcome], server_log: str) -> list[dict[str, Any
     rows = []
     for cause, members in sorted(groups.items(), key=lambda item: -len(item[1])):
         example = next((o for o in members if o.response_id), members[0])
-        request_id = example.response_id.removeprefix("cmpl-")
-        lines = [line for line in server_log.splitlines() if request_id and request_id in line]
+        example_id = request_id(example)
+        lines = [line for line in server_log.splitlines() if example_id and example_id in line]
         rows.append({"cause": cause, "count": len(members), "server_log": lines[:4]})
     return rows
 
@@ -727,7 +774,7 @@ def failure_groups(failed: list[Outcome], server_log: str) -> list[dict[str, Any
 def wrong_detail(outcome: Outcome, reference: list[str], migrated: set[str]) -> dict[str, Any]:
     return {
         "prompt": outcome.prompt,
-        "migrated": outcome.response_id.removeprefix("cmpl-") in migrated,
+        "migrated": request_id(outcome) in migrated,
         "expected": reference[outcome.prompt],
         "got": outcome.text,
     }
@@ -753,9 +800,9 @@ def chaos_counts(chaos: Chaos) -> dict[str, int]:
         "kills_skipped": actions["kill skipped"],
         "remote_rejoins": actions["rejoined"],
         "died_by_themselves": actions["died by itself"],
+        "remote_could_not_register": actions["could not register, Redis down"],
         "redis_restarts": actions["redis start"],
         "g3_truncations": actions["g3 truncate"],
-        "malformed_sent": sum(chaos.log.malformed.values()),
         "failed_actions": sum(n for a, n in actions.items() if a.endswith("failed")),
     }
 
@@ -795,10 +842,15 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"chaos: kills {chaos['kills_local']} local / {chaos['kills_remote']} remote ({chaos['kills_skipped']} "
         f"skipped), remote rejoins {chaos['remote_rejoins']}, Redis restarts {chaos['redis_restarts']}, G3 "
-        f"truncations {chaos['g3_truncations']}, malformed {chaos['malformed_sent']} (not 4xx: "
-        f"{sum(report['malformed_not_4xx'].values())}); migrations {report['migrations']}"
+        f"truncations {chaos['g3_truncations']}, malformed {report['malformed']['sent']} (not 4xx with a worker "
+        f"alive: {sum(report['malformed']['not_4xx'].values())}); migrations {report['migrations']}; workers that "
+        f"died unkilled: {chaos['died_by_themselves']}; remote starts refused (Redis down): "
+        f"{chaos['remote_could_not_register']}"
     )
     print_resources(report["resources"])
+    print("server log, WARNING/ERROR lines by shape:")
+    for shape, count in report["server_log"].items():
+        print(f"  {count:>5} x {shape[:150]}")
     print("goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in report["goals"].items()))
 
 
