@@ -199,6 +199,7 @@ class Cluster:
         self.secret_file = root / "cluster.secret"
         self.disk_path = root / "g3"
         self.repository = root / "repository"
+        self.tmp = root / "tmp"  # TMPDIR of the servers and workers: their ipc sockets land here
         self.redis = RedisServer()
         self.server: StrataProcess | None = None
         self.remote: subprocess.Popen | None = None
@@ -210,6 +211,8 @@ class Cluster:
         return f"http://127.0.0.1:{self.server.openai_port}"
 
     def start(self) -> None:
+        self.tmp.mkdir()
+        os.environ["TMPDIR"] = str(self.tmp)  # inherited by strata serve (start_strata) and strata worker
         self.secret_file.write_text(secrets.token_hex(32))
         self.secret_file.chmod(0o600)
         self.redis.start()
@@ -427,26 +430,56 @@ def child_role(child: psutil.Process) -> str:
 def sample_resources(cluster: Cluster, alive: set[str], at_s: float) -> dict[str, Any]:
     """RSS (MiB) and open fds per role (summed over its pids), and /dev/shm use, at `at_s` into the chaos."""
     processes: dict[str, dict[str, Any]] = {}
-    for role, pids in process_roles(cluster, alive).items():
+    roles = process_roles(cluster, alive)
+    for role, pids in roles.items():
         rss = fds = 0
         for pid in pids:
             with contextlib.suppress(psutil.Error):  # it exited meanwhile
                 process = psutil.Process(pid)
                 rss, fds = rss + process.memory_info().rss, fds + process.num_fds()
         processes[role] = {"pids": pids, "rss_mib": round(rss / 2**20, 1), "fds": fds}
-    return {"at_s": round(at_s, 1), "processes": processes, "shm": shm_usage(cluster.cache_id)}
+    pids = [pid for pids in roles.values() for pid in pids]
+    return {
+        "at_s": round(at_s, 1),
+        "processes": processes,
+        "shm": shm_usage(shm_files(pids, cluster.cache_id)),
+        "ipc_sockets": ipc_sockets(cluster.tmp),
+    }
 
 
-def shm_usage(cache_id: str) -> dict[str, float]:
-    """Bytes allocated in /dev/shm (MiB, every file) and this run's G2 segments (named by `cache_id`)."""
-    total = ours = count = 0
+def shm_files(pids: list[int], cache_id: str) -> set[str]:
+    """The /dev/shm files this run's processes map (their /proc/<pid>/maps) and its G2 segments."""
+    files = {str(path) for path in SHM_DIR.glob(f"strata-kvbm-{cache_id}-*")}
+    for pid in pids:
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith(f"{SHM_DIR}/"):
+                    files.add(path.removesuffix(" (deleted)"))
+    return files
+
+
+def shm_usage(files: set[str]) -> dict[str, Any]:
+    """Count and MiB allocated of this run's /dev/shm `files`, and of every /dev/shm file (other users' too)."""
+    ours = total = count = 0
     for entry in os.scandir(SHM_DIR):
-        with contextlib.suppress(psutil.Error):  # it exited meanwhile
+        with contextlib.suppress(OSError):  # removed meanwhile
             used = entry.stat(follow_symlinks=False).st_blocks * 512
             total, count = total + used, count + 1
-            if entry.name.startswith(f"strata-kvbm-{cache_id}-"):
-                ours += used
-    return {"files": count, "total_mib": round(total / 2**20, 1), "run_g2_mib": round(ours / 2**20, 1)}
+            ours += used if entry.path in files else 0
+    present = sorted(f for f in files if os.path.exists(f))
+    return {
+        "run_files": len(present),
+        "run_mib": round(ours / 2**20, 1),
+        "all_files": count,
+        "all_mib": round(total / 2**20, 1),
+        "run_paths": present,
+    }
+
+
+def ipc_sockets(folder: Path) -> int:
+    """Worker link socket files (ZMQ ipc, `strata-<id>-in/out`) in the servers' temp folder."""
+    return len(list(folder.glob("strata-*-in")) + list(folder.glob("strata-*-out")))
 
 
 def rss_growth(baseline: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
@@ -470,6 +503,7 @@ def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
         return json.dumps(good | changes).encode()
 
     completions, chat = "/v1/completions", "/v1/chat/completions"
+    oversized = [("oversized body", completions, body(prompt="x " * int(oversized_mb * 2**19)))]
     return [
         ("bad JSON", completions, b'{"model": "smollm2", "prompt": "Hello",'),
         ("not an object", completions, b"[1, 2, 3]"),
@@ -487,8 +521,7 @@ def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
         ("token id outside the vocabulary", completions, body(prompt=[10**9])),
         ("negative token id", completions, body(prompt=[-1])),
         ("unknown model", completions, body(model="no-such-model")),
-        ("oversized body", completions, body(prompt="x " * int(oversized_mb * 2**19))),
-    ]
+    ] + (oversized if oversized_mb > 0 else [])
 
 
 @dataclass(slots=True)
@@ -611,7 +644,7 @@ class Chaos:
         requests = malformed_requests(self.args.oversized_mb)
         with httpx.Client(timeout=self.args.request_timeout_s) as client:
             for kind, path, body in _cycle(requests):
-                if self.stopped.wait(self.args.malformed_every_s):
+                if self.stopped.wait(self.args.malformed_every_s) or self.now() > self.args.duration_s:
                     return
                 started = time.monotonic()
                 try:
@@ -653,7 +686,7 @@ def run(cluster: Cluster, args: argparse.Namespace, holder: dict[str, Any]) -> d
     liveness = Liveness(workers, time.monotonic())
     chaos = holder["chaos"] = Chaos(cluster, liveness, args)
     first = sample_resources(cluster, workers, 0.0)
-    outcomes: list[Outcome] = []
+    outcomes: list[Outcome] = holder.setdefault("outcomes", [])
     deadline = time.monotonic() + args.duration_s
     clients = [
         threading.Thread(
@@ -869,14 +902,32 @@ def print_resources(resources: dict[str, Any]) -> None:
         )
     shm = [s["shm"] for s in (start, baseline, end)]
     print(
-        "/dev/shm MiB (files): "
-        + " -> ".join(f"{s['total_mib']:g} ({s['files']})" for s in shm)
-        + f"; this run's G2: {shm[-1]['run_g2_mib']:g} MiB"
+        "/dev/shm, this run's files, MiB (files): "
+        + " -> ".join(f"{s['run_mib']:g} ({s['run_files']})" for s in shm)
+        + "; every file (other users' too): "
+        + " -> ".join(f"{s['all_mib']:g} ({s['all_files']})" for s in shm)
     )
+    sockets = " -> ".join(str(s["ipc_sockets"]) for s in (start, baseline, end))
+    print(f"worker link ipc socket files: {sockets}; left after the stop: {resources.get('left_behind')}")
 
 
-def keep_logs(directory: Path, cluster: Cluster, report: dict[str, Any] | None) -> None:
-    """Copy the server's and the remote worker's logs (and the report) to `directory`."""
+def left_behind(cluster: Cluster, resources: dict[str, Any]) -> dict[str, Any]:
+    """After the stop: which of the run's processes, /dev/shm files and ipc socket files still exist."""
+    samples = [resources[key] for key in ("start", "baseline", "end")]
+    pids = {pid for s in samples for p in s["processes"].values() for pid in p["pids"]}
+    shm = {path for s in samples for path in s["shm"]["run_paths"]}
+    return {
+        "processes": sorted(pid for pid in pids if pid_alive(pid)),
+        "shm_files": sorted(path for path in shm if os.path.exists(path)),
+        "ipc_sockets": ipc_sockets(cluster.tmp),
+    }
+
+
+def keep_logs(
+    directory: Path, cluster: Cluster, report: dict[str, Any] | None, holder: dict[str, Any]
+) -> None:
+    """Copy the server's and the remote worker's logs to `directory`, with the report and one line per request
+    of the chaos phase (times in seconds from its start)."""
     directory.mkdir(parents=True, exist_ok=True)
     if cluster.server is not None and cluster.server.log_path.exists():
         shutil.copy(cluster.server.log_path, directory / "serve.log")
@@ -884,6 +935,16 @@ def keep_logs(directory: Path, cluster: Cluster, report: dict[str, Any] | None) 
         shutil.copy(log, directory / log.name)
     if report is not None:
         (directory / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    if "chaos" in holder:
+        started = holder["chaos"].started
+        with open(directory / "requests.jsonl", "w") as out:
+            for outcome in holder.get("outcomes", []):
+                row = {"prompt": outcome.prompt, "id": request_id(outcome), "error": outcome.error}
+                row |= {
+                    "started_s": round(outcome.started - started, 2),
+                    "ended_s": round(outcome.ended - started, 2),
+                }
+                out.write(json.dumps(row) + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -905,7 +966,7 @@ def parse_args() -> argparse.Namespace:
     add("--redis-down-s", type=float, default=3.0)
     add("--truncate-every-s", type=float, default=20.0, help="0: G3 files are never truncated")
     add("--malformed-every-s", type=float, default=1.0)
-    add("--oversized-mb", type=float, default=8.0, help="size of the oversized request body")
+    add("--oversized-mb", type=float, default=8.0, help="size of the oversized request body (0: none)")
     add("--baseline-s", type=float, default=60.0, help="RSS growth is measured from here to the end")
     add("--sample-every-s", type=float, default=10.0, help="resource samples")
     add("--request-timeout-s", type=float, default=120.0)
@@ -930,9 +991,11 @@ def main() -> None:
     finally:
         if "chaos" in holder:
             holder["chaos"].stopped.set()
-        if args.keep_logs:
-            keep_logs(Path(args.keep_logs), cluster, report)
         cluster.close()
+        if report is not None:
+            report["resources"]["left_behind"] = left_behind(cluster, report["resources"])
+        if args.keep_logs:
+            keep_logs(Path(args.keep_logs), cluster, report, holder)
         shutil.rmtree(root, ignore_errors=True)
     print_table(report)
     print(json.dumps(report, default=str))
