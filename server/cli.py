@@ -14,6 +14,7 @@ from server import settings
 
 if TYPE_CHECKING:
     from kvbm.config import KVBMConfig
+    from server.openai.limits import RequestLimits
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +55,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
     p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
+    _request_limit_flags(p.add_argument_group("OpenAI request limits (checked before a prompt is tokenized)"))
     llm = p.add_argument_group("LLM serving (models with backend strata_llm)")
     llm.add_argument(
         "--workers",
@@ -123,6 +125,42 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)",
     )
     _security_flags(p.add_argument_group("access control and TLS (docs/SECURITY.md)"))
+
+
+def _request_limit_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest HTTP body on the OpenAI port, in bytes; a larger one gets 413 unread (default 16 MiB)",
+    )
+    group.add_argument(
+        "--max-n", type=int, default=128, help="most choices (`n`) per prompt (default 128, OpenAI's limit)"
+    )
+    group.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=256,
+        help="most prompts in one /v1/completions request (default 256)",
+    )
+    group.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="most sequences (n x prompts) one request starts (default 256, vLLM's max-num-seqs)",
+    )
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The OpenAI frontend's RequestLimits of the --max-* request flags; ValueError names a bad flag."""
+    from server.openai.limits import RequestLimits
+
+    return RequestLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_prompts=args.max_prompts_per_request,
+        max_seqs=args.max_seqs_per_request,
+    )
 
 
 def _security_flags(group: argparse._ArgumentGroup) -> None:

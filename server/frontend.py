@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from server.engine.api import Engine
 from server.openai.app import build_app
+from server.openai.limits import RequestLimits
 from server.openai.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,11 @@ class OpenAIFrontend:
         api_key: str | None = None,
         ssl_keyfile: str | None = None,
         ssl_certfile: str | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
-        """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile)."""
-        app = build_app(engines, FrontendMetrics.create(registry), api_key=api_key)
+        """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile);
+        `limits`: per-request bounds (--max-request-bytes, --max-n, ...)."""
+        app = build_app(engines, FrontendMetrics.create(registry), api_key=api_key, limits=limits)
         config = uvicorn.Config(
             app,
             host=address,

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from server import backends
 from server.backends.llm import LLMBackend
-from server.cli import cluster_secret, engine_overrides, kvbm_config, triton_access
+from server.cli import cluster_secret, engine_overrides, kvbm_config, request_limits, triton_access
 from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
@@ -35,6 +35,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     try:
         serving = llm_serving(args)
+        limits = request_limits(args)
         triton_settings = TritonSettings(
             http_port=args.http_port,
             grpc_port=args.grpc_port,
@@ -78,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
+            limits=limits,
         )
     try:
         triton.start()

@@ -45,6 +45,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     SamplingParams,
+    check_prompt_chars,
     max_output_tokens,
     validate_cache_salt,
 )
@@ -185,6 +186,7 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
 
 async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str, np.ndarray]]:
     asked = _parse(request)
+    check_prompt_chars("text_input", len(asked.prompt), engine.max_model_len)  # before the tokenizer's work
     prompt_ids = await asyncio.to_thread(
         engine.encode, asked.prompt
     )  # never on the event loop (a worker call)
@@ -215,7 +217,10 @@ def _parse(request: Request) -> TritonRequest:
     text = _scalar(request, "text_input")
     if text is None:
         raise RequestError("text_input", "required")
-    prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    try:
+        prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    except UnicodeDecodeError as exc:
+        raise RequestError("text_input", f"not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     flags = _flags(request)
     stream = bool(flags.get("stream"))
     exclude_input = flags.get("exclude_input_in_output")

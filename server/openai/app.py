@@ -17,13 +17,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from server.engine.api import Engine
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected
+from server.openai.limits import LimitRequestBody, RequestLimits, check_request
 from server.openai.metrics import FrontendMetrics
 from server.openai.serving import OpenAIError, OpenAIServing, internal_error
 
@@ -31,17 +33,31 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(
-    models: Mapping[str, Engine], metrics: FrontendMetrics | None = None, api_key: str | None = None
+    models: Mapping[str, Engine],
+    metrics: FrontendMetrics | None = None,
+    api_key: str | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
-    """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`."""
+    """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`; `limits` bound each
+    request before it is parsed (body bytes) and before it is tokenized (choices, prompts, characters)."""
     metrics = metrics or FrontendMetrics.create()
+    limits = limits or RequestLimits()
     serving = OpenAIServing(models, metrics)
     app = FastAPI(title="Strata OpenAI-compatible API")
     _add_error_handlers(app, serving)
-    if api_key:
+    app.add_middleware(LimitRequestBody, max_bytes=limits.max_request_bytes)
+    if api_key:  # added last, so it runs first: a client without the key gets 401 before its body is read
         app.add_middleware(RequireAPIKey, api_key=api_key)
+    app.openapi = lambda: _openapi(app, limits)  # type: ignore[method-assign]
 
-    @app.get("/health")
+    def check(body: p.SamplingFields) -> None:
+        try:
+            check_request(body, limits, models.get(body.model))
+        except OpenAIError:
+            serving.count_invalid(body.model)
+            raise
+
+    @app.get("/health", responses={503: {"description": "a model cannot take requests"}})
     async def health() -> JSONResponse:
         """200 while every model can take requests; 503 naming the models whose workers are all gone."""
         down = sorted(name for name, engine in models.items() if not engine.healthy)
@@ -49,7 +65,7 @@ def build_app(
             return JSONResponse({"status": "unavailable", "models": down}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -57,15 +73,54 @@ def build_app(
     async def list_models() -> p.ModelList:
         return serving.list_models()
 
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_GENERATE_RESPONSES)
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
+        check(body)
         return await _respond(serving.chat(body, lambda: _client_gone(request)))
 
-    @app.post("/v1/completions", response_model=p.CompletionResponse)
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_GENERATE_RESPONSES)
     async def completion(body: p.CompletionRequest, request: Request) -> Response:
+        check(body)
         return await _respond(serving.completion(body, lambda: _client_gone(request)))
 
     return app
+
+
+_ERROR = {"model": p.ErrorResponse}
+_SSE_EVENT = {  # one event of a stream (OpenAPI 3.1: the schema of text/event-stream describes each event)
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk as JSON, an error object, or [DONE]"}},
+}
+_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        "description": "JSON, or SSE with `stream`",
+    },
+    400: {**_ERROR, "description": "invalid request; `param` names the field"},
+    401: {**_ERROR, "description": "missing or wrong API key (--api-key)"},
+    404: {**_ERROR, "description": "unknown model"},
+    413: {**_ERROR, "description": "body over --max-request-bytes"},
+    429: {**_ERROR, "description": "every wait queue is full; retry after `Retry-After` seconds"},
+    500: {**_ERROR, "description": "internal error (details in the server log)"},
+    503: {**_ERROR, "description": "the model cannot take requests now"},
+}
+
+
+def _openapi(app: FastAPI, limits: RequestLimits) -> dict[str, Any]:
+    """FastAPI's schema, told what this app really answers: errors are 400 in OpenAI's shape, not FastAPI's 422,
+    and `n` is bounded by --max-n."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            operation["responses"].pop("422", None)
+        components = schema["components"]["schemas"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            components[name]["properties"]["n"]["maximum"] = limits.max_n
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class RequireAPIKey:
@@ -124,7 +179,10 @@ def _add_error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        # the deepest error: of a union (content: str | list[TextPart]) the member that got furthest
+        first = max(
+            exc.errors(), key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"}
+        )
         param = None if first.get("type") == "json_invalid" else _param_path(first.get("loc", ()))
         body = await _json_or_none(request)
         serving.count_invalid(str(body.get("model", "")) if isinstance(body, dict) else "")
@@ -134,7 +192,7 @@ def _add_error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, p.ErrorInfo(message=str(exc.detail), type=kind))
+        return _error(exc.status_code, p.ErrorInfo(message=str(exc.detail), type=kind), exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:

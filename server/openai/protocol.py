@@ -11,13 +11,39 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Request(BaseModel):
-    """Strict: a string where a number belongs is a 400 naming the field, not a silent coercion."""
+    """Strict: a string where a number belongs is a 400 naming the field, not a silent coercion. Text must be valid
+    Unicode: JSON can escape a lone surrogate (`"\\ud800"`), which no tokenizer or UTF-8 encoder takes."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        if not _encodable(value):
+            raise PydanticCustomError(
+                "unicode", "must be valid Unicode text (a lone surrogate such as \\ud800 is not)"
+            )
+        return value
+
+
+def _encodable(value: Any) -> bool:
+    """Every string in `value` (str, or lists of them; models check their own fields) encodes as UTF-8."""
+    if isinstance(value, str):
+        if value.isascii():
+            return True
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(_encodable(item) for item in value)
+    return True
 
 
 class StreamOptions(_Request):
@@ -28,7 +54,7 @@ class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions; `None` means the engine's default."""
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most --max-n (server.openai.limits)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
