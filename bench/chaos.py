@@ -285,14 +285,9 @@ class Cluster:
         self.remote.wait(10)
         self.start_remote()
 
-    def restart_redis(self, down_s: float) -> None:
-        self.redis.stop()
-        time.sleep(down_s)
-        self.redis.start()
-
-    def truncate_g3(self, rng: random.Random) -> str:
-        """Truncate one worker's G3 block file to a random page-aligned length (half the time to 0)."""
-        files = sorted(self.disk_path.glob("*/*/blocks.dat"))
+    def truncate_g3(self, rng: random.Random, alive: set[str]) -> str:
+        """Truncate a live worker's G3 block file to a random page-aligned length (half the time to 0)."""
+        files = [path for path in sorted(self.disk_path.glob("*/*/blocks.dat")) if path.parts[-3] in alive]
         if not files:
             return "no G3 file yet"
         path = rng.choice(files)
@@ -548,6 +543,7 @@ class Chaos:
         self.stopped = threading.Event()
         self.started = time.monotonic()
         self.remote_joins_at_start: int | None = None  # joins seen when the remote worker was last restarted
+        self.redis_back_at: float | None = None  # seconds into the chaos at which the stopped Redis restarts
         self.killed: set[str] = set()
         self._threads = [
             threading.Thread(target=self._chaos_loop, name="chaos", daemon=True),
@@ -563,6 +559,8 @@ class Chaos:
         self.stopped.set()
         for thread in self._threads:
             thread.join(60)
+        if self.redis_back_at is not None:
+            self._start_redis()
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -583,6 +581,8 @@ class Chaos:
         }
         while not self.stopped.wait(0.5):
             self._watch_workers()
+            if self.redis_back_at is not None and self.now() >= self.redis_back_at:
+                self._start_redis()
             for action, at in due.items():
                 if self.args.duration_s > self.now() >= at and not self.stopped.is_set():
                     try:
@@ -630,12 +630,20 @@ class Chaos:
         self.log.add(self.now(), "kill", f"{victim}; alive now: {sorted(self.liveness.alive())}")
 
     def _restart_redis(self) -> None:
-        self.log.add(self.now(), "redis stop", f"down for {self.args.redis_down_s:g} s")
-        self.cluster.restart_redis(self.args.redis_down_s)
+        """SIGKILL redis-server; the loop starts it again (empty) --redis-down-s later."""
+        if self.redis_back_at is None:
+            self.cluster.redis.stop()
+            self.redis_back_at = self.now() + self.args.redis_down_s
+            self.log.add(self.now(), "redis stop", f"down for {self.args.redis_down_s:g} s")
+
+    def _start_redis(self) -> None:
+        self.cluster.redis.start()
+        self.redis_back_at = None
         self.log.add(self.now(), "redis start", "empty")
 
     def _truncate(self) -> None:
-        self.log.add(self.now(), "g3 truncate", self.cluster.truncate_g3(self.rng))
+        alive = self.liveness.alive()
+        self.log.add(self.now(), "g3 truncate", self.cluster.truncate_g3(self.rng, alive))
 
     def _sample(self) -> None:
         self.log.samples.append(sample_resources(self.cluster, self.liveness.alive(), self.now()))
@@ -916,6 +924,9 @@ def left_behind(cluster: Cluster, resources: dict[str, Any]) -> dict[str, Any]:
     samples = [resources[key] for key in ("start", "baseline", "end")]
     pids = {pid for s in samples for p in s["processes"].values() for pid in p["pids"]}
     shm = {path for s in samples for path in s["shm"]["run_paths"]}
+    deadline = time.monotonic() + 10  # a child may take a moment to notice that its parent is gone
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return {
         "processes": sorted(pid for pid in pids if pid_alive(pid)),
         "shm_files": sorted(path for path in shm if os.path.exists(path)),
