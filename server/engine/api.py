@@ -91,7 +91,9 @@ class SamplingParams(msgspec.Struct, array_like=True):
 
     def validate(self, max_tokens_limit: int) -> None:
         _check_int("max_tokens", self.max_tokens, 1, max_tokens_limit)
-        _check_float("temperature", self.temperature, 0.0, math.inf)
+        _check_float("temperature", self.temperature, 0.0, _FLOAT32_MAX)  # logits / temperature stays finite
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0  # greedy, as vLLM: a tinier one is 0 in float32 and the logits become NaN
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, 1 << 30)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -111,6 +113,10 @@ class SamplingParams(msgspec.Struct, array_like=True):
             raise RequestError("ignore_eos", "must be a boolean")
 
 
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+_FLOAT32_MAX = 3.4e38  # the sampler divides float32 logits by the temperature
+
+
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise RequestError(name, f"must be an integer, got {type(value).__name__}")
@@ -119,11 +125,19 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 
 
 def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise RequestError(name, f"must be a finite number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r:.40}")
     if value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise RequestError(name, f"must be in {bracket}{low}, {high}], got {value}")
+
+
+def _finite(value: int | float) -> bool:
+    """A float that is not inf or NaN, or an int that a float can hold (JSON's 1e400 is inf, 10**400 an int)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 MAX_CACHE_SALT_CHARS = 256
