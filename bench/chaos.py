@@ -103,7 +103,8 @@ class Outcome:
     text: str = ""
     completion_tokens: int = 0
     response_id: str = ""  # "cmpl-<request id>"; the server logs the request as "<request id>-0"
-    error: str | None = None
+    error: str | None = None  # the cause, as failures are grouped
+    detail: str = ""  # the server's error message
 
 
 def stream_one(client: openai.OpenAI, prompt: list[int], index: int, max_tokens: int) -> Outcome:
@@ -129,7 +130,7 @@ def stream_one(client: openai.OpenAI, prompt: list[int], index: int, max_tokens:
             outcome.error = f"stream ended after {outcome.completion_tokens} of {max_tokens} tokens"
     except openai.APIStatusError as exc:
         code = exc.body.get("code") if isinstance(exc.body, dict) else None
-        outcome.error = f"HTTP {exc.status_code} {code or ''}".strip()
+        outcome.error, outcome.detail = f"HTTP {exc.status_code} {code or ''}".strip(), exc.message
     except openai.APITimeoutError:
         outcome.error = "client timeout"
     except openai.APIConnectionError as exc:
@@ -808,7 +809,9 @@ def failure_groups(failed: list[Outcome], server_log: str) -> list[dict[str, Any
         example = next((o for o in members if o.response_id), members[0])
         example_id = request_id(example)
         lines = [line for line in server_log.splitlines() if example_id and example_id in line]
-        rows.append({"cause": cause, "count": len(members), "server_log": lines[:4]})
+        details = Counter(re.sub(r"\b[0-9a-f]{32}\b", "<id>", o.detail) for o in members if o.detail)
+        row = {"cause": cause, "count": len(members), "server_log": lines[:4]}
+        rows.append(row | {"messages": dict(details.most_common(5))})
     return rows
 
 
@@ -878,8 +881,10 @@ def print_table(report: dict[str, Any]) -> None:
     ):
         for row in report[key]:
             print(f"  {title}: {row['count']} x {row['cause']}")
+            for message, count in row["messages"].items():
+                print(f"      {count} x {message[:150]}")
             for line in row["server_log"][:2]:
-                print(f"      {line[:160]}")
+                print(f"      log: {line[:150]}")
     print(
         f"chaos: kills {chaos['kills_local']} local / {chaos['kills_remote']} remote ({chaos['kills_skipped']} "
         f"skipped), remote rejoins {chaos['remote_rejoins']}, Redis restarts {chaos['redis_restarts']}, G3 "
@@ -951,6 +956,7 @@ def keep_logs(
         with open(directory / "requests.jsonl", "w") as out:
             for outcome in holder.get("outcomes", []):
                 row = {"prompt": outcome.prompt, "id": request_id(outcome), "error": outcome.error}
+                row["detail"] = outcome.detail
                 row |= {
                     "started_s": round(outcome.started - started, 2),
                     "ended_s": round(outcome.ended - started, 2),
