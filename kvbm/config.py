@@ -32,6 +32,11 @@ class KVBMConfig:
     disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
     disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
     cache_id           node-local name of the G2 segment; workers sharing it share blocks
+    keep_host_cache    leave the G2 segment in /dev/shm when its last process closes (a restart finds its
+                       blocks); off: the last process to close removes it (--kvbm-keep-host-cache)
+    flush_budget_s     on close, each process copies the G2 blocks it stored (the last one: also those whose
+                       owners left without doing so) to its G3, coldest first, for at most this many seconds
+                       (--kvbm-flush-secs); 0: no copy
     g4_key             32-byte key that signs and verifies G4 blocks (kvbm.auth.derive_key(cluster secret,
                        "g4-mac")); required with redis_url: Redis is shared storage, not trusted storage
     """
@@ -46,6 +51,8 @@ class KVBMConfig:
     disk_min_uses: int = 1
     disk_fsync: bool = False
     cache_id: str = "default"
+    keep_host_cache: bool = False
+    flush_budget_s: float = 5.0
     g4_key: bytes | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -54,6 +61,8 @@ class KVBMConfig:
                 raise KVBMConfigError(name, "must be >= 0 GiB")
         if self.redis_ttl_s < 0:
             raise KVBMConfigError("redis_ttl_s", "must be >= 0 seconds")
+        if self.flush_budget_s < 0:
+            raise KVBMConfigError("flush_budget_s", "must be >= 0 seconds")
         if self.disk_min_uses < 1:
             raise KVBMConfigError("disk_min_uses", "must be >= 1")
         if self.redis_url and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):

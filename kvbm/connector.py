@@ -11,6 +11,13 @@ Policies:
             MGET pipeline), each tier asked only for the blocks no faster tier delivered, so a block missing or
             corrupt in G3 still comes from G4; the engine gets the leading run of valid blocks.
   lookup    the leading run of blocks some tier holds (G2 headers, G3 in-memory index, G4 one EXISTS pipeline).
+  close     G2 is node memory, and a graceful stop must neither lose its blocks nor leak it: each process
+            copies the G2 blocks it stored (used at least `disk_min_uses` times) that its G3 lacks into it,
+            hottest first, within `flush_budget_s`, then leaves the segment. The last process to leave
+            (host_pool.py counts users with kernel-held locks, so killed ones do not count) also copies the
+            blocks whose owners left without doing so, and removes the segment unless `keep_host_cache`. In
+            `strata serve` that is the server for an in-process engine, the last of its workers to stop with
+            --workers N, or a `strata worker` of the same node that outlives them.
 Events: every change of what this worker holds (G1 from the engine's events, G2/G3/G4 from the tiers) is
 published to `events` (the embedded `KVIndex`, a transport to the server's index, or the Redis Stream channel)
 as `TierEvent`s; G2 events name the node's segment so every worker mapping it is credited.
@@ -43,6 +50,8 @@ from kvbm.redis_pool import RedisPool
 from kvbm.tier import BlockTier, EvictedBlock
 
 log = logging.getLogger(__name__)
+
+FLUSH_BATCH = 64  # blocks per G2 -> G3 copy on close: one pin of G2 slots, one G3 put, one budget check
 
 
 def block_rows(kv_cache: torch.Tensor, num_blocks: int) -> np.ndarray:
@@ -86,6 +95,8 @@ class KVBMConnector:
             BlockTier
         ] = []  # the local tiers: offload goes to the first, each spills to the next
         self._remote: list[BlockTier] = []  # written through
+        self._host: HostPool | None = None  # G2 while this connector maps it (left on close)
+        self._closed = False
         self._g1: set[BlockHash] = set()
         self._announce_due = False  # set from other threads, served on the engine thread
         self.node = ""  # the G2 segment this worker shares with the others on its host (index events name it)
@@ -97,6 +108,7 @@ class KVBMConnector:
         self.tiers = self._open_tiers()
         self._chain = [tier for tier in self.tiers if not tier.remote]
         self._remote = [tier for tier in self.tiers if tier.remote]
+        self._host = next((tier for tier in self.tiers if isinstance(tier, HostPool)), None)
         segment = next((tier.segment for tier in self.tiers if tier.segment), "")
         self.node = f"{socket.gethostname()}:{segment}" if segment else ""
         self.metrics.set_capacity("G1", len(self._rows), self.block_bytes)
@@ -286,9 +298,78 @@ class KVBMConnector:
             self.metrics.set_used(tier.name, tier.used_blocks, self.block_bytes)
 
     def close(self) -> None:
-        """Release files and connections; the G2 segment stays for the node's other workers."""
+        """Leave the node's G2 segment (`_leave_host`), then release files and connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._host is not None and not self._host.closed:  # a test or bench may have destroyed it already
+            self._leave_host(self._host)
+        self._host = None
         for tier in self.tiers:
             tier.close()
         close_events = getattr(self.events, "close", None)
         if close_events is not None:
             close_events()
+
+    def _leave_host(self, host: HostPool) -> None:
+        """Copy this worker's G2 blocks to the next local tier; if this is the segment's last process, also
+        the blocks nobody copied, then remove the segment unless `keep_host_cache` (module docstring)."""
+        below = self._below(host) if self.config.flush_budget_s > 0 else None
+        deadline = time.monotonic() + self.config.flush_budget_s
+        min_uses = self.config.disk_min_uses
+        if below is not None:
+            self._flush(host, below, host.flush_candidates(self.worker_id, min_uses), deadline)
+        last = host.leave()
+        if last and below is not None:
+            self._flush(host, below, host.flush_candidates(None, min_uses), deadline)
+        if last and not self.config.keep_host_cache:
+            host.destroy()
+            log.info("kvbm %s: removed G2 segment %s (last process to close it)", self.worker_id, host.path)
+        else:
+            host.close()
+
+    def _flush(
+        self, host: HostPool, below: BlockTier, block_hashes: list[BlockHash], deadline: float
+    ) -> None:
+        """Copy the G2 blocks `below` lacks into it in batches, hottest first, until `deadline`
+        (time.monotonic()): a spent budget or a `below` too small loses the coldest. `block_hashes` is in LRU
+        order. Marks the blocks it copied or left out on purpose (see HostPool.mark_flushed)."""
+        present = below.contains(block_hashes)
+        missing = [h for h, here in zip(block_hashes, present, strict=True) if not here]
+        skipped = len(missing) - min(len(missing), below.capacity_blocks)  # would evict what this copies
+        host.mark_flushed(
+            [h for h, here in zip(block_hashes, present, strict=True) if here] + missing[:skipped]
+        )
+        hottest_first = missing[skipped:][::-1]
+        start, copied = time.perf_counter(), 0
+        for offset in range(0, len(hottest_first), FLUSH_BATCH):
+            if time.monotonic() > deadline:
+                log.warning(
+                    "kvbm %s: --kvbm-flush-secs %.1f spent: %d colder G2 blocks not copied to %s",
+                    self.worker_id, self.config.flush_budget_s, len(hottest_first) - offset, below.name,
+                )  # fmt: skip
+                break
+            try:
+                copied += self._flush_batch(host, below, hottest_first[offset : offset + FLUSH_BATCH])
+            except OSError as err:  # a failing disk must not keep the segment from being left (or removed)
+                log.warning("kvbm %s: copying G2 blocks to %s failed: %s", self.worker_id, below.name, err)
+                break
+        if copied:
+            elapsed = time.perf_counter() - start
+            log.info(
+                "kvbm %s: copied %d G2 blocks (%.0f MiB) to %s in %.2f s",
+                self.worker_id, copied, copied * self.block_bytes / 2**20, below.name, elapsed,
+            )  # fmt: skip
+
+    def _flush_batch(self, host: HostPool, below: BlockTier, block_hashes: list[BlockHash]) -> int:
+        """One batch of `_flush`, written to `below` straight from the pinned G2 slots; returns the blocks
+        `below` stored."""
+        with host.pinned(block_hashes) as payloads:
+            rows = [i for i, payload in enumerate(payloads) if payload is not None]  # evicted since: skipped
+            start = time.perf_counter()
+            result = below.put([block_hashes[i] for i in rows], [payloads[i] for i in rows])
+        self._record_transfer(f"{host.name}->{below.name}", len(result.stored), start)
+        self._publish("stored", below, result.stored)
+        rejected = {rows[i] for i in result.rejected}
+        host.mark_flushed([block_hashes[i] for i in rows if i not in rejected])
+        return len(result.stored)

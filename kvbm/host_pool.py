@@ -21,13 +21,20 @@ cuts every later block of that prefix off; two choices keep the most loaded set 
 header access holds `flock` on the segment file plus a thread lock; payload copies run without the lock:
 
     put: lock, claim slot (state WRITING, hash = new), unlock, spill the old payload, copy in, lock, READY, unlock
-    get: lock, pins += 1, unlock, copy out, lock, pins -= 1, unlock
+    get: lock, pins += 1, unlock, copy out, lock, pins -= 1, unlock   (`pinned`: the same around any reader)
 
 Invariants: a reader sees only READY slots; a slot with pins > 0 or state WRITING is never chosen as a victim
 (a WRITING slot whose writer pid has died is reclaimed; a pin left by a process killed mid-copy keeps its one
-slot until the segment is recreated). The segment outlives its processes on purpose (a restarted worker finds
-its node's blocks); `destroy` removes it. On CUDA this segment would be registered as pinned host
-memory (cudaHostRegister) so G2<->G1 copies run as DMA; here G1 is host memory too and a copy is a memcpy.
+slot until a process opens the segment while no other maps it, which clears every pin and WRITING slot).
+
+Users and lifetime: every process that maps the segment holds a shared OFD lock (fcntl F_OFD_SETLK: held per
+open file, dropped by the kernel when the process dies, even by kill -9) on byte 0 of the file; flock, which
+guards the headers, is a separate lock. A process that can take that byte exclusively is the only user. A pool
+opened that way clears stale pins and WRITING slots (what kill -9 left); a pool closing that way (`leave`) is
+the last user and removes the segment unless the operator keeps it (the connector decides, see connector.py).
+A segment left by kill -9 is therefore found and reused by the next start, and removed by its next graceful
+stop. On CUDA this segment would be registered as pinned host memory (cudaHostRegister) so G2<->G1 copies run
+as DMA; here G1 is host memory too and a copy is a memcpy.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import fcntl
 import logging
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +61,7 @@ VERSION = 1
 PAGE = 4096
 SHM_DIR = Path("/dev/shm")  # a file there can carry an fcntl lock
 EMPTY, WRITING, READY = 0, 1, 2
+# slot `pid`: the writer while WRITING; once READY, 0 after its owner flushed it to G3 on close (mark_flushed)
 SLOT_HEADER = np.dtype(
     [
         ("hash", "<u8"),
@@ -83,6 +92,25 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _lock_users(fd: int, kind: int, wait: bool = False) -> bool:
+    """Set this open file's OFD lock on byte 0 (F_RDLCK: one more user, F_WRLCK: the only user, F_UNLCK:
+    none). Without `wait`, False if another open file holds a conflicting lock."""
+    request = struct.pack("@hhqqi4x", kind, os.SEEK_SET, 0, 1, 0)  # struct flock; an OFD lock needs l_pid 0
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held by another open file
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is `fd` still the file at `path` (not unlinked by the last user while we waited for its lock)?"""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 class HostPool:
     """G2 tier (see module docstring). `on_evict` gets the blocks a put evicts, before they are overwritten."""
 
@@ -107,14 +135,42 @@ class HostPool:
         self._owner = owner.encode()[:32]
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        self._fd, alone = self._open_as_user()
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             if os.fstat(self._fd).st_size == 0 or os.pread(self._fd, 8, 0) != MAGIC.to_bytes(8, "little"):
                 self._format(block_bytes, num_slots)  # new, or its creator died before writing the header
             self._map()
+            if alone:
+                self._clear_stale()
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if alone:
+            _lock_users(self._fd, fcntl.F_RDLCK)  # downgrade: other processes may map it now
+
+    def _open_as_user(self) -> tuple[int, bool]:
+        """Open the segment file holding its users lock: exclusive (True) if no other process maps it, else
+        shared. A file unlinked by its last user while we waited for the lock is dropped for a fresh one."""
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            alone = _lock_users(fd, fcntl.F_WRLCK)
+            if not alone:
+                _lock_users(fd, fcntl.F_RDLCK, wait=True)
+            if _same_file(fd, self.path):
+                return fd, alone
+            os.close(fd)
+
+    def _clear_stale(self) -> None:
+        """No other process maps the segment: every pin and WRITING slot was left by a process that died
+        mid-copy (caller holds the lock)."""
+        pinned = int(np.count_nonzero(self._slots["pins"]))
+        writing = np.flatnonzero(self._slots["state"] == WRITING)
+        if pinned or writing.size:
+            log.info(
+                "G2 segment %s: cleared %d stale pins, %d unfinished writes", self.path, pinned, writing.size
+            )
+        self._slots["pins"] = 0
+        self._slots["state"][writing] = EMPTY
 
     def _format(self, block_bytes: int, num_slots: int) -> None:
         ways = min(16, num_slots)
@@ -161,6 +217,10 @@ class HostPool:
     @property
     def capacity_blocks(self) -> int:
         return self.num_slots
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
 
     @property
     def used_blocks(self) -> int:
@@ -272,21 +332,31 @@ class HostPool:
     def get(self, block_hashes: Sequence[BlockHash], dests: Sequence[np.ndarray]) -> list[bool]:
         if not block_hashes:
             return []
+        with self.pinned(block_hashes, touch=True) as payloads:
+            pairs = [
+                (dest, payload) for payload, dest in zip(payloads, dests, strict=True) if payload is not None
+            ]
+            copy_blocks(pairs)
+            return [payload is not None for payload in payloads]
+
+    @contextmanager
+    def pinned(
+        self, block_hashes: Sequence[BlockHash], touch: bool = False
+    ) -> Iterator[list[np.ndarray | None]]:
+        """Views of the payloads of `block_hashes` in the segment (None where a block is not READY here),
+        pinned until the `with` block ends: no process evicts or overwrites them meanwhile. `touch` counts
+        this as a use (LRU order and `uses`); a flush to G3 does not."""
         with self._locked():
             slots = self._find(block_hashes)
             held = slots[slots >= 0]
-            self._touch_many(held)
+            if touch:
+                self._touch_many(held)
             np.add.at(self._slots["pins"], held, 1)
-        copy_blocks(
-            [
-                (dest, self.payload(slot))
-                for slot, dest in zip(slots.tolist(), dests, strict=True)
-                if slot >= 0
-            ]
-        )
-        with self._locked():
-            np.subtract.at(self._slots["pins"], held, 1)
-        return (slots >= 0).tolist()
+        try:
+            yield [self.payload(slot) if slot >= 0 else None for slot in slots.tolist()]
+        finally:
+            with self._locked():
+                np.subtract.at(self._slots["pins"], held, 1)
 
     def _touch_many(self, slots: np.ndarray) -> None:
         """Mark slots used now, in order (caller holds the lock)."""
@@ -309,6 +379,32 @@ class HostPool:
             mask = (self._slots["state"] == READY) & (self._slots["owner"] == owner.encode()[:32])
             return [BlockHash(int(h)) for h in self._slots["hash"][mask]]
 
+    def flush_candidates(self, owner: str | None, min_uses: int = 1) -> list[BlockHash]:
+        """READY blocks used at least `min_uses` times, least recently used first: those `owner` stored, or
+        with `owner` None those no owner has copied to its G3 yet (see `mark_flushed`)."""
+        with self._locked():
+            slots = self._slots
+            mask = (slots["state"] == READY) & (slots["uses"] >= min_uses)
+            mask &= (slots["owner"] == owner.encode()[:32]) if owner is not None else (slots["pid"] != 0)
+            chosen = np.flatnonzero(mask)
+            chosen = chosen[np.argsort(slots["last_use"][chosen], kind="stable")]
+            return [BlockHash(int(h)) for h in slots["hash"][chosen]]
+
+    def mark_flushed(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Their owner dealt with these blocks on close (copied them, or left them out as colder than what its
+        G3 holds): the last user's `flush_candidates(None)` skips them."""
+        if not block_hashes:
+            return
+        with self._locked():
+            slots = self._find(block_hashes)
+            self._slots["pid"][slots[slots >= 0]] = 0
+
+    def leave(self) -> bool:
+        """Stop counting as a user. True if no other process maps the segment any more: this pool then holds
+        it exclusively (a process opening it waits) until `close` or `destroy`."""
+        _lock_users(self._fd, fcntl.F_UNLCK)
+        return _lock_users(self._fd, fcntl.F_WRLCK)
+
     def close(self) -> None:
         """Unmap; the segment stays for the other workers of the node (see `destroy`)."""
         if self._fd < 0:
@@ -322,9 +418,12 @@ class HostPool:
         self._fd = -1
 
     def destroy(self) -> None:
-        """Close and remove the segment from /dev/shm (node shutdown or tests)."""
+        """Remove the segment from /dev/shm and close (node shutdown or tests). The name goes first, while
+        this pool still holds its users lock: a process that opened the old file meanwhile sees it gone and
+        makes a new one."""
+        if self._fd >= 0 and _same_file(self._fd, self.path):
+            self.path.unlink(missing_ok=True)
         self.close()
-        self.path.unlink(missing_ok=True)
 
 
 def pid_alive(pid: int) -> bool:

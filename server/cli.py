@@ -288,6 +288,17 @@ def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
     kv.add_argument("--kvbm-redis-ttl-secs", type=int, default=0, help="G4 block expiry (0: none)")
     kv.add_argument("--kvbm-redis-cache-gb", type=float, default=0.0, help="G4 capacity bound (0: unbounded)")
     kv.add_argument("--kvbm-cache-id", default="default", help="node-local name of the G2 segment")
+    kv.add_argument(
+        "--kvbm-keep-host-cache",
+        action="store_true",
+        help="leave the G2 segment in /dev/shm when the node's last strata process stops (default: removed)",
+    )
+    kv.add_argument(
+        "--kvbm-flush-secs",
+        type=float,
+        default=5.0,
+        help="on stop, copy G2 blocks to G3 for at most this long, hottest kept (0: no copy)",
+    )
     kv.add_argument("--no-kvbm", dest="kvbm", action="store_false", help="G1-only prefix caching")
 
 
@@ -354,6 +365,8 @@ def kvbm_config(args: argparse.Namespace, secret: bytes | None) -> KVBMConfig | 
         redis_ttl_s=args.kvbm_redis_ttl_secs,
         redis_cache_gb=args.kvbm_redis_cache_gb,
         cache_id=args.kvbm_cache_id,
+        keep_host_cache=args.kvbm_keep_host_cache,
+        flush_budget_s=args.kvbm_flush_secs,
         g4_key=derive_key(secret, "g4-mac") if secret else None,
     )
     kvbm.validate()

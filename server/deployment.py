@@ -11,6 +11,10 @@ decides (model.json, instance_group) and `start` builds it:
 
 `engines` holds the running engines by model name; the Triton binding (server.backends.llm) and the OpenAI frontend
 both serve from it.
+
+Stopping a model closes each engine's KVBM connector after its engine (here, or in its worker process): the
+connector copies its G2 blocks to its G3, and the last process mapping the node's G2 segment removes it
+(kvbm/connector.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvbm.block_hash import BlockHash
 from kvbm.client import KVIndexClient
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
+from kvbm.events import EventSink
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
 from server.engine.api import Engine
@@ -42,7 +47,7 @@ from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.transport import CurveKeys
-from server.workers.worker import WorkerSpec, build_llm_engine
+from server.workers.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +149,9 @@ class LLMDeployment:
     def _routed(self, plan: EnginePlan) -> RoutedEngine:
         standalone = self.serving.kvbm_service is not None
         event_sink = None if standalone else self._index
-        spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
+        spec = WorkerSpec(
+            build_worker_engine, (plan.config, self.serving.kvbm), forward_events=not standalone
+        )
         worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
         lookup = self._index
@@ -175,3 +182,25 @@ class LLMDeployment:
             )
 
         return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()
+
+
+class WorkerLLMEngine(LLMEngine):
+    """A spawned worker's engine that owns its KVBM connector: the worker process only closes its engine, and
+    the connector must be closed with it (its G2 blocks copied to its G3, the node's segment left)."""
+
+    def __init__(self, config: EngineConfig, connector: KVBMConnector) -> None:
+        super().__init__(config, connector)
+        self.kvbm_connector = connector
+
+    def close(self) -> None:
+        super().close()
+        self.kvbm_connector.close()
+
+
+def build_worker_engine(
+    engine_config: EngineConfig, kvbm_config: KVBMConfig | None, *, worker_id: str, events: EventSink | None
+) -> LLMEngine:
+    """`WorkerSpec` factory of `strata serve --workers N`: `server.workers.worker.build_llm_engine`, with the
+    connector closed when the engine is."""
+    connector = build_connector(kvbm_config or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
+    return WorkerLLMEngine(engine_config, connector)

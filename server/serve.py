@@ -114,6 +114,11 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         raise ValueError(f"--workers: must be >= 0, got {args.workers}")
     if args.workers == 0 and not args.accept_remote_workers:
         raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
+    if args.kvbm and args.kvbm_flush_secs > args.exit_timeout_secs:
+        raise ValueError(
+            f"--kvbm-flush-secs {args.kvbm_flush_secs:g}: the G2 -> G3 copy at stop must fit in "
+            f"--exit-timeout-secs {args.exit_timeout_secs}"
+        )
     secret = cluster_secret(args, secret_needed_by(args))  # read once: links and G4 keys derive from it
     return LLMServing(
         router,

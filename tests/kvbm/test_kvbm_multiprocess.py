@@ -15,6 +15,7 @@ from kvbm_testing import (
 )
 
 from kvbm.config import GIB
+from kvbm.host_pool import SHM_DIR
 
 SPAWN = multiprocessing.get_context("spawn")
 NUM_BLOCKS = 12
@@ -39,10 +40,13 @@ def expected() -> list[int]:
 
 
 def test_two_processes_share_blocks_through_g2(cache_id: str, expected: list[int]) -> None:
+    """The writer exits first, keeping the segment (--kvbm-keep-host-cache); the reader, now the segment's only
+    process, finds the blocks and removes it when it closes (it did not ask to keep it)."""
     config = dict(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB)
-    count, digests, per_tier = share(config, config)
+    count, digests, per_tier = share({**config, "keep_host_cache": True}, config)
     assert count == NUM_BLOCKS and digests == expected
     assert per_tier == {"G2": NUM_BLOCKS, "G3": 0, "G4": 0}
+    assert not list(SHM_DIR.glob(f"strata-kvbm-{cache_id}-*"))
 
 
 def test_two_processes_share_blocks_through_g4(cache_id: str, redis_url: str, expected: list[int]) -> None:
