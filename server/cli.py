@@ -46,8 +46,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strict-readiness",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="ready only when every loaded model is ready (default: ready while models load)",
+        default=True,
+        help="as tritonserver: /v2/health/ready only once the repository's models are loaded and while every "
+        "model is ready (a model that failed to load keeps the server not ready); --no-strict-readiness: ready "
+        "as soon as the server is up",
     )
     p.add_argument("--exit-timeout-secs", type=int, default=30)
     p.add_argument(

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from server import backends
 from server.backends.llm import LLMBackend
+from server.backends.unavailable import StartupHold
 from server.cli import cluster_secret, engine_overrides, kvbm_config, request_limits, triton_access
 from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
@@ -82,10 +83,14 @@ def serve(args: argparse.Namespace) -> int:
             limits=limits,
         )
     try:
+        # staged before Triton starts, so that Triton loads it (and is not ready) from its first moment
+        hold = StartupHold(triton) if args.strict_readiness else None
         triton.start()
         if frontend is not None:
             frontend.start()
         manager.start()
+        if hold is not None:
+            hold.release()
         log.info("strata ready (pid %d)", os.getpid())
         while not stopping.wait(_WATCHDOG_SECS):
             if not triton.is_alive():

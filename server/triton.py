@@ -19,11 +19,14 @@ import re
 import secrets
 import socket
 import sysconfig
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytriton.models.manager as pytriton_manager
+import pytriton.triton as pytriton_triton
 from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
@@ -112,7 +115,7 @@ class TritonSettings:
     grpc_port: int = 8001
     metrics_port: int = 8002
     address: str = "0.0.0.0"
-    strict_readiness: bool = False
+    strict_readiness: bool = True
     exit_timeout_secs: int = 30
     log_verbose: int = 0
     access_token: str | None = None  # short form: PROTECTED_APIS need triton-access-token on HTTP and gRPC
@@ -199,6 +202,36 @@ def _access_flags(c: TritonSettings) -> dict[str, object]:
     return flags
 
 
+def _bind_on_liveness() -> None:
+    """PyTriton waits for the server to be *ready* at start, before each model load and after each unload. Under strict
+    readiness (tritonserver's default, and Strata's) a model that failed to load keeps the server not ready, so
+    every later bind (an LLM model, a poll-mode change) would wait out PyTriton's 120 s timeout and fail. Strata's
+    loads need only a live server: PyTriton's model manager is pointed at a liveness wait (idempotent)."""
+    if getattr(pytriton_manager, "_strata_patched", False):
+        return
+
+    def wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or 60.0)
+        while True:
+            try:
+                if client.is_server_live(headers=headers):
+                    return
+            except Exception:  # noqa: BLE001 - connection errors while Triton starts
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Triton not live within {timeout_s} s")
+            time.sleep(0.05)  # only while Triton starts: it is live from its first answer on
+
+    class LiveModelClient(pytriton_manager.ModelClient):
+        def wait_for_server(self, timeout_s: float) -> None:
+            wait_for_server_live(self._general_client, timeout_s)
+
+    pytriton_manager.wait_for_server_ready = wait_for_server_live
+    pytriton_triton.wait_for_server_ready = wait_for_server_live  # run() waits for the server it started
+    pytriton_manager.ModelClient = LiveModelClient
+    pytriton_manager._strata_patched = True
+
+
 def clean_stale_runs(runtime_dir: Path) -> None:
     """Remove what runs killed with -9 left behind: their workspaces and Python-backend shared memory."""
     for workspace in runtime_dir.glob("serve-*"):
@@ -238,6 +271,7 @@ class TritonServer:
         self._triton: Triton | None = None
 
     def start(self) -> None:
+        _bind_on_liveness()
         # the Python-backend stub must load this interpreter's libpython (BRIEF: PyTriton quirk)
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
@@ -250,6 +284,7 @@ class TritonServer:
             grpc_port=c.grpc_port,
             metrics_port=c.metrics_port,
             strict_readiness=c.strict_readiness,
+            exit_on_error=False,  # a model staged before start that fails to load (StartupHold) is no reason to exit
             exit_timeout_secs=c.exit_timeout_secs,
             log_verbose=c.log_verbose,
             allow_gpu_metrics=False,
@@ -305,6 +340,19 @@ class TritonServer:
     def unload(self, name: str) -> None:
         with self.client() as client:
             client.unload_model(name, headers=self.headers)
+
+    def wait_unloaded(self, name: str, timeout_s: float = 30.0) -> None:
+        """Wait until Triton lists every version of staged model `name` as unloaded (its unload runs in the
+        background; Triton offers no event for it, so the index is read every 50 ms)."""
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while time.monotonic() < deadline:
+                rows = client.get_model_repository_index(headers=self.headers, as_json=True).get("models", [])
+                mine = [row for row in rows if row.get("name") == name and row.get("version")]
+                if all(row.get("state") == "UNAVAILABLE" and row.get("reason") == "unloaded" for row in mine):
+                    return
+                time.sleep(0.05)
+        log.warning("%s: still unloading after %.0f s", name, timeout_s)
 
     def unbind(self, name: str) -> None:
         """Unload a PyTriton-bound model and forget its binding, so the name can be bound again (reload).

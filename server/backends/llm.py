@@ -173,7 +173,8 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
                 yield [response]
         except RequestError as exc:
             raise TritonClientError(str(exc)) from None
-        except EngineOverloaded as exc:  # PyTriton sets no error code: the message says UNAVAILABLE, as Triton's
+        except EngineOverloaded as exc:
+            # PyTriton gives a model no say over the error code: the message says UNAVAILABLE, as Triton's does
             raise TritonClientError(f"UNAVAILABLE: {exc}") from None
         except EngineUnavailable as exc:
             raise TritonClientError(f"{engine.model_name} cannot take requests now: {exc}") from None

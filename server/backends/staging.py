@@ -11,16 +11,20 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from google.protobuf import text_format
 from tritonclient.utils import InferenceServerException
 
 from server.repository.backend import LoadError
+from server.repository.model_config import ModelConfig
 from server.repository.scan import ModelSource
 
 log = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).parent / "stubs" / "unavailable_model.py"  # the placeholder's model.py
 
 
 class ModelLoader(Protocol):
@@ -32,6 +36,8 @@ class ModelLoader(Protocol):
 
     def unload(self, name: str) -> None: ...
 
+    def wait_unloaded(self, name: str) -> None: ...
+
 
 class StagedBackend:
     """Models Triton loads from a folder staged in its model store; `stage_model` writes that folder."""
@@ -39,6 +45,10 @@ class StagedBackend:
     def __init__(self, triton: ModelLoader, stage_model: Callable[[ModelSource, Path], None]) -> None:
         self.triton = triton
         self._stage_model = stage_model
+        self._served: set[str] = set()  # names with a version loaded
+        self._failed: dict[
+            str, list[int]
+        ] = {}  # versions of names that failed with nothing served: retired on unload
 
     def stage(self, model: ModelSource) -> None:
         self._stage_model(model, self.triton.store)
@@ -48,10 +58,19 @@ class StagedBackend:
         try:
             self.triton.load(model.name)
         except InferenceServerException as exc:
+            if model.name not in self._served:  # a failed reload leaves the old versions serving: not failed
+                self._failed[model.name] = model.versions
             raise LoadError(exc.message()) from None
+        self._served.add(model.name)
+        self._failed.pop(model.name, None)
 
     def unload(self, name: str) -> None:
-        unload_staged(self.triton, name)
+        self._served.discard(name)
+        failed = self._failed.pop(name, None)
+        if failed is not None:
+            retire(self.triton, name, failed)
+        else:
+            unload_staged(self.triton, name)
 
 
 def unload_staged(triton: ModelLoader, name: str) -> None:
@@ -92,3 +111,38 @@ def prune(folder: Path, keep: set[str]) -> None:
     for entry in folder.iterdir():
         if entry.name not in keep:
             remove(entry)
+
+
+def retire(triton: ModelLoader, name: str, versions: Sequence[int] = (1,)) -> None:
+    """Unload a model whose `versions` failed to load, so that Triton forgets the failure.
+
+    Triton keeps a failed load's state (UNAVAILABLE, with its reason) after an unload, and under strict readiness
+    that state keeps the whole server not ready, even once the folder is gone. Only an unload of a loaded version
+    leaves the state Triton ignores ("unloaded"): the versions are loaded once as a model that loads, then unloaded.
+    """
+    stage_reason(name, None, triton.store, versions)
+    try:
+        triton.load(name)
+        triton.unload(name)
+        triton.wait_unloaded(name)  # Triton unloads in the background; its index needs the staged folder
+    except InferenceServerException as exc:
+        log.error("%s: could not retire the failed model: %s", name, exc.message())
+    remove(triton.store / name)
+
+
+def stage_reason(name: str, reason: str | None, store: Path, versions: Sequence[int] = (1,)) -> None:
+    """Stage `name` as a model whose load fails with `reason` (None: a model that loads; see `retire`)."""
+    folder = store / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for version in versions:
+        if (folder / str(version)).is_symlink():  # a staged model's version links to the operator's folder
+            remove(folder / str(version))
+        (folder / str(version)).mkdir(exist_ok=True)
+        link(RUNNER, folder / str(version) / "model.py")
+        prune(folder / str(version), {"model.py"})
+    prune(folder, {"config.pbtxt", *map(str, versions)})
+    config = ModelConfig(name=name, backend="python")
+    config.version_policy.specific.versions.extend(versions)
+    if reason is not None:
+        config.parameters["strata_error"].string_value = reason
+    write_atomic(folder / "config.pbtxt", text_format.MessageToString(config))

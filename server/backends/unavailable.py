@@ -7,15 +7,9 @@ a `load_model()` through tritonclient report exactly what the log says. `Unavail
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from google.protobuf import text_format
 from tritonclient.utils import InferenceServerException
 
-from server.backends.staging import ModelLoader, link, prune, unload_staged, write_atomic
-from server.repository.model_config import ModelConfig
-
-RUNNER = Path(__file__).parent / "stubs" / "unavailable_model.py"
+from server.backends.staging import ModelLoader, retire, stage_reason
 
 
 class UnavailableBackend:
@@ -34,18 +28,25 @@ class UnavailableBackend:
             pass  # fails by design: Triton now lists the model UNAVAILABLE with the reason
 
     def unload(self, name: str) -> None:
-        unload_staged(self.triton, name)
+        retire(self.triton, name)
 
 
-def stage_reason(name: str, reason: str, store: Path) -> None:
-    """Stage `name` as a model whose load fails with `reason`."""
-    folder = store / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "1").mkdir(exist_ok=True)
-    link(RUNNER, folder / "1" / "model.py")
-    prune(folder / "1", {"model.py"})
-    prune(folder, {"config.pbtxt", "1"})
-    config = ModelConfig(name=name, backend="python")
-    config.version_policy.specific.versions.append(1)
-    config.parameters["strata_error"].string_value = reason
-    write_atomic(folder / "config.pbtxt", text_format.MessageToString(config))
+STARTUP_MODEL = "strata_loading_repository"
+
+
+class StartupHold:
+    """Keeps a strict-readiness Triton not ready until Strata has loaded the repository at start.
+
+    Triton's strict readiness covers only the models it has been asked to load, and Strata asks for them one at a
+    time after Triton is up: between loads Triton said ready with models still missing (probes measured ready /
+    not-ready flapping for seconds). The hold is a placeholder that fails to load, staged before Triton starts so
+    that Triton loads it at start (PyTriton starts Triton with `--load-model=*`): Triton is never ready before
+    `release` retires it.
+    """
+
+    def __init__(self, triton: ModelLoader) -> None:
+        self.triton = triton
+        stage_reason(STARTUP_MODEL, "Strata is loading the model repository", triton.store)
+
+    def release(self) -> None:
+        retire(self.triton, STARTUP_MODEL)

@@ -124,6 +124,9 @@ class RecordingLoader:
     def unload(self, name: str) -> None:
         self.unloads.append(name)
 
+    def wait_unloaded(self, name: str) -> None:
+        pass
+
 
 def started_poll_manager(tmp_path: Path) -> tuple[Path, RecordingLoader, RepositoryManager]:
     """A poll-mode manager over a one-model repository, started (its watcher stopped: tests call rescan)."""

@@ -119,7 +119,11 @@ def test_poll_mode_lifecycle_and_broken_models(strata, tmp_path):
         # a removed model is unloaded
         shutil.rmtree(repo / "add_sub_copy")
         wait_for(lambda: state(client, "add_sub_copy", "2") != "READY", 60, what="removed model unloaded")
-        assert client.is_server_ready()
+
+        # strict readiness (tritonserver's default): not ready while bad_init cannot load, ready once it is gone
+        assert not client.is_server_ready()
+        shutil.rmtree(repo / "bad_init")
+        wait_for(client.is_server_ready, 60, what="ready once the broken model is removed")
     finally:
         client.close()
 
