@@ -25,15 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytriton.models.manager as pytriton_manager
-import pytriton.triton as pytriton_triton
 from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from kvbm.host_pool import pid_alive
-from server import settings
+from server import pytriton_patches, settings
 
 log = logging.getLogger(__name__)
 
@@ -202,36 +200,6 @@ def _access_flags(c: TritonSettings) -> dict[str, object]:
     return flags
 
 
-def _bind_on_liveness() -> None:
-    """PyTriton waits for the server to be *ready* at start, before each model load and after each unload. Under strict
-    readiness (tritonserver's default, and Strata's) a model that failed to load keeps the server not ready, so
-    every later bind (an LLM model, a poll-mode change) would wait out PyTriton's 120 s timeout and fail. Strata's
-    loads need only a live server: PyTriton's model manager is pointed at a liveness wait (idempotent)."""
-    if getattr(pytriton_manager, "_strata_patched", False):
-        return
-
-    def wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
-        deadline = time.monotonic() + (timeout_s or 60.0)
-        while True:
-            try:
-                if client.is_server_live(headers=headers):
-                    return
-            except Exception:  # noqa: BLE001 - connection errors while Triton starts
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Triton not live within {timeout_s} s")
-            time.sleep(0.05)  # only while Triton starts: it is live from its first answer on
-
-    class LiveModelClient(pytriton_manager.ModelClient):
-        def wait_for_server(self, timeout_s: float) -> None:
-            wait_for_server_live(self._general_client, timeout_s)
-
-    pytriton_manager.wait_for_server_ready = wait_for_server_live
-    pytriton_triton.wait_for_server_ready = wait_for_server_live  # run() waits for the server it started
-    pytriton_manager.ModelClient = LiveModelClient
-    pytriton_manager._strata_patched = True
-
-
 def clean_stale_runs(runtime_dir: Path) -> None:
     """Remove what runs killed with -9 left behind: their workspaces and Python-backend shared memory."""
     for workspace in runtime_dir.glob("serve-*"):
@@ -271,7 +239,7 @@ class TritonServer:
         self._triton: Triton | None = None
 
     def start(self) -> None:
-        _bind_on_liveness()
+        pytriton_patches.apply()
         # the Python-backend stub must load this interpreter's libpython (BRIEF: PyTriton quirk)
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)

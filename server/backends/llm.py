@@ -164,6 +164,15 @@ class TritonRequest:
     cache_salt: str | None  # vLLM's field, checked here; None shares blocks with every unsalted request
 
 
+class TritonUnavailableError(TritonClientError):
+    """The engine's wait queue is full; the client reads "TritonUnavailableError: ... retry later". Triton's
+    generate endpoints answer 400 to any error a model sends in a response, whatever its code (tried with
+    UNAVAILABLE set through PyTriton's proxy), and a gRPC stream carries only the message: the class name is how a
+    Triton client tells "retry later" from a bad request."""
+
+    __module__ = "builtins"
+
+
 def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[list[dict[str, np.ndarray]]]]:
     async def infer(requests: list[Request]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
         if len(requests) != 1:  # batching is off, so Triton hands over one request per call
@@ -174,8 +183,7 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
         except RequestError as exc:
             raise TritonClientError(str(exc)) from None
         except EngineOverloaded as exc:
-            # PyTriton gives a model no say over the error code: the message says UNAVAILABLE, as Triton's does
-            raise TritonClientError(f"UNAVAILABLE: {exc}") from None
+            raise TritonUnavailableError(str(exc)) from None
         except EngineUnavailable as exc:
             raise TritonClientError(f"{engine.model_name} cannot take requests now: {exc}") from None
         except Exception:

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -284,3 +285,40 @@ def _reload_and_check(server, repo) -> None:
     assert status == 200, answer
     assert "exited unexpectedly" not in server.log()
     assert server.process.poll() is None
+
+
+def test_a_full_wait_queue_refuses_on_triton_and_is_429_on_openai(tmp_path_factory):
+    """One request running, one waiting (--max-queued-requests 1): the next is refused, not queued; Triton's
+    generate names TritonUnavailableError (it answers 400 to every model error), the OpenAI API 429 with
+    Retry-After."""
+    tmp = tmp_path_factory.mktemp("full")
+    server = start_strata(
+        copy_models(tmp / "repo", "smollm2"),
+        tmp,
+        "--max-concurrent-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+    )
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", max_retries=0
+    )
+    try:
+        running = client.completions.create(
+            model="smollm2", prompt=PROMPT, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(running))  # it produced a token: it holds the one slot
+        waiting = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, stream=True)
+        status, body = post(server, "/v2/models/smollm2/generate", {"text_input": PROMPT})
+        assert status == 400 and "TritonUnavailableError: " in body and "max_queued_requests" in body, body
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        running.close()
+        assert "".join(c.choices[0].text for c in waiting)  # the waiting one still gets its answer
+        status, _ = post(
+            server, "/v2/models/smollm2/generate", {"text_input": PROMPT, "parameters": {"max_tokens": 2}}
+        )
+        assert status == 200
+    finally:
+        server.stop()
