@@ -205,6 +205,7 @@ class Cluster:
         self.server: StrataProcess | None = None
         self.remote: subprocess.Popen | None = None
         self.remote_starts = 0
+        self.closed = False
 
     @property
     def url(self) -> str:
@@ -245,6 +246,8 @@ class Cluster:
 
     def start_remote(self) -> None:
         """Start `strata worker` under REMOTE_ID (a restart waits out its predecessor's lease, then joins)."""
+        if self.closed:
+            return
         self.remote_starts += 1
         command = [sys.executable, "-m", "server", "worker", "--model-repository", str(self.repository)]
         command += ["--model", MODEL, "--worker-id", REMOTE_ID, "--host", "127.0.0.1"]
@@ -307,6 +310,7 @@ class Cluster:
 
     def close(self) -> None:
         """Stop everything this run started (each step even if an earlier one fails)."""
+        self.closed = True
         steps: list[Callable[[], Any]] = []
         if self.remote is not None:
             steps += [self.remote.kill, lambda: self.remote.wait(10)]  # type: ignore[union-attr]
@@ -557,9 +561,12 @@ class Chaos:
             thread.start()
 
     def stop(self) -> None:
+        """Stop both threads (a malformed request still in flight is left to its daemon thread) and bring Redis
+        back if it is down."""
         self.stopped.set()
-        for thread in self._threads:
-            thread.join(60)
+        chaos, malformed = self._threads
+        chaos.join(60)
+        malformed.join(5)
         if self.redis_back_at is not None:
             self._start_redis()
 
@@ -1007,7 +1014,7 @@ def main() -> None:
         report = run(cluster, args, holder)
     finally:
         if "chaos" in holder:
-            holder["chaos"].stopped.set()
+            holder["chaos"].stop()  # no kill or restart may race with the cleanup
         cluster.close()
         if report is not None:
             report["resources"]["left_behind"] = left_behind(cluster, report["resources"])
