@@ -78,3 +78,7 @@ class KVConnector(Protocol):
     def on_event(self, event: BlockEvent) -> None:
         """Block events for the KVBM service index (and the router)."""
         ...
+
+    def close(self) -> None:
+        """The engine has stopped (it calls this from its close): release the tiers. Idempotent."""
+        ...

@@ -12,8 +12,8 @@ decides (model.json, instance_group) and `start` builds it:
 `engines` holds the running engines by model name; the Triton binding (server.backends.llm) and the OpenAI frontend
 both serve from it.
 
-Stopping a model closes each engine's KVBM connector after its engine (here, or in its worker process): the
-connector copies its G2 blocks to its G3, and the last process mapping the node's G2 segment removes it
+Stopping a model closes its engines, here or in their worker processes; an engine closes its KVBM connector,
+which copies its G2 blocks to its G3, and the last process mapping the node's G2 segment removes it
 (kvbm/connector.py).
 """
 
@@ -30,8 +30,6 @@ from kvbm.auth import derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.client import KVIndexClient
 from kvbm.config import KVBMConfig
-from kvbm.connector import KVBMConnector
-from kvbm.events import EventSink
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
 from server.engine.api import Engine
@@ -47,7 +45,7 @@ from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.transport import CurveKeys
-from server.workers.worker import WorkerSpec
+from server.workers.worker import WorkerSpec, build_llm_engine
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +91,6 @@ class LLMDeployment:
         self._kvbm_metrics = KVBMMetrics(registry)  # tiers of an in-process engine; index size and event lag
         self._index = KVIndex(metrics=self._kvbm_metrics)
         self._router_metrics = RouterMetrics.create(registry)
-        self._connectors: dict[str, KVBMConnector] = {}
         self._discoveries: dict[str, Discovery] = {}
 
     def plan(self, model: ModelSource) -> EnginePlan:
@@ -121,16 +118,13 @@ class LLMDeployment:
         return engine
 
     def stop(self, name: str) -> None:
-        """Stop the model's discovery, engine and KVBM connector (whichever it has)."""
+        """Stop the model's discovery and engine."""
         discovery = self._discoveries.pop(name, None)
         if discovery is not None:
             discovery.stop()
         engine = self.engines.pop(name, None)
         if engine is not None:
-            engine.close()
-        connector = self._connectors.pop(name, None)
-        if connector is not None:
-            connector.close()
+            engine.close()  # an engine closes the KVBM connector it was given
 
     def close(self) -> None:
         """Stop every model's engine (server shutdown)."""
@@ -143,15 +137,12 @@ class LLMDeployment:
             connector = build_connector(
                 self.serving.kvbm, f"{plan.name}-0", index=self._index, metrics=self._kvbm_metrics
             )
-            self._connectors[plan.name] = connector
         return LLMEngine(plan.config, connector)
 
     def _routed(self, plan: EnginePlan) -> RoutedEngine:
         standalone = self.serving.kvbm_service is not None
         event_sink = None if standalone else self._index
-        spec = WorkerSpec(
-            build_worker_engine, (plan.config, self.serving.kvbm), forward_events=not standalone
-        )
+        spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
         worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
         lookup = self._index
@@ -182,25 +173,3 @@ class LLMDeployment:
             )
 
         return Discovery(Directory(self.serving.remote_workers, name), routed, connect).start()
-
-
-class WorkerLLMEngine(LLMEngine):
-    """A spawned worker's engine that owns its KVBM connector: the worker process only closes its engine, and
-    the connector must be closed with it (its G2 blocks copied to its G3, the node's segment left)."""
-
-    def __init__(self, config: EngineConfig, connector: KVBMConnector) -> None:
-        super().__init__(config, connector)
-        self.kvbm_connector = connector
-
-    def close(self) -> None:
-        super().close()
-        self.kvbm_connector.close()
-
-
-def build_worker_engine(
-    engine_config: EngineConfig, kvbm_config: KVBMConfig | None, *, worker_id: str, events: EventSink | None
-) -> LLMEngine:
-    """`WorkerSpec` factory of `strata serve --workers N`: `server.workers.worker.build_llm_engine`, with the
-    connector closed when the engine is."""
-    connector = build_connector(kvbm_config or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
-    return WorkerLLMEngine(engine_config, connector)

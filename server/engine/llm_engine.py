@@ -85,6 +85,7 @@ class LLMEngine:
             max_concurrent_requests=config.max_concurrent_requests, kv_capacity_blocks=num_blocks,
             kv_capacity_bytes=num_blocks * self.layout.block_bytes,
         )  # fmt: skip
+        self._connector = connector
         if connector is not None:
             connector.bind(self.runner.kv_cache, self.layout)
         self._cond = threading.Condition()
@@ -204,11 +205,14 @@ class LLMEngine:
             return not self._active
 
     def close(self) -> None:
-        """Stop the engine thread; unfinished requests get finish_reason "abort". Idempotent."""
+        """Stop the engine thread (unfinished requests get finish_reason "abort"), then close the KVBM connector it
+        was given (its G2 blocks go to G3; no offload can race it once the thread is gone). Idempotent."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join()
+        if self._connector is not None:
+            self._connector.close()
 
     def __enter__(self) -> LLMEngine:
         return self

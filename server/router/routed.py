@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -305,9 +306,12 @@ class RoutedEngine:
             self._workers[flight.worker_id].abort(request_id)
 
     def close(self) -> None:
-        """Stop every worker (worker processes exit, remote ones detach); their unfinished requests end."""
-        for worker in self._workers.values():
-            worker.close()
+        """Stop every worker (worker processes exit, remote ones detach); their unfinished requests end. The
+        workers stop at the same time: each copies its G2 blocks to its G3 on the way out (kvbm flush)."""
+        workers = list(self._workers.values())
+        if workers:
+            with ThreadPoolExecutor(len(workers), thread_name_prefix="close-worker") as pool:
+                list(pool.map(lambda worker: worker.close(), workers))
 
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""

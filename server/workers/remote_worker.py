@@ -209,8 +209,7 @@ def run_worker(
         log.error("--redis-url %s: %s", args.redis_url, exc)
         return 2
     finally:
-        engine.close()
-        connector.close()
+        engine.close()  # and its KVBM connector
     log.info("worker %s stopped", worker_id)
     return 0
 

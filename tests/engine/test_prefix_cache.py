@@ -46,6 +46,9 @@ class RecordingConnector:
     def on_event(self, event) -> None:
         self.events.append(event)
 
+    def close(self) -> None:
+        self.closed = True
+
 
 def make_seq(tokens: list[int], block_size: int = 4) -> Sequence:
     return Sequence(
