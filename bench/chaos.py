@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -549,7 +550,6 @@ class Chaos:
         self.started = time.monotonic()
         self.remote_joins_at_start: int | None = None  # joins seen when the remote worker was last restarted
         self.redis_back_at: float | None = None  # seconds into the chaos at which the stopped Redis restarts
-        self.killed: set[str] = set()
         self._threads = [
             threading.Thread(target=self._chaos_loop, name="chaos", daemon=True),
             threading.Thread(target=self._malformed_loop, name="malformed", daemon=True),
@@ -634,7 +634,6 @@ class Chaos:
         if victim == REMOTE_ID:
             self.remote_joins_at_start = self.cluster.remote_joins()
         self.cluster.kill(victim)
-        self.killed.add(victim)
         self.log.add(self.now(), "kill", f"{victim}; alive now: {sorted(self.liveness.alive())}")
 
     def _restart_redis(self) -> None:
@@ -659,7 +658,7 @@ class Chaos:
     def _malformed_loop(self) -> None:
         requests = malformed_requests(self.args.oversized_mb)
         with httpx.Client(timeout=self.args.request_timeout_s) as client:
-            for kind, path, body in _cycle(requests):
+            for kind, path, body in itertools.cycle(requests):
                 if self.stopped.wait(self.args.malformed_every_s) or self.now() > self.args.duration_s:
                     return
                 started = time.monotonic()
@@ -671,11 +670,6 @@ class Chaos:
                 except httpx.HTTPError as exc:
                     status = type(exc).__name__
                 self.log.malformed.append((kind, status, started, time.monotonic()))
-
-
-def _cycle(items: list[Any]) -> Any:
-    while True:
-        yield from items
 
 
 # ---- the run ----
