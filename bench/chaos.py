@@ -26,8 +26,8 @@ Chaos, one thread (every action is in the report's event list):
              the same id (it waits out its predecessor's lease, then rejoins).
   redis      every --redis-every-s, SIGKILL redis-server, wait --redis-down-s, start it again, empty, on its port.
   g3         every --truncate-every-s, truncate a random worker's G3 block file (blocks.dat) to a random length.
-  malformed  every --malformed-every-s (own thread): bad JSON, wrong types, out-of-range sampling values, an
-             --oversized-mb body; each must be answered with a 4xx.
+  malformed  every --malformed-every-s (own thread): bad JSON, wrong types, out-of-range sampling values, a
+             prompt of 1 MiB of text, an --oversized-mb body; each must be answered with a 4xx.
 
 A worker counts as alive from its start (local) or from the server's "joined" log line (remote) until the bench
 kills it; requests that overlap a time with no live worker are counted apart (only --kill-last makes such times).
@@ -504,7 +504,9 @@ def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
         return json.dumps(good | changes).encode()
 
     completions, chat = "/v1/completions", "/v1/chat/completions"
-    oversized = [("oversized body", completions, body(prompt="x " * int(oversized_mb * 2**19)))]
+    oversized = [
+        (f"body of {oversized_mb:g} MiB", completions, body(prompt="x " * int(oversized_mb * 2**19)))
+    ]
     return [
         ("bad JSON", completions, b'{"model": "smollm2", "prompt": "Hello",'),
         ("not an object", completions, b"[1, 2, 3]"),
@@ -522,6 +524,7 @@ def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
         ("token id outside the vocabulary", completions, body(prompt=[10**9])),
         ("negative token id", completions, body(prompt=[-1])),
         ("unknown model", completions, body(model="no-such-model")),
+        ("prompt of 1 MiB of text", completions, body(prompt="x " * 2**19)),
     ] + (oversized if oversized_mb > 0 else [])
 
 
@@ -984,7 +987,7 @@ def parse_args() -> argparse.Namespace:
     add("--redis-down-s", type=float, default=3.0)
     add("--truncate-every-s", type=float, default=20.0, help="0: G3 files are never truncated")
     add("--malformed-every-s", type=float, default=1.0)
-    add("--oversized-mb", type=float, default=8.0, help="size of the oversized request body (0: none)")
+    add("--oversized-mb", type=float, default=20.0, help="the oversized request body, MiB (0: none)")
     add("--baseline-s", type=float, default=60.0, help="RSS growth is measured from here to the end")
     add("--sample-every-s", type=float, default=10.0, help="resource samples")
     add("--request-timeout-s", type=float, default=120.0)

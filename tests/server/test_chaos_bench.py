@@ -57,7 +57,7 @@ def test_malformed_requests_are_what_they_say() -> None:
         raise AssertionError(f"{kind} parsed as strict JSON")
     assert json.loads(requests["top_p 1.5"][1])["top_p"] == 1.5
     assert requests["messages a string"][0] == "/v1/chat/completions"
-    assert len(requests["oversized body"][1]) >= 2**20
+    assert len(requests["body of 1 MiB"][1]) >= 2**20
 
 
 def test_prompt_set_is_deterministic_distinct_and_shares_prefixes() -> None:
