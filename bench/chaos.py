@@ -263,10 +263,11 @@ class Cluster:
                 start_new_session=True,
             )
 
-    def remote_log_tail(self) -> str:
-        """The last line the current remote worker process logged."""
+    def remote_exit_reason(self) -> str:
+        """The last ERROR line the current remote worker process logged (else its last line)."""
         lines = (self.root / f"remote-{self.remote_starts}.log").read_text(errors="replace").splitlines()
-        return lines[-1] if lines else ""
+        errors = [line for line in lines if " ERROR " in line]
+        return (errors or lines or [""])[-1]
 
     def server_log(self) -> str:
         return self.server.log() if self.server is not None else ""
@@ -618,10 +619,10 @@ class Chaos:
         remote = cluster.remote
         if remote is not None and remote.poll() is not None:
             self.liveness.leave(REMOTE_ID, now)
-            last_line = cluster.remote_log_tail()
-            redis_down = "--redis-url" in last_line  # it exits 2 if Redis is down when it registers
+            reason = cluster.remote_exit_reason()
+            redis_down = "--redis-url" in reason  # it exits 2 if Redis is down when it registers
             action = "could not register, Redis down" if redis_down else "died by itself"
-            self.log.add(self.now(), action, f"{REMOTE_ID} exited with {remote.returncode}: {last_line}")
+            self.log.add(self.now(), action, f"{REMOTE_ID} exited with {remote.returncode}: {reason}")
             self._restart_remote()
 
     def _restart_remote(self) -> None:
