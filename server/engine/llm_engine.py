@@ -114,7 +114,8 @@ class LLMEngine:
     # ---- caller side (any thread) ----
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        # encode_batch releases the GIL (encode does not): a long prompt must not stall the worker's heartbeats
+        return self.tokenizer.encode_batch([text])[0].ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +36,7 @@ from kvbm.block_hash import BlockHash, block_hashes, request_salt
 from server.engine.api import (
     Engine,
     EngineOverloaded,
+    EngineUnavailable,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
@@ -197,7 +198,9 @@ class RoutedEngine:
             self._workers = {**self._workers, worker.worker_id: worker}
         self.router.metrics.show_worker(self.model_name, worker.worker_id, info.hardware)
         for twin in self._workers.values():  # its calibration moved its class's shared meter
-            if self._speeds[twin.worker_id] is meter:
+            if (
+                twin.alive and self._speeds[twin.worker_id] is meter
+            ):  # a dead twin must not re-enter the router
                 self.router.update_worker(self._stats_of(twin))
         worker.add_listener(self)
 
@@ -252,19 +255,30 @@ class RoutedEngine:
         return total
 
     def encode(self, text: str) -> list[int]:
-        return self._any_worker().encode(text)
+        return self._on_any_worker(lambda worker: worker.encode(text))
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return self._any_worker().apply_chat_template(messages)
+        return self._on_any_worker(lambda worker: worker.apply_chat_template(messages))
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         if self.block_size is None:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
         validate_cache_salt(request.cache_salt)
         hashes = self._block_hashes(request)
-        full: list[WorkerId] = []  # workers whose wait queue refused the request: try the next best one
+        skip: list[
+            WorkerId
+        ] = []  # workers that refused it (full queue) or turned out dead: try the next best one
+        overloaded: EngineOverloaded | None = None
         while True:
-            decision = self.router.route(request.request_id, hashes, exclude=full)
+            try:
+                decision = self.router.route(request.request_id, hashes, exclude=skip)
+            except NoWorkerError:
+                if overloaded is None or not skip:
+                    raise
+                raise EngineOverloaded(
+                    f"{self.model_name}: the wait queue of every worker is full; retry later",
+                    overloaded.retry_after_s,
+                ) from None
             worker = self._workers[decision.worker_id]
             with self._lock:
                 alone = True
@@ -280,12 +294,17 @@ class RoutedEngine:
             except EngineOverloaded as exc:
                 self._finish(request.request_id)
                 self.router.metrics.worker_queue_full.labels(decision.worker_id).inc()
-                full.append(decision.worker_id)
-                if not any(w.alive and w.worker_id not in full for w in self._workers.values()):
-                    raise EngineOverloaded(
-                        f"{self.model_name}: the wait queue of every worker is full; retry later",
-                        exc.retry_after_s,
-                    ) from None
+                skip.append(decision.worker_id)
+                overloaded = exc
+            except EngineUnavailable as exc:  # it died after its last heartbeat: the router has not heard yet
+                self._finish(request.request_id)
+                logger.warning(
+                    "request %s: worker %s is gone (%s); trying another",
+                    request.request_id,
+                    decision.worker_id,
+                    exc,
+                )
+                skip.append(decision.worker_id)
             except BaseException:
                 self._finish(request.request_id)
                 raise
@@ -376,9 +395,15 @@ class RoutedEngine:
             request, prompt_token_ids=request.prompt_token_ids + flight.output_ids, sampling=sampling
         )  # same id and cache salt
         dead = flight.worker_id
-        self.router.release(request.request_id)
-        try:
-            decision = self.router.route(request.request_id, self._block_hashes(continuation))
+        hashes = self._block_hashes(continuation)
+        tried: list[WorkerId] = [dead]
+        while True:
+            self.router.release(request.request_id)
+            try:
+                decision = self.router.route(request.request_id, hashes, exclude=tried)
+            except NoWorkerError as exc:  # no worker left to try: the client gets the error
+                logger.warning("request %s could not be migrated from %s: %s", request.request_id, dead, exc)
+                return False
             # set before submit: the new worker's first output may arrive before submit returns
             flight.worker_id, flight.alone, flight.migrations = (
                 decision.worker_id,
@@ -387,12 +412,16 @@ class RoutedEngine:
             )
             try:
                 self._workers[decision.worker_id].submit(continuation, sink)
-            except Exception:
+                break
+            except Exception as exc:  # the new one failed at once (dead too, full): try the next
                 flight.worker_id, flight.migrations = dead, flight.migrations - 1
-                raise
-        except Exception as exc:  # no worker left, or the new one failed at once: the client gets the error
-            logger.warning("request %s could not be migrated from %s: %s", request.request_id, dead, exc)
-            return False
+                logger.warning(
+                    "request %s: migration to %s failed (%s); trying another",
+                    request.request_id,
+                    decision.worker_id,
+                    exc,
+                )
+                tried.append(decision.worker_id)
         self.router.metrics.migrations.labels(dead).inc()
         logger.warning(
             "request %s migrated from %s to %s after %d tokens (%s)",
@@ -438,13 +467,22 @@ class RoutedEngine:
         """At least one worker is alive."""
         return any(w.alive for w in self._workers.values())
 
-    def _any_worker(self) -> RoutableWorker:
-        """A live worker for tokenizing, in turn (all workers serve the same model)."""
+    def _on_any_worker(self, call: Callable[[RoutableWorker], list[int]]) -> list[int]:
+        """`call` on a live worker, in turn (all workers serve the same model); on the next one if that worker
+        turns out to be gone."""
         live = [w for w in self._workers.values() if w.alive] or list(self._workers.values())
         if not live:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
         self._turn += 1
-        return live[self._turn % len(live)]
+        for attempt in range(len(live)):
+            worker = live[(self._turn + attempt) % len(live)]
+            try:
+                return call(worker)
+            except EngineUnavailable:
+                if attempt == len(live) - 1:
+                    raise
+                logger.warning("worker %s is gone; tokenizing on another", worker.worker_id)
+        raise AssertionError("unreachable")
 
     def _stats_of(self, worker: RoutableWorker) -> WorkerStats:
         pool = worker.stats()

@@ -118,7 +118,7 @@ class Discovery:
         for worker_id, remote in self._remotes.items():
             if remote.alive and worker_id not in registered:
                 log.warning("%s: worker %s's lease is gone; dropping it", self.directory.model, worker_id)
-                remote.close()
+                remote.drop("its lease is gone")  # its requests are resumed on other workers
 
     def _forget_dead(self) -> None:
         """Close the links of remote workers that died and free their claims (a worker that comes back, or

@@ -264,6 +264,18 @@ class RemoteEngine:
         self._receiver.join(timeout_s)
         self._channel.close()
 
+    def drop(self, reason: str) -> None:
+        """Stop routing to this worker because something other than its link says it is gone (its lease expired):
+        unlike `close`, its unfinished requests end as retryable, so the router resumes them elsewhere. A worker
+        that is in fact alive is told to stop serving this server and joins again when it registers anew."""
+        if self._dead is None:
+            try:
+                self._channel.send(Stop())
+            except Exception:  # noqa: BLE001 - the link may be gone already; dropping goes on regardless
+                pass
+        self._die(reason)
+        self.close()
+
     def kill(self) -> None:
         """Kill the worker process at once (tests, and a worker that stopped answering); spawned workers only."""
         if self._process is not None:

@@ -12,6 +12,7 @@ from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, R
 from server.router.config import RouterConfig
 from server.router.routed import RoutedEngine
 from server.router.router import Router
+from server.workers.remote import WorkerDied
 from tests.workers.worker_fakes import SALT
 
 
@@ -139,3 +140,56 @@ def test_a_server_stopping_its_worker_is_not_a_migration() -> None:
     next(w for w in workers if w.requests).die(retryable=False)
     assert _rest(outputs, seen)[-1].finish_reason == "error"
     assert sum(len(w.requests) for w in workers) == 1
+
+
+class SilentlyDead(MortalWorker):
+    """Died after its last heartbeat: still listed alive, but every call fails as a RemoteEngine's does."""
+
+    attempts = 0
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self.attempts += 1
+        raise WorkerDied(f"worker {self.worker_id} died: no heartbeat")
+
+    def encode(self, text: str) -> list[int]:
+        raise WorkerDied(f"worker {self.worker_id} died: no heartbeat")
+
+
+def test_a_migration_passes_over_a_target_that_fails_at_once(monkeypatch) -> None:
+    """The worker the router picks first for the continuation is dead too (not yet detected): the request goes
+    to the next live one instead of failing."""
+    index = KVIndex()
+    router = Router(RouterConfig(), index)
+    holder = MortalWorker("w0", index)
+    routed = RoutedEngine([holder], router, block_size=4, salt=SALT)
+    outputs, seen = _start(routed, list(range(10)), max_tokens=40, first_tokens=3)
+    ghost, alive = SilentlyDead("w1", index), MortalWorker("w2", index)
+    routed.add_worker(ghost)
+    routed.add_worker(alive)
+    route = router.route
+
+    def ghost_first(request_id, block_hashes, exclude=()):
+        if "w1" not in exclude:  # only the ghost is a candidate until it has been tried
+            exclude = [w for w in router._workers if w != "w1"]
+        return route(request_id, block_hashes, exclude)
+
+    monkeypatch.setattr(router, "route", ghost_first)
+    holder.die()
+    final = _rest(outputs, seen)[-1]
+    assert final.finish_reason == "length" and final.error is None
+    assert ghost.attempts == 1 and len(alive.requests) == 1 and _migrations(router, "w0") == 1
+
+
+def test_a_submit_to_a_worker_that_turns_out_dead_goes_to_the_next_and_so_does_tokenizing() -> None:
+    index = KVIndex()
+    router = Router(RouterConfig(strategy="round-robin"), index)
+    ghost, alive = SilentlyDead("w0", index), MortalWorker("w1", index)
+    routed = RoutedEngine([ghost, alive], router, block_size=4, salt=SALT)
+    for i in range(4):  # round-robin picks the ghost for half of them
+        outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        routed.submit(
+            GenerationRequest(RequestId(f"r{i}"), [1, 2, 3], SamplingParams(max_tokens=2)), outputs.put
+        )
+        assert _rest(outputs, [outputs.get(timeout=10)])[-1].finish_reason == "length"
+        assert routed.encode("hello") == alive.encode("hello")
+    assert len(alive.requests) == 4

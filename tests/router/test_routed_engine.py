@@ -329,3 +329,16 @@ def test_a_worker_with_a_full_queue_passes_the_request_to_the_next() -> None:
     assert refused.value.retry_after_s == 2.0
     assert all(load.routed_blocks == 0 and load.pending_prefill == 0 for load in router._workers.values())
     assert sum(router.metrics.worker_queue_full.labels(f"w{i}")._value.get() for i in range(3)) >= 5
+
+
+def test_a_dead_twin_stays_out_of_the_router_when_another_twin_joins() -> None:
+    """Twins share a speed meter and a joining twin refreshes the others' router entries: a dead one must not be
+    put back (the router would send new requests and migrations to it)."""
+    index = KVIndex()
+    router = Router(RouterConfig(), index)
+    a0, a1 = _described("a0", index, "host-a", 200.0), _described("a1", index, "host-a", 200.0)
+    routed = RoutedEngine([a0, a1], router, block_size=4, salt=SALT)
+    a1.alive = False
+    routed.on_death(a1)
+    routed.add_worker(_described("remote", index, "host-a", 200.0))
+    assert set(router._workers) == {"a0", "remote"}

@@ -242,3 +242,15 @@ def test_openai_frontend_over_routed_worker_processes() -> None:
     finally:
         routed.close()
     assert not any(worker.alive for worker in workers)
+
+
+def test_a_dropped_worker_ends_its_requests_as_retryable() -> None:
+    """Dropping a worker (its lease is gone) lets the router resume its requests elsewhere; closing it does not."""
+    remote = RemoteEngine.spawn(WorkerId("w-drop"), WorkerSpec(StepEngine, (0.01,)), heartbeat_timeout_s=2.0)
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    remote.submit(request("long", [1, 2], max_tokens=200), outputs.put)
+    outputs.get(timeout=30)
+    remote.drop("its lease is gone")
+    last = collect(outputs)[-1]
+    assert last.finish_reason == "error" and last.retryable and "lease is gone" in last.error
+    assert not remote.alive
