@@ -124,6 +124,9 @@ class RemoteEngine:
         self._call_timeout_s = call_timeout_s
         self._sinks: dict[RequestId, OutputSink] = {}
         self._calls: dict[int, Future[Accepted | TokenIds]] = {}
+        self._submitting: dict[
+            int, RequestId
+        ] = {}  # Submit calls not answered yet: their caller gets the error
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._listeners: list[WorkerListener] = []
@@ -236,14 +239,19 @@ class RemoteEngine:
         sampling fields are checked here first, so that what is sent decodes on the worker (a frame that does not
         would make the worker drop this server)."""
         request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
+        call = Submit(next(self._call_ids), request)
         with self._lock:
             self._sinks[request.request_id] = sink
+            self._submitting[call.call_id] = request.request_id
         try:
-            self._call(Submit(next(self._call_ids), request))
+            self._call(call)
         except BaseException:
             with self._lock:
                 self._sinks.pop(request.request_id, None)
             raise
+        finally:
+            with self._lock:
+                self._submitting.pop(call.call_id, None)
 
     def abort(self, request_id: RequestId) -> None:
         if self._dead is None:
@@ -360,6 +368,7 @@ class RemoteEngine:
     def _resolve(self, answer: Answer) -> None:
         with self._lock:
             future = self._calls.pop(answer.call_id, None)
+            self._submitting.pop(answer.call_id, None)  # accepted (or refused): its outputs go to its sink
         if future is None:
             return  # the caller timed out (or a second answer to one call)
         if isinstance(answer, Refused):
@@ -387,6 +396,8 @@ class RemoteEngine:
             self._dead = reason
             sinks, self._sinks = self._sinks, {}
             calls, self._calls = self._calls, {}
+            for request_id in self._submitting.values():  # its submit raises WorkerDied: no output as well
+                sinks.pop(request_id, None)
         if not (self._closing or self._leaving):
             logger.error("worker %s died: %s; ending %d request(s)", self.worker_id, reason, len(sinks))
         # listeners first: the router must have dropped this worker before its requests are resumed elsewhere

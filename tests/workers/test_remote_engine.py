@@ -254,3 +254,19 @@ def test_a_dropped_worker_ends_its_requests_as_retryable() -> None:
     last = collect(outputs)[-1]
     assert last.finish_reason == "error" and last.retryable and "lease is gone" in last.error
     assert not remote.alive
+
+
+def test_a_worker_dying_during_a_submit_fails_the_submit_and_sends_nothing_to_its_sink() -> None:
+    """The caller of a submit the worker never accepted gets WorkerDied (the router tries another worker); its sink
+    must not also get an error, which would reach the client of the retried request."""
+    remote = RemoteEngine.spawn(
+        WorkerId("w-slow"),
+        WorkerSpec(functools.partial(StepEngine, submit_s=30.0), (0.01,)),
+        heartbeat_timeout_s=2.0,
+    )
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    threading.Timer(1.0, remote.kill).start()
+    with pytest.raises(WorkerDied):
+        remote.submit(request("pending", [1, 2]), outputs.put)
+    assert outputs.empty()
+    remote.close()

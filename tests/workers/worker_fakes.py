@@ -55,8 +55,10 @@ class StepEngine:
         worker_id: str = "w",
         events: EventSink | None = None,
         max_running: int | None = None,
+        submit_s: float = 0.0,
     ) -> None:
         self.step_s = step_s
+        self.submit_s = submit_s  # how long submit takes before it accepts (a slow engine)
         self.max_running = max_running  # past it submit raises EngineOverloaded, as a full wait queue does
         self.worker_id = worker_id
         self.events = events
@@ -83,6 +85,8 @@ class StepEngine:
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         request.sampling.validate(max_output_tokens(self, len(request.prompt_token_ids)))
+        if self.submit_s:
+            threading.Event().wait(self.submit_s)
         running = sum(not abort.is_set() for abort in self._aborts.values())
         if self.max_running is not None and running >= self.max_running:
             raise EngineOverloaded(f"{running} requests running", retry_after_s=1.5)
