@@ -359,8 +359,11 @@ class RemoteEngine:
 
     def _deliver(self, output: GenerationOutput) -> None:
         with self._lock:
+            # a request already ended here (the worker was dropped, or its submit failed) has no sink any more
             sink = (
-                self._sinks.pop(output.request_id) if output.finished else self._sinks.get(output.request_id)
+                self._sinks.pop(output.request_id, None)
+                if output.finished
+                else self._sinks.get(output.request_id)
             )
         if sink is not None:
             sink(output)
