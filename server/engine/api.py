@@ -178,17 +178,42 @@ def check_prompt_chars(field: str, num_chars: int, max_model_len: int) -> None:
         )
 
 
+class RemoteDecode(msgspec.Struct, array_like=True):
+    """Disaggregated serving, prefill side: compute the prompt and its first token, then hand the prompt's KV to
+    the decode worker instead of decoding (the last output carries a `KVHandoff`). A first token that ends the
+    request (a stop, max_tokens 1) finishes it here as usual."""
+
+    decode_host: str  # where the decode worker runs: shared memory on this host, the network otherwise
+
+
+class KVHandoff(msgspec.Struct, array_like=True):
+    """Disaggregated serving: what a prefill engine computed, for the decode engine that continues the request.
+    `block_hashes` are the prompt's full blocks in order (the request's salt chain); the decode engine fetches
+    them through `transport` at `location` (kvbm/transfer.py) and recomputes whatever it cannot read."""
+
+    transport: str  # shm | tcp | none (nothing to fetch: the decode engine recomputes the prompt)
+    location: str
+    block_hashes: list[int]
+    block_bytes: int
+    token_ids: list[int]  # output tokens the prefill engine generated and reported (the first token)
+    num_cached_tokens: int  # prompt tokens the prefill engine found cached (what the client is told)
+
+
 class GenerationRequest(msgspec.Struct, array_like=True):
     """One prompt to continue. The prompt is already tokenized (the caller applied any chat template).
 
     `cache_salt`: requests share prefix-cache blocks (any tier) only when their salts are equal, None included
     (`kvbm.block_hash.request_salt`); a tenant's salt keeps others from probing its prompts through cached tokens.
+    `remote_decode` (to a prefill worker) and `remote_prefill` (to a decode worker) are set by the router in
+    disaggregated serving; clients never set them.
     """
 
     request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_salt: str | None = None
+    remote_decode: RemoteDecode | None = None
+    remote_prefill: KVHandoff | None = None
 
 
 class GenerationOutput(msgspec.Struct, array_like=True):
@@ -204,6 +229,11 @@ class GenerationOutput(msgspec.Struct, array_like=True):
     num_output_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": an internal failure, already logged
     retryable: bool = False  # with "error": the request did not fail, its worker died; a router may resume it
+    # disaggregated serving: the prefill engine's last output (finished, no finish_reason) carries the handoff;
+    # the send side's and the decode engine's receive side's transfer time and bytes are reported once each
+    kv_handoff: KVHandoff | None = None
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
 
 
 OutputSink = Callable[[GenerationOutput], None]

@@ -12,9 +12,12 @@ touches its cached prefix (moves it to the recent end), so requests ahead of it 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVConnector
 from kvbm.block_hash import BlockHash
@@ -80,6 +83,9 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.connector = connector
+        self.rows: np.ndarray | None = (
+            None  # [num_blocks, block_bytes] uint8 view of the pool (handoff reads)
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -194,6 +200,37 @@ class BlockManager:
             with _connector_failure("on_event", "the index misses this event"):
                 self.connector.on_event(event)
 
+    def receive(self, seq: Sequence, num_hits: int, max_blocks: int) -> tuple[int, bool]:
+        """Read the blocks after the `num_hits` cached ones from `seq`'s handoff (a prefill worker's KV, see
+        kvbm/transfer.py) into fresh rows (at most `max_blocks`) and register them; the handoff is released either
+        way (after a preemption its blocks are found in the prefix cache, or recomputed). Returns (blocks read,
+        complete): not complete when a read stopped short, whose trailing rows stay for prefill."""
+        source, seq.kv_source = seq.kv_source, None
+        if source is None:
+            return 0, True
+        try:
+            limit = min((seq.num_tokens - 1) // self.block_size, source.num_blocks)
+            count = min(limit - num_hits, max_blocks)
+            if count <= 0 or self.rows is None:
+                return 0, True
+            rows = self.allocate(seq, count)
+            started, valid = time.perf_counter(), 0
+            with _connector_failure("handoff read", "counted as a miss: the rows are prefilled"):
+                valid = min(source.read_into(num_hits, [self.rows[row] for row in rows]), count)
+            seq.kv_received = (time.perf_counter() - started, valid * self.rows.shape[1])
+            self._register_loaded(seq, num_hits, rows[:valid])
+            return valid, valid == count
+        finally:
+            source.release()
+
+    def _register_loaded(self, seq: Sequence, first: int, rows: list[int]) -> None:
+        """Offer blocks `first`, `first + 1`, ... of `seq`, just loaded into `rows`, to the prefix cache."""
+        for offset, row in enumerate(rows):
+            index = first + offset
+            if seq.block_hashes[index] not in self.cached:
+                parent = seq.block_hashes[index - 1] if index else None
+                self._store(self.blocks[row], seq.block_hashes[index], parent, seq.block_tokens(index))
+
     def onboard(self, seq: Sequence, num_g1_hits: int, max_blocks: int) -> int:
         """Ask the connector for blocks after the G1 hits (at most `max_blocks`), load them into fresh rows of
         `seq`, and register them. Returns how many blocks are valid; rows of invalid ones stay for prefill."""
@@ -212,12 +249,7 @@ class BlockManager:
         with _connector_failure("onboard", "counted as a miss: the rows are prefilled"):
             valid = self.connector.onboard(wanted[:found], rows)
         valid = min(valid, found)
-        for offset in range(valid):
-            index = num_g1_hits + offset
-            block = self.blocks[rows[offset]]
-            if seq.block_hashes[index] not in self.cached:
-                parent = seq.block_hashes[index - 1] if index else None
-                self._store(block, seq.block_hashes[index], parent, seq.block_tokens(index))
+        self._register_loaded(seq, num_g1_hits, rows[:valid])
         return valid
 
 

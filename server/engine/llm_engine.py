@@ -2,6 +2,12 @@
 
 Threads: callers use `submit` / `abort` (any thread); they only touch the inbox under `_cond`. Everything else
 (scheduler, block manager, pool, sinks) belongs to the engine thread, which drains the inbox between steps.
+
+Disaggregated serving (the router decides, server/router/disagg.py): a request with `remote_decode` stops after
+its first token and hands its prompt's full KV blocks off (`KVTransfer.send`, on the engine thread: one gather
+write); a request with `remote_prefill` resumes from such a handoff: its prompt plus the prefill's tokens, the
+detokenizer and a seeded generator brought to where the prefill engine left them, its blocks fetched on the
+`kv-fetch` thread before it joins the inbox and read into its pool rows when the scheduler admits it.
 """
 
 from __future__ import annotations
@@ -10,18 +16,22 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tokenizers import Tokenizer
 
 from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt, request_salt
+from kvbm.connector import block_rows
+from kvbm.transfer import KVTransfer
 from server.engine.api import (
     EngineOverloaded,
     EngineResources,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
+    KVHandoff,
     OutputSink,
     PoolStats,
     RequestError,
@@ -47,7 +57,10 @@ class LLMEngine:
     """Implements `server.engine.api.LocalEngine`. Build with `LLMEngine(EngineConfig(...))` or
     `LLMEngine.from_json`."""
 
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, connector: KVConnector | None = None, transfer: KVTransfer | None = None
+    ) -> None:
+        """`transfer`: how prefill handoffs move (default: shared memory on this host)."""
         self.config = config
         self._num_threads = config.num_threads or torch.get_num_threads()
         started = time.monotonic()
@@ -88,6 +101,14 @@ class LLMEngine:
         self._connector = connector
         if connector is not None:
             connector.bind(self.runner.kv_cache, self.layout)
+        self.transfer = transfer or KVTransfer()
+        if (
+            self.runner.kv_cache.device.type == "cpu"
+        ):  # a device pool would need a staging buffer: no handoffs
+            self.block_manager.rows = block_rows(self.runner.kv_cache, num_blocks)
+        self._fetcher: ThreadPoolExecutor | None = (
+            None  # fetches handoffs off the caller's and engine's threads
+        )
         self._cond = threading.Condition()
         self._inbox: list[Seq] = []
         self._abort_ids: list[RequestId] = []
@@ -134,12 +155,18 @@ class LLMEngine:
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         self._validate(request)
         params = request.sampling
+        handoff = request.remote_prefill
+        resumed = handoff.token_ids if handoff is not None else []
         seq = Seq(
-            request_id=request.request_id, token_ids=list(request.prompt_token_ids),
+            request_id=request.request_id, token_ids=[*request.prompt_token_ids, *resumed],
             num_prompt_tokens=len(request.prompt_token_ids), sampling=params, sink=sink,
             detokenizer=Detokenizer(self.tokenizer, params.stop), block_size=self.config.block_size,
             salt=request_salt(self.salt, request.cache_salt), generator=_generator(params.seed, self.model.device),
         )  # fmt: skip
+        if request.remote_decode is not None:
+            seq.remote_decode_host = request.remote_decode.decode_host
+        if handoff is not None:
+            self._resume(seq, handoff)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("engine is shut down")
@@ -152,8 +179,52 @@ class LLMEngine:
                     f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
                 )
             self._active[request.request_id] = seq
-            self._inbox.append(seq)
-            self._cond.notify()
+            if handoff is not None and handoff.transport != "none":
+                self._fetch_later(seq, handoff)
+            else:
+                self._inbox.append(seq)
+                self._cond.notify()
+
+    def _resume(self, seq: Seq, handoff: KVHandoff) -> None:
+        """Bring a decode-side sequence to where its prefill engine left it: the prefill's tokens already reported,
+        its detokenizer holding back what the prefill's held back, a seeded generator past the prefill's draws."""
+        seq.num_reported_tokens = len(handoff.token_ids)
+        seq.num_cached_tokens = handoff.num_cached_tokens
+        for token_id in handoff.token_ids:
+            seq.detokenizer.add_token(token_id)
+        seq.detokenizer.take_text(finished=False)
+        if seq.generator is not None and seq.sampling.temperature > 0:
+            draw = torch.empty(self.model.shape.vocab_size, device=self.model.device)
+            for _ in handoff.token_ids:  # the sampler draws one vocab-sized row of noise per token
+                draw.exponential_(generator=seq.generator)
+
+    def _fetch_later(self, seq: Seq, handoff: KVHandoff) -> None:
+        """Open `seq`'s handoff on the fetch thread, then queue `seq` (a failed fetch queues it to recompute).
+        Called under `_cond`."""
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
+
+        def fetch() -> None:
+            source = None
+            if handoff.block_hashes == seq.block_hashes[: len(handoff.block_hashes)]:
+                try:
+                    source = self.transfer.fetch(
+                        handoff.transport, handoff.location, handoff.block_hashes, handoff.block_bytes
+                    )
+                except Exception as err:
+                    log.warning("request %s: KV handoff not read (%s); recomputing", seq.request_id, err)
+            else:
+                log.warning("request %s: KV handoff of another block layout; recomputing", seq.request_id)
+            with self._cond:
+                if seq.status is SequenceStatus.FINISHED or self._stopping:  # aborted meanwhile
+                    if source is not None:
+                        source.release()
+                    return
+                seq.kv_source = source
+                self._inbox.append(seq)
+                self._cond.notify()
+
+        self._fetcher.submit(fetch)
 
     def _validate(self, request: GenerationRequest) -> None:
         prompt = request.prompt_token_ids
@@ -168,6 +239,12 @@ class LLMEngine:
             # out of range, an id would fail inside the sampler's step and take every request batched with it
             raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         validate_cache_salt(request.cache_salt)
+        handoff = request.remote_prefill
+        if handoff is not None and (
+            len(handoff.token_ids) >= request.sampling.max_tokens
+            or not all(0 <= t < vocab for t in handoff.token_ids)
+        ):
+            raise RequestError("remote_prefill", "token_ids must be fewer than max_tokens, in the vocabulary")
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
             raise RequestError(
@@ -212,6 +289,9 @@ class LLMEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
+        self.transfer.close()
         if self._connector is not None:
             self._connector.close()
 
@@ -237,7 +317,9 @@ class LLMEngine:
             for request_id in aborts:
                 self._abort(request_id)
             if stopping:
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                with self._cond:
+                    unfinished = list(self._active.values())  # queued, running, or fetching their KV
+                for seq in unfinished:
                     self._finish(seq, "abort")
                 return
             try:
@@ -336,8 +418,36 @@ class LLMEngine:
                 continue
             if reason:
                 self._finish(seq, reason)
+            elif seq.remote_decode_host is not None:
+                self._hand_off(seq)
             else:
                 self._emit(seq, finished=False)
+
+    def _hand_off(self, seq: Seq) -> None:
+        """A prefill-only request has its first token: send its prompt's full blocks toward the decode worker and
+        finish it here with the handoff (a failed send hands off nothing: the decode worker recomputes)."""
+        num_blocks = seq.num_prompt_tokens // self.config.block_size  # computed and registered
+        hashes = seq.block_hashes[:num_blocks]
+        rows = self.block_manager.rows
+        started, transport, location = time.perf_counter(), "none", ""
+        if num_blocks and rows is not None:
+            try:
+                transport, location = self.transfer.send(
+                    seq.remote_decode_host, hashes, [rows[b] for b in seq.block_table[:num_blocks]]
+                )
+            except Exception:
+                log.exception(
+                    "request %s: sending its KV failed; the decode worker recomputes", seq.request_id
+                )
+        sent = (time.perf_counter() - started, num_blocks * self.layout.block_bytes if location else 0)
+        handoff = KVHandoff(
+            transport, location, list(hashes), self.layout.block_bytes, seq.output_token_ids,
+            seq.num_cached_tokens,
+        )  # fmt: skip
+        self.scheduler.remove(seq)
+        with self._cond:
+            self._active.pop(seq.request_id, None)
+        self._emit(seq, finished=True, handoff=handoff, transfer=sent)
 
     def _sample_alone(self, seq: Seq, logits: torch.Tensor) -> int | None:
         try:
@@ -365,10 +475,22 @@ class LLMEngine:
             return "length"
         return None
 
-    def _emit(self, seq: Seq, finished: bool, reason: str | None = None, error: str | None = None) -> None:
+    def _emit(
+        self,
+        seq: Seq,
+        finished: bool,
+        reason: str | None = None,
+        error: str | None = None,
+        handoff: KVHandoff | None = None,
+        transfer: tuple[float, int] | None = None,
+    ) -> None:
+        """Send what `seq` added since its last output. A handoff output is finished without a reason, its text
+        what an unfinished output would carry (the decode engine holds back the rest)."""
         new_ids = seq.output_token_ids[seq.num_reported_tokens :]
+        if transfer is None and seq.kv_received is not None:
+            transfer, seq.kv_received = seq.kv_received, None
         try:
-            text = seq.detokenizer.take_text(finished)
+            text = seq.detokenizer.take_text(finished and handoff is None)
         except Exception as err:
             log.exception("detokenizing request %s failed", seq.request_id)
             if not finished:
@@ -381,7 +503,8 @@ class LLMEngine:
         output = GenerationOutput(
             request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens, error=error,
+            num_output_tokens=seq.num_output_tokens, error=error, kv_handoff=handoff,
+            kv_transfer_s=transfer[0] if transfer else 0.0, kv_transfer_bytes=transfer[1] if transfer else 0,
         )  # fmt: skip
         try:
             seq.sink(output)

@@ -108,13 +108,17 @@ class Scheduler:
         return False
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Take the sequence's cached prefix (G1, then lower tiers) and room for its first chunk; 0 if no room."""
+        """Take the sequence's cached prefix (G1, then a prefill worker's handoff, then lower tiers) and room for its
+        first chunk; 0 if no room."""
         manager, block_size = self.block_manager, self.block_manager.block_size
         hits = manager.match_prefix(seq)
         room = manager.num_allocatable(hits)
         manager.take(seq, hits)
-        onboarded = manager.onboard(seq, len(hits), max_blocks=room - 1)
-        seq.num_computed_tokens = (len(hits) + onboarded) * block_size
+        received, complete = manager.receive(seq, len(hits), max_blocks=room - 1)
+        onboarded = (
+            manager.onboard(seq, len(hits) + received, max_blocks=room - 1 - received) if complete else 0
+        )
+        seq.num_computed_tokens = (len(hits) + received + onboarded) * block_size
         if seq.num_output_tokens == 0:  # a recompute after preemption does not change what the client sees
             seq.num_cached_tokens = seq.num_computed_tokens
         capacity = (len(seq.block_table) + manager.num_free_blocks) * block_size
@@ -136,7 +140,9 @@ class Scheduler:
         """Drop a finished or aborted sequence from whichever queue holds it and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif (
+            seq.status is SequenceStatus.WAITING and seq in self.waiting
+        ):  # not yet added: its KV is fetching
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from kvbm.block_hash import BlockHash, block_hashes, hash_block
+from kvbm.transfer import KVSource
 from server.engine.api import OutputSink, RequestId, SamplingParams
 from server.engine.detokenizer import Detokenizer
 
@@ -40,6 +41,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent to the sink
+    # disaggregated serving: a prefill engine's request hands its KV to a decode worker on this host after its
+    # first token; a decode engine's request reads its prompt's blocks from `kv_source` when admitted
+    remote_decode_host: str | None = None
+    kv_source: KVSource | None = None
+    kv_received: tuple[float, int] | None = (
+        None  # (seconds, bytes) of that read, reported with the next output
+    )
 
     def __post_init__(self) -> None:
         self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)

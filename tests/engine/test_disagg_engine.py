@@ -1,0 +1,126 @@
+"""Disaggregated serving inside the engine: a prefill-only request hands its prompt's KV off after its first
+token, a second engine resumes from the handoff; what the client would see (tokens and text, concatenated) is
+what one engine produces alone. Real SmolLM2 engines, fp32; the handoff moves through /dev/shm (kvbm/transfer.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+
+import msgspec
+import pytest
+from conftest import LONG_TEXT, engine_config, greedy, run
+
+from kvbm.transfer import SHM_DIR
+from server.engine.api import GenerationOutput, GenerationRequest, RemoteDecode, RequestId, SamplingParams
+from server.engine.llm_engine import LLMEngine
+from server.engine.stream import iterate_outputs
+
+HOST = socket.gethostname()
+
+
+@pytest.fixture(scope="module")
+def decoder() -> LLMEngine:
+    with LLMEngine(engine_config()) as engine:
+        yield engine
+
+
+def disaggregated(
+    prefill: LLMEngine, decode: LLMEngine, request: GenerationRequest
+) -> tuple[list[int], str, list]:
+    """Run `request` prefill-side on `prefill`, the rest on `decode`: (tokens, text, outputs as the client saw)."""
+    first = run(prefill, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    shown = [first]
+    if first.kv_handoff is None:  # the first token ended it
+        return first.new_token_ids, first.new_text, shown
+    assert first.finished and first.finish_reason is None
+    rest = run(decode, msgspec.structs.replace(request, remote_prefill=first.kv_handoff))
+    shown.append(rest)
+    return first.new_token_ids + rest.new_token_ids, first.new_text + rest.new_text, shown
+
+
+def test_greedy_output_is_the_same_split_across_two_engines(engine, decoder, prompt_ids):
+    for i, ids in enumerate(prompt_ids):
+        alone = run(engine, greedy(ids, f"agg-{i}", max_tokens=24))
+        tokens, text, shown = disaggregated(engine, decoder, greedy(ids, f"dis-{i}", max_tokens=24))
+        assert (tokens, text) == (alone.new_token_ids, alone.new_text), f"prompt {i}"
+        assert shown[-1].finish_reason == alone.finish_reason
+        assert shown[-1].num_output_tokens == alone.num_output_tokens
+
+
+def test_the_handoff_carries_the_prompt_blocks_and_is_removed_once_read(engine, decoder):
+    ids = engine.encode(LONG_TEXT * 3 + "Summary:")  # several prefill chunks (512-token steps)
+    first = run(engine, greedy(ids, "blocks", max_tokens=8, ignore_eos=True))
+    request = greedy(ids, "blocks-d", max_tokens=8, ignore_eos=True)
+    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    handoff = out.kv_handoff
+    assert handoff.transport == "shm" and len(handoff.block_hashes) == len(ids) // 16
+    assert out.kv_transfer_bytes == len(handoff.block_hashes) * handoff.block_bytes > 0
+    assert (SHM_DIR / handoff.location).exists()
+    outputs = list(iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=handoff), 120))
+    assert not (SHM_DIR / handoff.location).exists()
+    assert outputs[0].kv_transfer_bytes == out.kv_transfer_bytes  # every block read, none recomputed
+    assert sum(o.kv_transfer_bytes for o in outputs[1:]) == 0  # reported once
+    assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == first.new_token_ids
+    assert (
+        outputs[-1].num_cached_tokens == out.num_cached_tokens
+    )  # what the client was told at its first token
+
+
+def test_a_lost_or_foreign_handoff_is_recomputed(engine, decoder):
+    ids = engine.encode(LONG_TEXT + "In short:")
+    alone = run(engine, greedy(ids, "lost-a", max_tokens=12))
+    request = greedy(ids, "lost", max_tokens=12)
+    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    (SHM_DIR / out.kv_handoff.location).unlink()  # gone (e.g. swept after its TTL)
+    outputs = list(
+        iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=out.kv_handoff), 120)
+    )
+    assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == alone.new_token_ids
+    assert sum(o.kv_transfer_bytes for o in outputs) == 0
+    other_host = run(engine, msgspec.structs.replace(request, request_id=RequestId("lost-2"),
+                                                     remote_decode=RemoteDecode("another-host")))  # fmt: skip
+    assert other_host.kv_handoff.transport == "none"  # no network transport in this process
+    rest = run(decoder, msgspec.structs.replace(request, request_id=RequestId("lost-3"),
+                                                remote_prefill=other_host.kv_handoff))  # fmt: skip
+    assert other_host.new_token_ids + rest.new_token_ids == alone.new_token_ids
+
+
+def test_stop_strings_utf8_and_seeded_sampling_continue_as_one_engine(engine, decoder):
+    ids = engine.encode("Emoji story: 🐶🐱🚀🌍 The dog and the cat flew to")
+    cases = [
+        SamplingParams(max_tokens=20, temperature=0.0, stop=[" the moon", "."]),
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=1234),
+        SamplingParams(max_tokens=20, temperature=0.7, seed=7, stop=["🚀"], presence_penalty=0.5),
+    ]
+    for i, sampling in enumerate(cases):
+        alone = run(engine, GenerationRequest(RequestId(f"s-a{i}"), ids, sampling))
+        tokens, text, _ = disaggregated(
+            engine, decoder, GenerationRequest(RequestId(f"s-d{i}"), ids, msgspec.structs.replace(sampling))
+        )
+        assert (tokens, text) == (alone.new_token_ids, alone.new_text), sampling
+
+
+def test_a_first_token_that_ends_the_request_finishes_on_the_prefill_engine(engine):
+    ids = engine.encode("The capital of France is")
+    out = run(
+        engine, msgspec.structs.replace(greedy(ids, "one", max_tokens=1), remote_decode=RemoteDecode(HOST))
+    )
+    assert out.kv_handoff is None and out.finish_reason == "length" and len(out.new_token_ids) == 1
+
+
+def test_a_decode_request_aborted_while_its_kv_is_fetched_ends_once(decoder, engine):
+    ids = engine.encode(LONG_TEXT)
+    request = greedy(ids, "ab", max_tokens=30)
+    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+    decoder.submit(msgspec.structs.replace(request, remote_prefill=out.kv_handoff), outputs.put)
+    decoder.abort(request.request_id)
+    seen = [outputs.get(timeout=60)]
+    while not seen[-1].finished:
+        seen.append(outputs.get(timeout=60))
+    assert seen[-1].finish_reason in ("abort", "length")
+    with pytest.raises(queue.Empty):
+        outputs.get(timeout=0.5)
+    assert decoder.is_idle()
