@@ -105,6 +105,32 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="times a request is resumed on another worker when its worker dies mid-request (0: never)",
     )
     llm.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=None,
+        help="disaggregated serving: prefill worker processes per LLM model (with --decode-workers; default: the "
+        "model's config.pbtxt parameters prefill_workers/decode_workers, else aggregated workers)",
+    )
+    llm.add_argument(
+        "--decode-workers",
+        type=int,
+        default=None,
+        help="disaggregated serving: decode worker processes per LLM model",
+    )
+    llm.add_argument(
+        "--max-local-prefill-length",
+        type=int,
+        default=512,
+        help="disaggregated: a prompt whose part not cached on its decode worker is longer than this (tokens) is "
+        "prefilled on a prefill worker; shorter ones on the decode worker",
+    )
+    llm.add_argument(
+        "--max-prefill-queue-size",
+        type=int,
+        default=4,
+        help="disaggregated: remote prefills in flight per model past which decode workers prefill locally",
+    )
+    llm.add_argument(
         "--accept-remote-workers",
         action="store_true",
         help="let `strata worker` processes on any host join each LLM model through Redis "
@@ -316,6 +342,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
         "--redis-url", required=True, help="Redis where servers discover workers (also the G4 tier)"
     )
     p.add_argument("--worker-id", default=None, help="unique per model (default: <hostname>-<pid>)")
+    p.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="disaggregated serving: prefill (prompts and first tokens, KV handed to decode workers), decode, or "
+        "both (aggregated); prefill and decode workers join only models served disaggregated",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to bind the worker's two TCP ports on")
     p.add_argument(
         "--advertise-host",

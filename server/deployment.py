@@ -6,6 +6,9 @@ decides (model.json, instance_group) and `start` builds it:
     one worker, no remote workers   LLMEngine in this process, with its KVBM connector (tiers below its pool)
     N workers                       N worker processes behind a RoutedEngine; the router reads the embedded KV index
                                     (fed by the workers' forwarded block events) or the `strata kvbm` service
+    P prefill + D decode workers    disaggregated: the same, with a second router over the prefill workers and the
+                                    conditional rule (server/router/disagg.py); from --prefill-workers and
+                                    --decode-workers, or config.pbtxt parameters `prefill_workers`/`decode_workers`
     remote workers accepted         every model routed (N >= 0 processes here) and a Discovery thread adding the
                                     `strata worker` processes that register for the model in Redis
 
@@ -35,8 +38,10 @@ from kvbm.metrics import KVBMMetrics
 from server.engine.api import Engine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
+from server.errors import ConfigError
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
+from server.router.disagg import DisaggConfig, DisaggRule
 from server.router.metrics import RouterMetrics
 from server.router.routed import RoutedEngine
 from server.router.router import Router
@@ -61,6 +66,9 @@ class LLMServing:
     overrides   EngineConfig fields set for every model (--context-length, --max-concurrent-requests, ...)
     remote_workers  Redis URL where `strata worker` processes register (--accept-remote-workers); None: local only
     cluster_secret  authenticates the links to remote workers and to the KVBM service (required with either)
+    prefill_workers, decode_workers  disaggregated serving for every LLM model (None: as each model's config.pbtxt
+                parameters say, else aggregated); remote workers of either role may join such a model
+    disagg      the conditional rule's thresholds (--max-local-prefill-length, --max-prefill-queue-size)
     """
 
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -70,16 +78,21 @@ class LLMServing:
     overrides: dict[str, Any] = field(default_factory=dict)
     remote_workers: str | None = None
     cluster_secret: bytes | None = field(default=None, repr=False)
+    prefill_workers: int | None = None
+    decode_workers: int | None = None
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 @dataclass(slots=True)
 class EnginePlan:
-    """What one LLM model runs: its latest chosen version's model.json with the flags' overrides, on `workers`."""
+    """What one LLM model runs: its latest chosen version's model.json with the flags' overrides, on `workers`.
+    `roles` (disaggregated serving): one per worker process, prefill workers first; None: aggregated."""
 
     name: str
     version: int
     config: EngineConfig
     workers: int  # engine processes; 1 without remote workers means in this process; 0: remote workers only
+    roles: list[str] | None = None
 
 
 class LLMDeployment:
@@ -101,6 +114,9 @@ class LLMDeployment:
         for key, value in self.serving.overrides.items():
             setattr(config, key, value)
         config.validate(f"{model.name} (model.json with command-line overrides)")
+        roles = self._roles(model)
+        if roles is not None:
+            return EnginePlan(model.name, version, config, len(roles), roles)
         workers = self.serving.workers
         if workers is None:
             workers = model.config.instance_group[0].count if model.config.instance_group else 1
@@ -108,9 +124,35 @@ class LLMDeployment:
             workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
         return EnginePlan(model.name, version, config, workers)
 
+    def _roles(self, model: ModelSource) -> list[str] | None:
+        """Disaggregated roles of the model's worker processes, prefill first (None: aggregated). The flags win
+        over config.pbtxt `parameters` (Triton's instance_group cannot say roles)."""
+        counts = [self.serving.prefill_workers, self.serving.decode_workers]
+        if counts == [None, None]:
+            params = model.config.parameters
+            keys = ("prefill_workers", "decode_workers")
+            if not any(key in params for key in keys):
+                return None
+            for i, key in enumerate(keys):
+                value = params[key].string_value if key in params else "0"
+                if not value.isdigit():
+                    raise ConfigError(
+                        model.path / "config.pbtxt",
+                        f"parameters {key}: expected a count of workers, got {value!r}",
+                    )
+                counts[i] = int(value)
+        prefill, decode = (count or 0 for count in counts)
+        if decode == 0 and self.serving.remote_workers is None:
+            raise ConfigError(
+                model.path / "config.pbtxt",
+                f"{model.name}: disaggregated serving needs at least one decode worker here "
+                "(--decode-workers, or parameters decode_workers), or --accept-remote-workers",
+            )
+        return ["prefill"] * prefill + ["decode"] * decode
+
     def start(self, plan: EnginePlan) -> Engine:
         """Build the model's engine and add it to `engines` (stop the running one first)."""
-        if plan.workers == 1 and self.serving.remote_workers is None:
+        if plan.workers == 1 and self.serving.remote_workers is None and plan.roles is None:
             engine = self._in_process(plan)
         else:
             engine = self._routed(plan)
@@ -143,22 +185,32 @@ class LLMDeployment:
         standalone = self.serving.kvbm_service is not None
         event_sink = None if standalone else self._index
         spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
-        worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
-        remotes = spawn_workers(worker_ids, spec, event_sink=event_sink) if worker_ids else []
+        if plan.roles is None:
+            worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
+        else:
+            worker_ids = [WorkerId(f"{plan.name}-{role[0]}{i}") for i, role in enumerate(plan.roles)]
+        remotes = spawn_workers(worker_ids, spec, plan.roles, event_sink=event_sink) if worker_ids else []
         lookup = self._index
         if standalone:
             lookup = KVIndexClient(
                 self.serving.kvbm_service, derive_key(self.serving.cluster_secret, "kvbm-service")
             )
         router = Router(self.serving.router, lookup, self._router_metrics)
+        disaggregated = {}
+        if plan.roles is not None:
+            disaggregated = dict(
+                prefill_router=Router(self.serving.router, lookup, self._router_metrics),
+                disagg=DisaggRule(self.serving.disagg),
+            )
         if remotes:
             routed = RoutedEngine(
-                remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt)
+                remotes, router, remotes[0].info.block_size, BlockHash(remotes[0].info.salt), **disaggregated
             )
         else:  # remote workers only (--workers 0): the layout comes with the first that joins
             routed = RoutedEngine(
-                [], router, None, None, model_name=plan.name, max_model_len=plan.config.max_model_len
-            )
+                [], router, None, None, model_name=plan.name, max_model_len=plan.config.max_model_len,
+                **disaggregated,
+            )  # fmt: skip
         if self.serving.remote_workers is not None:
             self._discoveries[plan.name] = self._discover(plan.name, routed, event_sink)
         return routed

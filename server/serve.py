@@ -22,6 +22,7 @@ from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
 from server.repository.manager import ControlMode, RepositoryManager
 from server.router.config import RouterConfig
+from server.router.disagg import DisaggConfig
 from server.triton import PortInUse, TritonServer, TritonSettings, check_ports_free
 
 log = logging.getLogger("strata")
@@ -124,6 +125,18 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
             f"--kvbm-flush-secs {args.kvbm_flush_secs:g}: the G2 -> G3 copy at stop must fit in "
             f"--exit-timeout-secs {args.exit_timeout_secs}"
         )
+    for flag, value in (
+        ("--prefill-workers", args.prefill_workers),
+        ("--decode-workers", args.decode_workers),
+    ):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag}: must be >= 0, got {value}")
+    if (args.prefill_workers is not None or args.decode_workers is not None) and args.workers is not None:
+        raise ValueError("--workers: give either --workers or --prefill-workers/--decode-workers")
+    try:
+        disagg = DisaggConfig(args.max_local_prefill_length, args.max_prefill_queue_size)
+    except ValueError as exc:
+        raise ValueError(f"--max-local-prefill-length/--max-prefill-queue-size: {exc}") from None
     secret = cluster_secret(args, secret_needed_by(args))  # read once: links and G4 keys derive from it
     return LLMServing(
         router,
@@ -133,6 +146,9 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         engine_overrides(args),
         remote_workers=args.redis_url if args.accept_remote_workers else None,
         cluster_secret=secret,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        disagg=disagg,
     )
 
 

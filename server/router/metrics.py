@@ -5,6 +5,11 @@ Labels: `strategy` is the strategy that actually picked (the fallback's name whe
 by load), "lookup_error", "lookup_timeout", "lookup_cooldown" (the fallback picked), "configured" (a non-kv
 strategy was configured); `worker` is the worker id (for `strata_router_migrations_total`: the one that died).
 
+Disaggregated serving: `strata_disagg_prefills_total{model,where,reason}` (where: remote | local; reasons in
+disagg.py), `strata_disagg_prefill_queue{model}`, `strata_disagg_kv_transfer_bytes_total{model,transport}` and
+`strata_disagg_kv_transfer_seconds{model,side}` (side: send | receive); `strata_workers{model,role}` counts live
+workers by role.
+
 Worker description (while the worker is in the router): `strata_worker_info` is 1 with the hardware as labels
 (model, worker, host, device, device_name, cpu_cores, torch_threads); the speeds the router currently uses
 (calibrated at join, then refined by traffic) and the KV capacity are gauges by `worker`.
@@ -19,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.workers.hardware import HardwareInfo
 
+_TRANSFER_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 _DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -40,6 +46,11 @@ class RouterMetrics:
     migrations: Counter
     worker_messages_rejected: Counter
     worker_queue_full: Counter
+    workers_by_role: Gauge
+    disagg_prefills: Counter
+    disagg_prefill_queue: Gauge
+    kv_transfer_bytes: Counter
+    kv_transfer_seconds: Histogram
     _info_labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -124,6 +135,39 @@ class RouterMetrics:
                 "Requests a worker refused because its wait queue was full (max_queued_requests); the router "
                 "then tries the next worker",
                 ("worker",),
+                registry=reg,
+            ),
+            workers_by_role=Gauge(
+                "strata_workers",
+                "Live workers of a model by role (prefill, decode, both)",
+                ("model", "role"),
+                registry=reg,
+            ),
+            disagg_prefills=Counter(
+                "strata_disagg_prefills",
+                "Prefills of a model with prefill workers, where they ran (remote: a prefill worker, local: the "
+                "decode worker) and why (server/router/disagg.py)",
+                ("model", "where", "reason"),
+                registry=reg,
+            ),
+            disagg_prefill_queue=Gauge(
+                "strata_disagg_prefill_queue",
+                "Remote prefills in flight: sent to a prefill worker, not yet handed off",
+                ("model",),
+                registry=reg,
+            ),
+            kv_transfer_bytes=Counter(
+                "strata_disagg_kv_transfer_bytes",
+                "KV bytes handed from prefill to decode workers, by transport (shm, tcp)",
+                ("model", "transport"),
+                registry=reg,
+            ),
+            kv_transfer_seconds=Histogram(
+                "strata_disagg_kv_transfer_seconds",
+                "Time to move one request's KV: send (prefill worker's engine thread) and receive (decode "
+                "worker's read into its pool)",
+                ("model", "side"),
+                buckets=_TRANSFER_BUCKETS,
                 registry=reg,
             ),
         )

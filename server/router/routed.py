@@ -40,12 +40,15 @@ from server.engine.api import (
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
+    KVHandoff,
     OutputSink,
     PoolStats,
+    RemoteDecode,
     RequestId,
     validate_cache_salt,
 )
-from server.router.router import NoWorkerError, Router
+from server.router.disagg import DisaggRule
+from server.router.router import NoWorkerError, RouteDecision, Router
 from server.workers.hardware import Speeds
 from server.workers.protocol import WorkerId, WorkerInfo, WorkerStats
 from server.workers.remote import WorkerListener
@@ -146,6 +149,10 @@ class _InFlight:
     num_cached_tokens: int | None = None  # as the first worker reported it (what the client was told)
     migrations: int = 0
     aborted: bool = False
+    # disaggregated: while `prefilling`, `worker_id` is the prefill worker and the KV goes to `decode_worker_id`
+    prefilling: bool = False
+    decode_worker_id: WorkerId | None = None
+    prefill_attempts: int = 0
 
 
 class RoutedEngine:
@@ -159,14 +166,22 @@ class RoutedEngine:
         salt: BlockHash | None,
         model_name: str | None = None,
         max_model_len: int | None = None,
+        prefill_router: Router | None = None,
+        disagg: DisaggRule | None = None,
     ) -> None:
         """`block_size`/`salt` None: the first worker's (remote-only models); `model_name` and `max_model_len`
-        default to the first worker's, and are required without one."""
+        default to the first worker's, and are required without one. `prefill_router` and `disagg`: this model
+        takes prefill workers (disaggregated serving, see disagg.py); `router` then routes the decode (and both)
+        workers."""
+        if (prefill_router is None) != (disagg is None):
+            raise ValueError("RoutedEngine: prefill_router and disagg go together")
         if not workers and (model_name is None or max_model_len is None):
             raise ValueError("RoutedEngine without workers needs model_name and max_model_len")
         self.model_name = model_name or workers[0].model_name
         self._max_model_len = max_model_len or min(w.max_model_len for w in workers)
         self.router = router
+        self.prefill_router = prefill_router
+        self.disagg = disagg
         self.block_size = block_size
         self.salt = salt
         # replaced, never mutated, when a worker joins: readers iterate a snapshot without the lock
@@ -174,6 +189,7 @@ class RoutedEngine:
         self._speeds: dict[WorkerId, SpeedMeter] = {}  # one meter per speed_class, shared by its workers
         self._meters: dict[Hashable, SpeedMeter] = {}
         self._in_flight: dict[RequestId, _InFlight] = {}
+        self._prefill_queue = 0  # remote prefills in flight
         self._lock = threading.Lock()
         self._turn = 0
         for worker in workers:
@@ -185,6 +201,8 @@ class RoutedEngine:
         info = worker.info
         with self._lock:
             problem = self.incompatibility(worker.model_name, info)
+            if problem is None and info.role == "prefill" and self.prefill_router is None:
+                problem = "is a prefill worker; this model is not served disaggregated (no prefill workers)"
             if problem is not None:
                 raise ValueError(f"worker {worker.worker_id}: {problem}")
             if self.block_size is None:  # the first worker of a remote-only model
@@ -201,8 +219,26 @@ class RoutedEngine:
             if (
                 twin.alive and self._speeds[twin.worker_id] is meter
             ):  # a dead twin must not re-enter the router
-                self.router.update_worker(self._stats_of(twin))
+                self._router_of(twin).update_worker(self._stats_of(twin))
+        self._count_roles()
         worker.add_listener(self)
+
+    def _router_of(self, worker: RoutableWorker) -> Router:
+        """The router that balances `worker`: the prefill router for a prefill worker, else the main one."""
+        if worker.info.role == "prefill" and self.prefill_router is not None:
+            return self.prefill_router
+        return self.router
+
+    def _count_roles(self) -> None:
+        counts = dict.fromkeys(("prefill", "decode", "both"), 0)
+        for worker in self._workers.values():
+            if worker.alive:
+                counts[worker.info.role] = counts.get(worker.info.role, 0) + 1
+        for role, count in counts.items():
+            self.router.metrics.workers_by_role.labels(self.model_name, role).set(count)
+
+    def _live_prefill_workers(self) -> int:
+        return sum(1 for w in self._workers.values() if w.alive and w.info.role == "prefill")
 
     def incompatibility(self, model_name: str, info: WorkerInfo) -> str | None:
         """Why a worker cannot join this model (another model, or another KV layout whose block hashes would not
@@ -265,29 +301,54 @@ class RoutedEngine:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
         validate_cache_salt(request.cache_salt)
         hashes = self._block_hashes(request)
+        if self.disagg is None:
+            self._submit_to(request, hashes, sink)
+            return
+        decision = self.router.route(
+            request.request_id, hashes
+        )  # the decode worker, as without disaggregation
+        uncached = len(request.prompt_token_ids) - decision.reusable_blocks * self.block_size
+        with self._lock:
+            queued = self._prefill_queue
+        remote, reason = self.disagg.decide(uncached, queued, self._live_prefill_workers())
+        if remote:
+            flight = self._track(request, decision.worker_id, alone=False)
+            flight.decode_worker_id = decision.worker_id
+            try:
+                if self._prefill_remotely(flight, hashes, sink):
+                    return
+            except BaseException:
+                self._finish(request.request_id)
+                raise
+            reason = "prefill_failed"
+        self._count_prefill(False, reason)
+        self._submit_to(request, hashes, sink, decision)
+
+    def _submit_to(
+        self,
+        request: GenerationRequest,
+        hashes: list[BlockHash],
+        sink: OutputSink,
+        decision: RouteDecision | None = None,
+    ) -> None:
+        """Submit to the best worker of the main router (`decision`'s, if already routed), else the next best."""
         skip: list[
             WorkerId
         ] = []  # workers that refused it (full queue) or turned out dead: try the next best one
         overloaded: EngineOverloaded | None = None
         while True:
-            try:
-                decision = self.router.route(request.request_id, hashes, exclude=skip)
-            except NoWorkerError:
-                if overloaded is None or not skip:
-                    raise
-                raise EngineOverloaded(
-                    f"{self.model_name}: the wait queue of every worker is full; retry later",
-                    overloaded.retry_after_s,
-                ) from None
+            if decision is None:
+                try:
+                    decision = self.router.route(request.request_id, hashes, exclude=skip)
+                except NoWorkerError:
+                    if overloaded is None:
+                        raise
+                    raise EngineOverloaded(
+                        f"{self.model_name}: the wait queue of every worker is full; retry later",
+                        overloaded.retry_after_s,
+                    ) from None
             worker = self._workers[decision.worker_id]
-            with self._lock:
-                alone = True
-                for flight in self._in_flight.values():
-                    if flight.worker_id == decision.worker_id:
-                        flight.alone = alone = False
-                self._in_flight[request.request_id] = _InFlight(
-                    request, decision.worker_id, time.monotonic(), alone
-                )
+            self._track(request, decision.worker_id)
             try:
                 worker.submit(request, self._sink(request.request_id, sink))
                 return
@@ -308,6 +369,173 @@ class RoutedEngine:
             except BaseException:
                 self._finish(request.request_id)
                 raise
+            decision = None
+
+    def _track(self, request: GenerationRequest, worker_id: WorkerId, alone: bool = True) -> _InFlight:
+        """Start (or restart) the bookkeeping of a request sent to `worker_id`."""
+        with self._lock:
+            if alone:
+                for flight in self._in_flight.values():
+                    if flight.worker_id == worker_id:
+                        flight.alone = alone = False
+            flight = _InFlight(request, worker_id, time.monotonic(), alone)
+            self._in_flight[request.request_id] = flight
+        return flight
+
+    def _count_prefill(self, remote: bool, reason: str) -> None:
+        self.router.metrics.disagg_prefills.labels(
+            self.model_name, "remote" if remote else "local", reason
+        ).inc()
+
+    # ---- disaggregated serving (disagg.py): prefill on a prefill worker, then decode on flight.decode_worker_id
+
+    def _prefill_remotely(self, flight: _InFlight, hashes: list[BlockHash], sink: OutputSink) -> bool:
+        """Send the request to the best prefill worker that takes it; False if none does (full or gone)."""
+        assert self.prefill_router is not None
+        request = flight.request
+        decode = self._workers.get(flight.decode_worker_id) if flight.decode_worker_id else None
+        host = decode.info.hardware.host if decode is not None and decode.info.hardware else ""
+        prefill_request = msgspec.structs.replace(request, remote_decode=RemoteDecode(host))
+        skip = [flight.worker_id] if flight.prefilling else []  # a retry: not the prefill worker that died
+        while True:
+            try:
+                decision = self.prefill_router.route(request.request_id, hashes, exclude=skip)
+            except NoWorkerError:
+                return False
+            with self._lock:
+                flight.worker_id, flight.prefilling = decision.worker_id, True
+                flight.prefill_attempts += 1
+                self._prefill_queue += 1
+            self._show_queue()
+            try:
+                self._workers[decision.worker_id].submit(prefill_request, self._prefill_sink(flight, sink))
+                self._count_prefill(True, "long_prompt")
+                return True
+            except (EngineOverloaded, EngineUnavailable) as exc:
+                logger.info(
+                    "request %s: prefill worker %s refused it (%s)",
+                    request.request_id,
+                    decision.worker_id,
+                    exc,
+                )
+                self._prefill_ended(flight)
+                skip.append(decision.worker_id)
+            except BaseException:
+                self._prefill_ended(flight)
+                raise
+
+    def _prefill_ended(self, flight: _InFlight) -> None:
+        """The prefill worker is done with the request (handed off, finished, failed): out of the queue."""
+        with self._lock:
+            if not flight.prefilling:
+                return
+            flight.prefilling = False
+            self._prefill_queue -= 1
+        self._show_queue()
+        assert self.prefill_router is not None
+        self.prefill_router.release(flight.request.request_id)
+
+    def _show_queue(self) -> None:
+        self.router.metrics.disagg_prefill_queue.labels(self.model_name).set(self._prefill_queue)
+
+    def _prefill_sink(self, flight: _InFlight, sink: OutputSink) -> OutputSink:
+        request_id = flight.request.request_id
+
+        def prefill_sink(output: GenerationOutput) -> None:
+            handoff = output.kv_handoff
+            if handoff is not None:  # the first token: show it, then decode where the router chose
+                self._prefill_ended(flight)
+                metrics = self.router.metrics
+                if output.kv_transfer_bytes:
+                    metrics.kv_transfer_bytes.labels(self.model_name, handoff.transport).inc(
+                        output.kv_transfer_bytes
+                    )
+                    metrics.kv_transfer_seconds.labels(self.model_name, "send").observe(output.kv_transfer_s)
+                shown = msgspec.structs.replace(
+                    output, finished=False, kv_handoff=None, kv_transfer_s=0.0, kv_transfer_bytes=0
+                )
+                self._as_sent(flight, shown)
+                self._first_token(request_id, shown)
+                sink(shown)
+                self._decode_after(flight, handoff, sink)
+                return
+            if (
+                output.retryable and not flight.aborted
+            ):  # the prefill worker died: prefill elsewhere, or locally
+                dead = flight.worker_id
+                self._prefill_ended(flight)
+                logger.warning("request %s: prefill worker %s died; prefilling it again", request_id, dead)
+                if flight.prefill_attempts <= self.router.config.migration_limit and self._retry_prefill(
+                    flight, sink, dead
+                ):
+                    return
+                self._count_prefill(False, "prefill_failed")
+                self._decode_after(flight, None, sink)
+                return
+            if (
+                output.finished
+            ):  # the first token ended it (or it failed, or was aborted) on the prefill worker
+                self._prefill_ended(flight)
+                self._as_sent(flight, output)
+                self._finish(request_id, output)
+            sink(output)
+
+        return prefill_sink
+
+    def _retry_prefill(self, flight: _InFlight, sink: OutputSink, dead: WorkerId) -> bool:
+        try:
+            return self._prefill_remotely(flight, self._block_hashes(flight.request), sink, exclude=[dead])
+        except Exception:
+            logger.exception("request %s: prefill retry failed", flight.request.request_id)
+            return False
+
+    def _decode_after(self, flight: _InFlight, handoff: KVHandoff | None, sink: OutputSink) -> None:
+        """Continue on the decode worker chosen at submit (from `handoff`, or from scratch), else on the next
+        best; the client gets an error only when no decode worker takes it."""
+        request = flight.request
+        if flight.aborted:  # the client left while the prefill ran
+            self._end(flight, sink, "abort", None)
+            return
+        resumed = request if handoff is None else msgspec.structs.replace(request, remote_prefill=handoff)
+        target, tried = flight.decode_worker_id, []
+        while True:
+            worker = self._workers.get(target) if target is not None else None
+            if worker is not None and worker.alive:
+                flight.worker_id = target  # before submit: its first output may arrive before submit returns
+                try:
+                    worker.submit(resumed, self._sink(request.request_id, sink))
+                    if flight.aborted:  # the client left while it was being submitted
+                        worker.abort(request.request_id)
+                    return
+                except (EngineOverloaded, EngineUnavailable) as exc:
+                    logger.warning(
+                        "request %s: decode worker %s refused it (%s)", request.request_id, target, exc
+                    )
+                except Exception as exc:
+                    logger.exception("request %s: decode worker %s failed it", request.request_id, target)
+                    self._end(flight, sink, "error", f"{type(exc).__name__}: {exc}")
+                    return
+            if target is not None:
+                tried.append(target)
+            self.router.release(request.request_id)
+            try:  # the handoff names the prefill worker's host: another host's worker recomputes the prompt
+                target = self.router.route(
+                    request.request_id, self._block_hashes(request), exclude=tried
+                ).worker_id
+            except NoWorkerError as exc:
+                self._end(flight, sink, "error", f"no decode worker takes it: {exc}")
+                return
+
+    def _end(self, flight: _InFlight, sink: OutputSink, reason: str, error: str | None) -> None:
+        """Finish a request the router holds between its workers: the client gets the final output."""
+        request = flight.request
+        output = GenerationOutput(
+            request.request_id, [], "", finished=True, finish_reason=reason,  # type: ignore[arg-type]
+            num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=flight.num_cached_tokens or 0,
+            num_output_tokens=len(flight.output_ids), error=error,
+        )  # fmt: skip
+        self._finish(request.request_id, output)
+        sink(output)
 
     def _block_hashes(self, request: GenerationRequest) -> list[BlockHash]:
         """The prompt's full-block hashes as the worker's engine computes them, from the request's own root (its
@@ -335,14 +563,15 @@ class RoutedEngine:
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""
         if self._workers.get(worker.worker_id) is worker and worker.alive:
-            self.router.update_worker(self._stats_of(worker))
+            self._router_of(worker).update_worker(self._stats_of(worker))
 
     def on_death(self, worker: RoutableWorker) -> None:
         if self._workers.get(worker.worker_id) is not worker:
             return  # replaced by a newer worker under the same id
         logger.warning("worker %s left the router", worker.worker_id)
-        self.router.remove_worker(worker.worker_id)
+        self._router_of(worker).remove_worker(worker.worker_id)
         self.router.metrics.hide_worker(worker.worker_id)
+        self._count_roles()
 
     def on_rejected(self, worker: RoutableWorker) -> None:
         """The worker's link carried a frame that is not a message; it is dropped (on_death follows)."""
@@ -351,6 +580,10 @@ class RoutedEngine:
     def _sink(self, request_id: RequestId, sink: OutputSink) -> OutputSink:
         def routed_sink(output: GenerationOutput) -> None:
             flight = self._in_flight.get(request_id)
+            if output.kv_transfer_bytes:  # a decode worker read a prefill worker's handoff
+                self.router.metrics.kv_transfer_seconds.labels(self.model_name, "receive").observe(
+                    output.kv_transfer_s
+                )
             if flight is not None:
                 if output.retryable and self._migrate(flight, output, routed_sink):
                     return
@@ -464,8 +697,8 @@ class RoutedEngine:
 
     @property
     def healthy(self) -> bool:
-        """At least one worker is alive."""
-        return any(w.alive for w in self._workers.values())
+        """At least one worker that decodes (a decode or aggregated one) is alive."""
+        return any(w.alive and w.info.role != "prefill" for w in self._workers.values())
 
     def _on_any_worker(self, call: Callable[[RoutableWorker], list[int]]) -> list[int]:
         """`call` on a live worker, in turn (all workers serve the same model); on the next one if that worker

@@ -63,6 +63,7 @@ class WorkerInfo:
     pid: int
     hardware: HardwareInfo | None = None
     speeds: Speeds = field(default_factory=Speeds)
+    role: str = "both"  # prefill | decode | both (server/router/disagg.py)
 
     def summary(self) -> str:
         """One log line: where it runs and how fast it measured."""

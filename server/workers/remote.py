@@ -453,10 +453,17 @@ def _wait_for_hello(
             event_sink.publish(message.event)
 
 
-def spawn_workers(worker_ids: Sequence[WorkerId], spec: WorkerSpec, **options: Any) -> list[RemoteEngine]:
-    """Start several workers at once (engine loads overlap); if one fails, stop the others and raise."""
+def spawn_workers(
+    worker_ids: Sequence[WorkerId], spec: WorkerSpec, roles: Sequence[str] | None = None, **options: Any
+) -> list[RemoteEngine]:
+    """Start several workers at once (engine loads overlap), each with its role (default: the spec's); if one
+    fails, stop the others and raise."""
+    specs = [dataclasses.replace(spec, role=role) for role in roles] if roles else [spec] * len(worker_ids)
     with ThreadPoolExecutor(max_workers=len(worker_ids)) as pool:
-        futures = [pool.submit(RemoteEngine.spawn, worker_id, spec, **options) for worker_id in worker_ids]
+        futures = [
+            pool.submit(RemoteEngine.spawn, worker_id, s, **options)
+            for worker_id, s in zip(worker_ids, specs, strict=True)
+        ]
         wait(futures)
     failures = [f.exception() for f in futures if f.exception() is not None]
     if failures:

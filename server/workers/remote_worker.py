@@ -186,7 +186,7 @@ def run_worker(
     events = ChannelEvents(None) if forward else None
     connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
     engine = LLMEngine(config, connector)
-    info = describe(engine, calibrate_logged(engine))
+    info = describe(engine, calibrate_logged(engine), args.role)
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
     options = RemoteWorkerOptions(
         worker_id,

@@ -62,6 +62,7 @@ class WorkerSpec:
     heartbeat_s: float = 0.5
     forward_events: bool = False
     worker_id: str = "worker-0"  # set by RemoteEngine.spawn
+    role: str = "both"  # prefill | decode | both: what the router sends it (server/router/disagg.py)
 
 
 def _exit_with_parent() -> None:
@@ -97,7 +98,7 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
         channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         channel.close()
         return
-    channel.send(Hello(describe(engine, calibrate_logged(engine))))
+    channel.send(Hello(describe(engine, calibrate_logged(engine), spec.role)))
     stop = threading.Event()
     beat = start_heartbeat(channel, engine, spec.heartbeat_s, stop, parent_pid=os.getppid())
     try:
@@ -153,7 +154,7 @@ def build_llm_engine(
     return LLMEngine(engine_config, build_connector(config, worker_id, index=events))
 
 
-def describe(engine: LocalEngine, speeds: Speeds) -> WorkerInfo:
+def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerInfo:
     layout = engine.block_layout
     return WorkerInfo(
         model_name=engine.model_name,
@@ -164,6 +165,7 @@ def describe(engine: LocalEngine, speeds: Speeds) -> WorkerInfo:
         pid=os.getpid(),
         hardware=describe_hardware(engine),
         speeds=speeds,
+        role=role,
     )
 
 
