@@ -88,6 +88,13 @@ class StrataProcess:
         return self.process.returncode
 
 
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m server <args>` to its end (a flag check, not a server): exit code and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env
+    )
+
+
 def start_strata(
     repository: Path,
     tmp_path: Path,

@@ -2,7 +2,9 @@
 
 Mount with `build_app({"smollm2": engine}, FrontendMetrics.create(registry))` and serve with uvicorn (Triton's
 OpenAI frontend listens on 9000). Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-GET /health, GET /metrics (Prometheus text of the metrics' registry), GET /docs.
+GET /health, GET /metrics (Prometheus text of the metrics' registry), GET /docs; and Strata's own GET and PUT
+/v1/strata/models/{model}/disagg: the thresholds of conditional disaggregation, which an operator or an SLA
+planner may change while serving (404 for a model not served disaggregated).
 
 With `api_key` set (`--api-key`, as vLLM), every `/v1/*` route needs `Authorization: Bearer <key>`; anything else is
 a 401 in OpenAI's error shape. `/health`, `/metrics` and the docs stay open, as in vLLM.
@@ -22,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from server.engine.api import Engine
+from server.engine.api import DisaggControl, Engine
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected
 from server.openai.limits import LimitRequestBody, RequestLimits, check_request
@@ -83,6 +85,30 @@ def build_app(
         check(body)
         return await _respond(serving.completion(body, lambda: _client_gone(request)))
 
+    def disagg_of(model: str) -> DisaggControl:
+        control = getattr(models.get(model), "disagg", None)
+        if control is None:
+            code = "model_not_found" if model not in models else "not_disaggregated"
+            raise OpenAIError(
+                404, f"The model `{model}` is not served disaggregated", param="model", code=code
+            )
+        return control
+
+    @app.get(
+        "/v1/strata/models/{model}/disagg", response_model=p.DisaggThresholds, responses=_ADMIN_RESPONSES
+    )
+    async def get_disagg(model: str) -> p.DisaggThresholds:
+        return p.DisaggThresholds(**disagg_of(model).thresholds())
+
+    @app.put(
+        "/v1/strata/models/{model}/disagg", response_model=p.DisaggThresholds, responses=_ADMIN_RESPONSES
+    )
+    async def set_disagg(model: str, body: p.DisaggThresholds) -> p.DisaggThresholds:
+        control = disagg_of(model)
+        control.set(body.max_local_prefill_length, body.max_prefill_queue_size)
+        logger.info("%s: disaggregation thresholds now %s", model, control.thresholds())
+        return p.DisaggThresholds(**control.thresholds())
+
     return app
 
 
@@ -104,6 +130,13 @@ _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {**_ERROR, "description": "every wait queue is full; retry after `Retry-After` seconds"},
     500: {**_ERROR, "description": "internal error (details in the server log)"},
     503: {**_ERROR, "description": "the model cannot take requests now"},
+}
+
+
+_ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "invalid thresholds; `param` names the field"},
+    401: {**_ERROR, "description": "missing or wrong API key (--api-key)"},
+    404: {**_ERROR, "description": "unknown model, or not served disaggregated"},
 }
 
 

@@ -181,6 +181,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class DisaggThresholds(BaseModel):
+    """Conditional disaggregation's thresholds of one model (`strata serve --max-local-prefill-length`,
+    `--max-prefill-queue-size`); in a PUT, a field left out keeps its value."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_local_prefill_length: int | None = Field(None, ge=0, le=1 << 31)
+    max_prefill_queue_size: int | None = Field(None, ge=0, le=1 << 31)
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

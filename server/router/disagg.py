@@ -66,6 +66,13 @@ class DisaggRule:
                 current.max_prefill_queue_size if max_prefill_queue_size is None else max_prefill_queue_size,
             )
 
+    def thresholds(self) -> dict[str, int]:
+        config = self._config
+        return {
+            "max_local_prefill_length": config.max_local_prefill_length,
+            "max_prefill_queue_size": config.max_prefill_queue_size,
+        }
+
     def decide(self, uncached_tokens: int, queued: int, prefill_workers: int) -> tuple[bool, str]:
         """(remote, reason) for a prompt with `uncached_tokens` not cached on its decode worker, `queued` remote
         prefills in flight and `prefill_workers` alive."""

@@ -14,13 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import ROOT, copy_models, start_strata, wait_for
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "server", *args], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env
-    )
+from tests.conftest import ROOT, copy_models, run_cli, start_strata, wait_for
 
 
 def test_cluster_links_refuse_to_start_without_a_secret_and_say_how_to_make_one(
