@@ -231,8 +231,9 @@ class GenerationOutput(msgspec.Struct, array_like=True):
     retryable: bool = False  # with "error": the request did not fail, its worker died; a router may resume it
     # disaggregated serving: the prefill engine's last output (finished, no finish_reason) carries the handoff;
     # the send side's and the decode engine's receive side's transfer time and bytes are reported once each
+    # (integers: each costs one byte in every other output's message)
     kv_handoff: KVHandoff | None = None
-    kv_transfer_s: float = 0.0
+    kv_transfer_us: int = 0
     kv_transfer_bytes: int = 0
 
 

@@ -504,7 +504,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens, error=error, kv_handoff=handoff,
-            kv_transfer_s=transfer[0] if transfer else 0.0, kv_transfer_bytes=transfer[1] if transfer else 0,
+            kv_transfer_us=round(transfer[0] * 1e6) if transfer else 0, kv_transfer_bytes=transfer[1] if transfer else 0,
         )  # fmt: skip
         try:
             seq.sink(output)

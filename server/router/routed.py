@@ -450,9 +450,11 @@ class RoutedEngine:
                     metrics.kv_transfer_bytes.labels(self.model_name, handoff.transport).inc(
                         output.kv_transfer_bytes
                     )
-                    metrics.kv_transfer_seconds.labels(self.model_name, "send").observe(output.kv_transfer_s)
+                    metrics.kv_transfer_seconds.labels(self.model_name, "send").observe(
+                        output.kv_transfer_us / 1e6
+                    )
                 shown = msgspec.structs.replace(
-                    output, finished=False, kv_handoff=None, kv_transfer_s=0.0, kv_transfer_bytes=0
+                    output, finished=False, kv_handoff=None, kv_transfer_us=0, kv_transfer_bytes=0
                 )
                 self._as_sent(flight, shown)
                 self._first_token(request_id, shown)
@@ -582,7 +584,7 @@ class RoutedEngine:
             flight = self._in_flight.get(request_id)
             if output.kv_transfer_bytes:  # a decode worker read a prefill worker's handoff
                 self.router.metrics.kv_transfer_seconds.labels(self.model_name, "receive").observe(
-                    output.kv_transfer_s
+                    output.kv_transfer_us / 1e6
                 )
             if flight is not None:
                 if output.retryable and self._migrate(flight, output, routed_sink):
