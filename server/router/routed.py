@@ -201,8 +201,6 @@ class RoutedEngine:
         info = worker.info
         with self._lock:
             problem = self.incompatibility(worker.model_name, info)
-            if problem is None and info.role == "prefill" and self.prefill_router is None:
-                problem = "is a prefill worker; this model is not served disaggregated (no prefill workers)"
             if problem is not None:
                 raise ValueError(f"worker {worker.worker_id}: {problem}")
             if self.block_size is None:  # the first worker of a remote-only model
@@ -241,10 +239,15 @@ class RoutedEngine:
         return sum(1 for w in self._workers.values() if w.alive and w.info.role == "prefill")
 
     def incompatibility(self, model_name: str, info: WorkerInfo) -> str | None:
-        """Why a worker cannot join this model (another model, or another KV layout whose block hashes would not
-        match the index), or None."""
+        """Why a worker cannot join this model (another model, another KV layout whose block hashes would not
+        match the index, or a prefill worker for a model served aggregated), or None."""
         if model_name != self.model_name:
             return f"serves {model_name!r}, not {self.model_name!r}"
+        if info.role == "prefill" and self.prefill_router is None:
+            return (
+                "is a prefill worker; this model is not served disaggregated (start the server with "
+                "--prefill-workers/--decode-workers, or config.pbtxt parameters prefill_workers/decode_workers)"
+            )
         if self.block_size is not None and (info.block_size, info.salt) != (self.block_size, self.salt):
             return (
                 f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
