@@ -191,7 +191,7 @@ class KVHandoff(msgspec.Struct, array_like=True):
     `block_hashes` are the prompt's full blocks in order (the request's salt chain); the decode engine fetches
     them through `transport` at `location` (kvbm/transfer.py) and recomputes whatever it cannot read."""
 
-    transport: str  # shm | tcp | none (nothing to fetch: the decode engine recomputes the prompt)
+    transport: str  # shm | tcp | kvbm (in the KVBM tiers: G2 on one node, G4 across) | none (recompute)
     location: str
     block_hashes: list[int]
     block_bytes: int

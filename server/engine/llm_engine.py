@@ -179,7 +179,10 @@ class LLMEngine:
                     f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
                 )
             self._active[request.request_id] = seq
-            if handoff is not None and handoff.transport != "none":
+            if handoff is not None and handoff.transport not in (
+                "none",
+                "kvbm",
+            ):  # kvbm: found by the connector
                 self._fetch_later(seq, handoff)
             else:
                 self._inbox.append(seq)
@@ -439,7 +442,15 @@ class LLMEngine:
                 log.exception(
                     "request %s: sending its KV failed; the decode worker recomputes", seq.request_id
                 )
-        sent = (time.perf_counter() - started, num_blocks * self.layout.block_bytes if location else 0)
+        if transport == "none" and num_blocks and self._connector is not None:
+            # no transport reaches the decode worker: through this worker's KVBM tiers (G2 on this node, G4 for
+            # every node with write-through), where the decode worker's connector finds them at admission
+            self._connector.offload(hashes, seq.block_table[:num_blocks])
+            transport = "kvbm"
+        sent = (
+            time.perf_counter() - started,
+            num_blocks * self.layout.block_bytes if transport != "none" else 0,
+        )
         handoff = KVHandoff(
             transport, location, list(hashes), self.layout.block_bytes, seq.output_token_ids,
             seq.num_cached_tokens,

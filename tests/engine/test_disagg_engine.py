@@ -5,6 +5,7 @@ what one engine produces alone. Real SmolLM2 engines, fp32; the handoff moves th
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 
@@ -12,6 +13,8 @@ import msgspec
 import pytest
 from conftest import LONG_TEXT, engine_config, greedy, run
 
+from kvbm.config import KVBMConfig
+from kvbm.connector import KVBMConnector
 from kvbm.transfer import SHM_DIR
 from server.engine.api import GenerationOutput, GenerationRequest, RemoteDecode, RequestId, SamplingParams
 from server.engine.llm_engine import LLMEngine
@@ -124,3 +127,26 @@ def test_a_decode_request_aborted_while_its_kv_is_fetched_ends_once(decoder, eng
     with pytest.raises(queue.Empty):
         outputs.get(timeout=0.5)
     assert decoder.is_idle()
+
+
+def test_without_a_transport_the_blocks_go_through_the_kvbm_tiers(engine, tmp_path):
+    """A decode worker no transport reaches (here: another host name, and no network transport) still gets the
+    blocks when both workers have a KVBM tier in common: G2 here, G4 across nodes."""
+    config = KVBMConfig(host_cache_gb=0.1, cache_id=f"disagg-{os.getpid()}", flush_budget_s=0)
+    ids = engine.encode(LONG_TEXT + "Therefore")
+    alone = run(engine, greedy(ids, "tiers-a", max_tokens=10))
+    receiver = KVBMConnector(config, "d0", shm_dir=tmp_path)
+    with (
+        LLMEngine(engine_config(), KVBMConnector(config, "p0", shm_dir=tmp_path)) as prefill,
+        LLMEngine(engine_config(), receiver) as decode,
+    ):
+        request = greedy(ids, "tiers", max_tokens=10)
+        out = run(prefill, msgspec.structs.replace(request, remote_decode=RemoteDecode("another-host")))
+        assert out.kv_handoff.transport == "kvbm"
+        rest = run(decode, msgspec.structs.replace(request, remote_prefill=out.kv_handoff))
+    onboarded = receiver.metrics.registry.get_sample_value(
+        "kvbm_onboard_blocks_total", {"direction": "G2->G1"}
+    )
+    assert onboarded == len(ids) // 16  # every full prompt block, from G2
+    assert out.new_token_ids + rest.new_token_ids == alone.new_token_ids
+    assert rest.num_cached_tokens == 0  # as the prefill engine reported it (nothing was cached there)
