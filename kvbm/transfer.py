@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -75,6 +76,25 @@ class KVTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """How a worker builds its `KVTransfer` (plain data: it travels into a spawned worker process). With a
+    cluster secret it serves cross-host handoffs on `port` (0: any free one), named by `advertise_host`."""
+
+    secret: bytes | None = field(default=None, repr=False)
+    bind_host: str = "0.0.0.0"
+    advertise_host: str | None = None
+    port: int = 0
+
+    def build(self) -> KVTransfer:
+        transports: list[KVTransport] = [ShmTransport()]
+        if self.secret:
+            from kvbm.transfer_tcp import TcpTransport
+
+            transports.append(TcpTransport(self.secret, self.bind_host, self.advertise_host, self.port))
+        return KVTransfer(transports)
 
 
 class KVTransfer:

@@ -357,6 +357,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--port", type=int, default=0, help="binds PORT and PORT+1 (0: two free ports)")
     p.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=0,
+        help="disaggregated serving: port a prefill worker serves KV handoffs on to decode workers of other hosts "
+        "(CURVE, cluster secret; 0: any free one, advertised in each handoff)",
+    )
+    p.add_argument(
         "--lease-secs",
         type=float,
         default=3.0,

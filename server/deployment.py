@@ -35,6 +35,7 @@ from kvbm.client import KVIndexClient
 from kvbm.config import KVBMConfig
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
+from kvbm.transfer import KVTransferConfig
 from server.engine.api import Engine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -184,7 +185,14 @@ class LLMDeployment:
     def _routed(self, plan: EnginePlan) -> RoutedEngine:
         standalone = self.serving.kvbm_service is not None
         event_sink = None if standalone else self._index
-        spec = WorkerSpec(build_llm_engine, (plan.config, self.serving.kvbm), forward_events=not standalone)
+        transfer = None
+        if (
+            plan.roles is not None and self.serving.remote_workers is not None
+        ):  # decode workers on other hosts
+            transfer = KVTransferConfig(self.serving.cluster_secret)
+        spec = WorkerSpec(
+            build_llm_engine, (plan.config, self.serving.kvbm, transfer), forward_events=not standalone
+        )
         if plan.roles is None:
             worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         else:

@@ -34,6 +34,7 @@ import zmq
 
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
+from kvbm.transfer import KVTransferConfig
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -184,10 +185,15 @@ def run_worker(
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     forward = args.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
     events = ChannelEvents(None) if forward else None
-    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
-    engine = LLMEngine(config, connector)
-    info = describe(engine, calibrate_logged(engine), args.role)
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
+    try:  # disaggregated handoffs: shared memory with workers of this host, a CURVE-authenticated pull across
+        transfer = KVTransferConfig(cluster_secret, args.host, advertise, args.kv_transfer_port).build()
+    except OSError as exc:
+        log.error("--kv-transfer-port %d: %s", args.kv_transfer_port, exc)
+        return 2
+    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
+    engine = LLMEngine(config, connector, transfer)
+    info = describe(engine, calibrate_logged(engine), args.role)
     options = RemoteWorkerOptions(
         worker_id,
         args.redis_url,

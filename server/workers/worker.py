@@ -21,6 +21,7 @@ from typing import Any
 
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
+from kvbm.transfer import KVTransferConfig
 from server.engine.api import EngineOverloaded, GenerationOutput, LocalEngine, RequestError, RequestId
 from server.engine.config import EngineConfig
 from server.workers.hardware import Speeds, calibrate, describe_hardware
@@ -140,18 +141,21 @@ class ChannelEvents:
 def build_llm_engine(
     engine_config: EngineConfig,
     kvbm_config: KVBMConfig | None = None,
+    transfer: KVTransferConfig | None = None,
     *,
     worker_id: str,
     events: EventSink | None,
 ) -> LocalEngine:
-    """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config), forward_events=...)`: an
-    LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
-    server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set."""
+    """Factory for `WorkerSpec(build_llm_engine, (engine_config, kvbm_config[, transfer]), forward_events=...)`:
+    an LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
+    server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set;
+    disaggregated handoffs move as `transfer` says (default: shared memory on this host only)."""
     from kvbm.agent import build_connector
     from server.engine.llm_engine import LLMEngine
 
     config = kvbm_config or KVBMConfig(host_cache_gb=0.0)
-    return LLMEngine(engine_config, build_connector(config, worker_id, index=events))
+    kv_transfer = (transfer or KVTransferConfig()).build()
+    return LLMEngine(engine_config, build_connector(config, worker_id, index=events), kv_transfer)
 
 
 def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerInfo:

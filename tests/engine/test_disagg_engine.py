@@ -15,7 +15,8 @@ from conftest import LONG_TEXT, engine_config, greedy, run
 
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
-from kvbm.transfer import SHM_DIR
+from kvbm.transfer import SHM_DIR, KVTransfer, ShmTransport
+from kvbm.transfer_tcp import TcpTransport
 from server.engine.api import GenerationOutput, GenerationRequest, RemoteDecode, RequestId, SamplingParams
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import iterate_outputs
@@ -163,3 +164,26 @@ def test_without_a_transport_the_blocks_go_through_the_kvbm_tiers(engine, tmp_pa
     assert onboarded == len(ids) // 16  # every full prompt block, from G2
     assert out.new_token_ids + rest.new_token_ids == alone.new_token_ids
     assert rest.num_cached_tokens == 0  # as the prefill engine reported it (nothing was cached there)
+
+
+def test_across_hosts_the_decode_engine_pulls_the_blocks_over_tcp(engine, decoder, monkeypatch):
+    """Two host names on one machine: the handoff goes over the CURVE-authenticated TCP transport."""
+    secret = b"disagg-test-secret-0123456789abcdef"
+    sender = KVTransfer([ShmTransport(), TcpTransport(secret, "127.0.0.1")], host="prefill-host")
+    receiver = KVTransfer([ShmTransport(), TcpTransport(secret, "127.0.0.1")], host="decode-host")
+    monkeypatch.setattr(engine, "transfer", sender)
+    monkeypatch.setattr(decoder, "transfer", receiver)
+    try:
+        ids = engine.encode("Report 9. " + LONG_TEXT * 2)
+        alone = run(engine, greedy(ids, "tcp-a", max_tokens=12))
+        request = greedy(ids, "tcp", max_tokens=12)
+        out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode("decode-host")))
+        assert out.kv_handoff.transport == "tcp" and out.kv_handoff.location.startswith("tcp://127.0.0.1:")
+        outputs = list(
+            iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=out.kv_handoff), 120)
+        )
+        assert outputs[0].kv_transfer_bytes == out.kv_transfer_bytes > 0
+        assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == alone.new_token_ids
+    finally:
+        sender.close()
+        receiver.close()
