@@ -102,7 +102,7 @@ def workers(short_tmp: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     """Factory: start `strata worker` (logs in tmp_path); all are killed at teardown."""
     started: list[subprocess.Popen] = []
 
-    def start(repository: Path, redis_url: str, worker_id: str) -> subprocess.Popen:
+    def start(repository: Path, redis_url: str, worker_id: str, *extra: str) -> subprocess.Popen:
         log_path = short_tmp / f"{worker_id}-{len(started)}.log"
         log = open(log_path, "w")
         process = subprocess.Popen(
@@ -124,6 +124,7 @@ def workers(short_tmp: Path) -> Iterator[Callable[..., subprocess.Popen]]:
                 "--no-kvbm",
                 "--lease-secs",
                 "2",
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -229,6 +230,41 @@ def test_model_served_by_remote_workers_only(short_tmp, redis_url, workers) -> N
             model="smollm2", max_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi!"}]
         )
         assert chat.usage.completion_tokens == 3 and chat.choices[0].message.content
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_remote_prefill_worker_joins_a_disaggregated_model_and_its_death_falls_back_to_local(
+    short_tmp, redis_url, workers
+) -> None:
+    repository = copy_models(short_tmp / "repo", "smollm2")
+    server = start_strata(
+        repository, short_tmp, "--prefill-workers", "0", "--decode-workers", "1", "--no-kvbm", "--redis-url",
+        redis_url, "--accept-remote-workers", "--max-local-prefill-length", "32",
+    )  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.openai_port}/v1", api_key="unused", timeout=120, max_retries=0
+    )
+    long_prompt = "Tell me everything about the history of tea, its trade routes and its ceremonies. " * 3
+
+    def prefills() -> str:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read()
+        return "\n".join(line for line in text.decode().splitlines() if line.startswith("strata_disagg_"))
+
+    try:
+        prefill = workers(repository, redis_url, "remote-p", "--role", "prefill")
+        wait_for(lambda: "remote worker remote-p joined" in server.log(), 90, what="remote-p joined")
+        assert complete(client, long_prompt) == 3
+        metrics = prefills()
+        assert (
+            'strata_disagg_prefills_total{model="smollm2",reason="long_prompt",where="remote"} 1.0' in metrics
+        )
+        assert 'strata_disagg_kv_transfer_bytes_total{model="smollm2",transport="shm"}' in metrics  # one host
+        os.kill(prefill.pid, signal.SIGKILL)
+        wait_for(lambda: 'worker="remote-p"' not in worker_metrics(server), 15, what="remote-p dropped")
+        assert complete(client, "Again: " + long_prompt) == 3
+        assert 'reason="no_prefill_worker",where="local"} 1.0' in prefills()
     finally:
         client.close()
         server.stop()
