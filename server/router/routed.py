@@ -392,14 +392,17 @@ class RoutedEngine:
 
     # ---- disaggregated serving (disagg.py): prefill on a prefill worker, then decode on flight.decode_worker_id
 
-    def _prefill_remotely(self, flight: _InFlight, hashes: list[BlockHash], sink: OutputSink) -> bool:
-        """Send the request to the best prefill worker that takes it; False if none does (full or gone)."""
+    def _prefill_remotely(
+        self, flight: _InFlight, hashes: list[BlockHash], sink: OutputSink, exclude: Sequence[WorkerId] = ()
+    ) -> bool:
+        """Send the request to the best prefill worker that takes it (not one in `exclude`); False if none does
+        (full or gone)."""
         assert self.prefill_router is not None
         request = flight.request
         decode = self._workers.get(flight.decode_worker_id) if flight.decode_worker_id else None
         host = decode.info.hardware.host if decode is not None and decode.info.hardware else ""
         prefill_request = msgspec.structs.replace(request, remote_decode=RemoteDecode(host))
-        skip = [flight.worker_id] if flight.prefilling else []  # a retry: not the prefill worker that died
+        skip = list(exclude)
         while True:
             try:
                 decision = self.prefill_router.route(request.request_id, hashes, exclude=skip)
