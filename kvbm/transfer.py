@@ -12,8 +12,9 @@ read, costs a recompute, never a wrong token: `read_into` returns how many leadi
 
 Transports (one file each behind `KVTransport`; `KVTransfer` picks one per request by the decode worker's host):
     shm   this file. Same host: the sender writes the blocks to one file in /dev/shm with one gather write
-          (os.writev), the receiver reads them straight into its pool rows with one scatter read (os.preadv) and
-          removes the file: two copies, the memcpy floor of a cross-process move without shared pools.
+          (os.writev); the receiver maps it, faulted in on its fetch thread, copies each block into its pool row
+          on its engine thread and removes the file: two copies, the floor of a cross-process move without
+          shared pools.
     tcp   kvbm/transfer_tcp.py. Across hosts: the receiver pulls the blocks from the sender's CURVE-authenticated
           ZMQ socket, one message per request.
 A GPU transport (NIXL, CUDA IPC) is another `KVTransport` with the same three calls.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -41,7 +43,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_IOV_MAX = 1024  # buffers per writev/preadv call (Linux IOV_MAX)
+_IOV_MAX = 1024  # buffers per writev call (Linux IOV_MAX)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in at mmap time
 _PAGE = 4096
 
 
@@ -189,10 +192,13 @@ class ShmTransport:
                 raise TransferError(f"handoff {location}: another layout or not a handoff")
             if hashes.tolist() != [h & 0xFFFF_FFFF_FFFF_FFFF for h in block_hashes]:
                 raise TransferError(f"handoff {location}: holds other blocks")
-        except BaseException:
-            os.close(fd)
+            return _ShmSource(self.directory / location, fd, num_blocks, block_bytes)
+        except TransferError:
             raise
-        return _ShmSource(self.directory / location, fd, num_blocks, block_bytes)
+        except (OSError, ValueError) as err:  # e.g. a file shorter than its header says
+            raise TransferError(f"handoff {location}: {err}") from None
+        finally:
+            os.close(fd)  # the mapping keeps the file
 
     def _sweep(self, older_than: float) -> None:
         with self._lock:
@@ -204,31 +210,35 @@ class ShmTransport:
 
 
 class _ShmSource:
+    """The handoff file mapped and faulted in by `fetch` (on the decode side's fetch thread, MAP_POPULATE), so
+    that `read_into`, on the engine thread, is a plain memcpy per block: reading the file there with preadv paid
+    tmpfs's page lookups on the thread that runs every decode step."""
+
     def __init__(self, path: Path, fd: int, num_blocks: int, block_bytes: int) -> None:
-        self.path, self.num_blocks, self.block_bytes = path, num_blocks, block_bytes
-        self._fd: int | None = fd
-        self._offset = _payload_offset(num_blocks)
+        self.path, self.num_blocks = path, num_blocks
+        offset = _payload_offset(num_blocks)
+        if os.fstat(fd).st_size < offset + num_blocks * block_bytes:
+            raise TransferError(f"handoff {path.name}: shorter than its {num_blocks} blocks")
+        self._map: mmap.mmap | None = mmap.mmap(
+            fd, offset + num_blocks * block_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ
+        )
+        self._blocks = np.frombuffer(self._map, np.uint8, num_blocks * block_bytes, offset).reshape(
+            num_blocks, -1
+        )
 
     def read_into(self, first: int, rows: Sequence[np.ndarray]) -> int:
-        if self._fd is None or first >= self.num_blocks:
+        if self._map is None:
             return 0
-        rows = rows[: self.num_blocks - first]
-        done, position = 0, self._offset + first * self.block_bytes
-        for start in range(
-            0, len(rows), _IOV_MAX
-        ):  # one scatter read per IOV_MAX rows, straight into the pool
-            batch = rows[start : start + _IOV_MAX]
-            got = os.preadv(self._fd, batch, position)
-            position += got
-            done += got // self.block_bytes
-            if got < len(batch) * self.block_bytes:
-                break
-        return done
+        count = max(0, min(len(rows), self.num_blocks - first))
+        for row, block in zip(rows[:count], self._blocks[first : first + count], strict=True):
+            np.copyto(row, block)
+        return count
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._map is not None:
+            self._blocks = None  # the view's buffer export must go before the mapping can close
+            self._map.close()
+            self._map = None
             self.path.unlink(missing_ok=True)
 
 
