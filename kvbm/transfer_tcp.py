@@ -21,7 +21,7 @@ on the network; the receiver asks when its fetch thread is free. A receiver that
 aborted, its worker died) costs the sender its buffer for `ttl_s`, swept on each send and by the server
 thread. Each handoff is served once, then dropped.
 
-Who may fetch: the link is ZMQ CURVE with keys derived from the cluster secret (`TransferKeys.from_secret`,
+Who may fetch: the link is ZMQ CURVE with keys derived from the cluster secret (`transfer_keys`,
 the scheme of server/workers/transport.py, kept inside kvbm): the sender's ROUTER is a CURVE server whose ZAP
 handler admits only the one client key the secret gives, so a peer without the secret never completes the
 handshake and gets no byte of KV; every frame is encrypted and authenticated, both ways. A fetcher with
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
-from kvbm.auth import check_secret, derive_key
+from kvbm.auth import check_secret
+from kvbm.curve import AdmitOneKey, CurveKeys
 from kvbm.transfer import KVSource, TransferError
 
 log = logging.getLogger(__name__)
@@ -71,38 +71,9 @@ _LOCATION = re.compile(
 _WILDCARD_HOSTS = {"0.0.0.0", "*", "::", "[::]"}
 
 
-@dataclass(frozen=True, slots=True)
-class TransferKeys:
-    """CURVE key pairs (z85) derived from the cluster secret: the senders' (CURVE server) and the one pair all
-    fetchers use. Only a process that knows the secret can complete either side of the handshake."""
-
-    server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
-
-    @classmethod
-    def from_secret(cls, secret: bytes) -> TransferKeys:
-        server_secret = z85.encode(derive_key(secret, "kv-transfer-curve-server"))
-        client_secret = z85.encode(derive_key(secret, "kv-transfer-curve-client"))
-        return cls(
-            zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret
-        )
-
-
-class _AdmitOneKey:
-    """ZAP check of the sender's socket: only the cluster's client key, so a peer that learnt the sender's
-    public key (but not the secret) is still turned away. A peer with another secret fails earlier, in the
-    CURVE handshake itself, and reaches no callback."""
-
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key == self.client_public:
-            return True
-        log.warning("refused a KV fetch whose CURVE key is not the cluster's (wrong or no cluster secret)")
-        return False
+def transfer_keys(secret: bytes) -> CurveKeys:
+    """The CURVE keys of KV handoff links: the senders' sockets are the CURVE servers, every fetcher a client."""
+    return CurveKeys.derive(secret, "kv-transfer-curve-server", "kv-transfer-curve-client")
 
 
 @dataclass(slots=True)
@@ -139,7 +110,7 @@ class TcpTransport:
         ttl_s: float = 60.0,
         fetch_timeout_s: float = 10.0,
     ) -> None:
-        self.keys = TransferKeys.from_secret(check_secret(secret or b"", "kv transfer (tcp)"))
+        self.keys = transfer_keys(check_secret(secret or b"", "kv transfer (tcp)"))
         self.ttl_s, self.fetch_timeout_s = ttl_s, fetch_timeout_s
         self._handoffs: dict[bytes, _Handoff] = {}  # by key; insertion order is send order
         self._lock = threading.Lock()
@@ -166,7 +137,7 @@ class TcpTransport:
     def _start_authenticator(self) -> None:
         self._authenticator.start()
         self._authenticator.configure_curve_callback(
-            _ZAP_DOMAIN.decode(), credentials_provider=_AdmitOneKey(self.keys.client_public)
+            _ZAP_DOMAIN.decode(), credentials_provider=AdmitOneKey(self.keys.client_public, "KV fetch")
         )
 
     def _bind(self, bind_host: str, port: int) -> tuple[zmq.Socket, int]:

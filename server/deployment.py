@@ -50,7 +50,7 @@ from server.workers.discovery import Discovery
 from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
-from server.workers.transport import CurveKeys
+from server.workers.transport import link_keys
 from server.workers.worker import WorkerSpec, build_llm_engine
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class LLMDeployment:
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
         """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""
-        curve = CurveKeys.from_secret(self.serving.cluster_secret)
+        curve = link_keys(self.serving.cluster_secret)
 
         def connect(record: WorkerRecord, server_id: str) -> RemoteEngine:
             return RemoteEngine.connect(

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvbm.curve import CurveKeys
 from kvbm.events import EventSink
 from server.engine.api import (
     EngineOverloaded,
@@ -63,7 +64,7 @@ from server.workers.protocol import (
     WorkerId,
     WorkerInfo,
 )
-from server.workers.transport import Channel, ChannelAddress, CurveKeys
+from server.workers.transport import Channel, ChannelAddress
 from server.workers.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)

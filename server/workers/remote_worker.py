@@ -34,6 +34,7 @@ import zmq
 
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
+from kvbm.curve import CurveKeys
 from kvbm.transfer import KVTransferConfig
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
@@ -42,7 +43,7 @@ from server.repository.model_config import LLM
 from server.repository.scan import BrokenModel, read_model
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
-from server.workers.transport import Channel, ChannelAddress, CurveKeys
+from server.workers.transport import Channel, ChannelAddress, link_keys
 from server.workers.worker import (
     MALFORMED,
     ChannelEvents,
@@ -201,7 +202,7 @@ def run_worker(
         advertise,
         args.port,
         args.lease_secs,
-        curve=CurveKeys.from_secret(cluster_secret),
+        curve=link_keys(cluster_secret),
     )
     try:
         worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)

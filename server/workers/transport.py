@@ -18,7 +18,7 @@ round-robins between connected peers, so a bound worker must have exactly one se
 (discovery.py takes a claim in Redis before connecting).
 
 Who may connect: a TCP link (a remote worker) is ZMQ CURVE, with keys derived from the cluster secret
-(`CurveKeys.from_secret`): the worker's sockets are CURVE servers that admit only the one client key the secret
+(`link_keys`, kvbm/curve.py): the worker's sockets are CURVE servers that admit only the one client key the secret
 gives, so a peer without the secret never completes the handshake and not one of its frames reaches the
 decoder; every frame of an admitted peer is encrypted and authenticated. Why CURVE rather than an HMAC
 challenge at hello: a PULL socket fans in every connected peer, so a hello proof would not cover frames that
@@ -44,9 +44,8 @@ from dataclasses import dataclass
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
-from kvbm.auth import derive_key
+from kvbm.curve import AdmitOneKey, CurveKeys
 from server.workers.protocol import MAX_MESSAGE_BYTES, BadMessage, Codec, Message, ToServer, ToWorker
 
 logger = logging.getLogger(__name__)
@@ -57,40 +56,9 @@ _ZMQ_MAX_FACTOR = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """ZMQ CURVE key pairs (z85) for TCP links, derived from the cluster secret: the worker's (CURVE server) and
-    the one client pair servers use. Knowing the secret is what lets either side complete the handshake."""
-
-    worker_public: bytes
-    worker_secret: bytes
-    client_public: bytes
-    client_secret: bytes
-
-    @classmethod
-    def from_secret(cls, secret: bytes) -> CurveKeys:
-        worker_secret = z85.encode(derive_key(secret, "zmq-curve-worker"))
-        client_secret = z85.encode(derive_key(secret, "zmq-curve-client"))
-        return cls(
-            zmq.curve_public(worker_secret), worker_secret, zmq.curve_public(client_secret), client_secret
-        )
-
-
-class _AdmitOneKey:
-    """ZAP credentials check of a worker's CURVE sockets: only the cluster's client key, so a peer that learnt
-    the worker's public key (but not the secret) is still turned away. A peer with another secret fails earlier,
-    in the CURVE handshake itself, and reaches no callback."""
-
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key == self.client_public:
-            return True
-        logger.warning(
-            "refused a connection whose CURVE key is not the cluster's (wrong or no cluster secret)"
-        )
-        return False
+def link_keys(secret: bytes) -> CurveKeys:
+    """The CURVE keys of server <-> worker links: the worker's sockets are the CURVE servers."""
+    return CurveKeys.derive(secret, "zmq-curve-worker", "zmq-curve-client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,19 +156,19 @@ class Channel:
         server its client."""
         for sock in (self._out, self._in):
             if server_side:
-                sock.curve_serverkey = curve.worker_public
+                sock.curve_serverkey = curve.server_public
                 sock.curve_publickey = curve.client_public
                 sock.curve_secretkey = curve.client_secret
             else:
                 sock.curve_server = True
-                sock.curve_publickey = curve.worker_public
-                sock.curve_secretkey = curve.worker_secret
+                sock.curve_publickey = curve.server_public
+                sock.curve_secretkey = curve.server_secret
                 sock.zap_domain = b"strata"
         if not server_side:
             self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("zmq.auth"))
             self._authenticator.start()
             self._authenticator.configure_curve_callback(
-                "strata", credentials_provider=_AdmitOneKey(curve.client_public)
+                "strata", credentials_provider=AdmitOneKey(curve.client_public, "worker connection")
             )
 
     def send(self, message: Message) -> None:

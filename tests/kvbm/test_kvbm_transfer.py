@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvbm.transfer import KVTransfer, ShmTransport, TransferError
-from kvbm.transfer_tcp import TcpTransport, TransferKeys, _header
+from kvbm.transfer_tcp import TcpTransport, _header, transfer_keys
 from tests.conftest import wait_for
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -200,7 +200,7 @@ def test_tcp_a_peer_that_knows_the_public_key_but_not_the_secret_is_refused(tcp,
     peer = context.socket(zmq.DEALER)
     try:
         peer.linger = 0
-        peer.curve_serverkey = TransferKeys.from_secret(SECRET).server_public
+        peer.curve_serverkey = transfer_keys(SECRET).server_public
         peer.curve_publickey, peer.curve_secretkey = own_public, own_secret
         peer.connect(f"tcp://127.0.0.1:{tcp.port}")
         peer.send(location.rsplit("/", 1)[1].encode())
@@ -261,7 +261,7 @@ def test_tcp_close_ends_a_fetch_in_flight(pool):
 def answer_once(reply: list[bytes]) -> tuple[str, Future]:
     """A CURVE server with the cluster's sender keys that answers one request with `reply` (a sender speaking
     another protocol, or a broken one); (its location, the future of its thread)."""
-    keys = TransferKeys.from_secret(SECRET)
+    keys = transfer_keys(SECRET)
     context = zmq.Context()
     server = context.socket(zmq.ROUTER)
     server.linger = 5000  # closing right after the send: let the answer go out first

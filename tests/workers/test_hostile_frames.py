@@ -17,6 +17,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvbm.curve import CurveKeys
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.router.config import RouterConfig
@@ -27,7 +28,7 @@ from server.workers.protocol import MAX_MESSAGE_BYTES, Codec, Hello, ToServer, W
 from server.workers.registry import Directory
 from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.workers.remote_worker import RemoteWorker, RemoteWorkerOptions
-from server.workers.transport import CurveKeys
+from server.workers.transport import link_keys
 from server.workers.worker import WorkerSpec, describe
 from tests.conftest import wait_for
 from tests.workers.worker_fakes import CURVE, FAKE_SPEEDS, SALT, StepEngine
@@ -65,7 +66,7 @@ def push(endpoint: str, frame: bytes, curve: CurveKeys | None = None) -> None:
     sock.setsockopt(zmq.LINGER, 5000)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-            curve.worker_public,
+            curve.server_public,
             curve.client_public,
             curve.client_secret,
         )
@@ -219,7 +220,7 @@ def test_a_peer_without_the_cluster_secret_reaches_nothing(
     well-formed Attach (and the pickle exploit) never reaches the decoder. (`push` returns once its socket gave
     up delivering, after its linger; frames that arrived would be decoded before the real server's Attach.)"""
     target = tmp_path / "pwned"
-    curve = None if keys == "none" else CurveKeys.from_secret(b"another-cluster-secret-0123456789")
+    curve = None if keys == "none" else link_keys(b"another-cluster-secret-0123456789")
     push(remote_worker.address.to_worker, pickle_exploit(target), curve)
     push(remote_worker.address.to_worker, msgspec.msgpack.encode(["Attach", "intruder"]), curve)
     assert remote_worker.messages_rejected == 0 and not target.exists()
@@ -232,7 +233,7 @@ def test_a_server_with_another_secret_gets_no_hello(remote_worker, redis_url) ->
     try:
         record = directory.record("r1")
         assert record is not None and directory.claim("r1")
-        wrong = CurveKeys.from_secret(b"another-cluster-secret-0123456789")
+        wrong = link_keys(b"another-cluster-secret-0123456789")
         with pytest.raises(WorkerDied, match="another cluster secret"):
             RemoteEngine.connect(
                 WorkerId("r1"), record.address, directory.server_id, wrong, start_timeout_s=2

@@ -19,10 +19,10 @@ from server.engine.api import (
     max_output_tokens,
 )
 from server.workers.hardware import Speeds
-from server.workers.transport import CurveKeys
+from server.workers.transport import link_keys
 from tests.conftest import CLUSTER_SECRET
 
-CURVE = CurveKeys.from_secret(CLUSTER_SECRET.encode())  # the cluster's keys for TCP links in these tests
+CURVE = link_keys(CLUSTER_SECRET.encode())  # the cluster's keys for TCP links in these tests
 
 SALT = model_salt("step-engine")
 
