@@ -1,0 +1,394 @@
+"""Disaggregated prefill/decode against aggregated workers on the same cores, over the OpenAI API.
+
+    python bench/disagg.py [--rates 0.25,0.5,0.75,1] [--duration-s 80] [--requests N] [--long-share 0.2]
+                           [--max-local-prefill-length 512] [--max-prefill-queue-size 4] [--configs ...]
+    python bench/disagg.py --quick        # smoke run: one rate (0.5 req/s), 20 s, both configurations
+
+The default sweep takes ~20 minutes on 2 cores: each server start loads and calibrates (~40-60 s), and a run
+lasts its arrivals plus the drain of what queued.
+
+Configurations, each a fresh `strata serve` per rate (tests.conftest.start_strata: free ports, wait for
+readiness, SIGTERM at the end) from a private copy of the example repository whose model.json sets one torch
+thread per worker (bench/serve_replay.make_repository), G1-only prefix caching (--no-kvbm) so no run starts warm:
+    aggregated      --workers 2: two workers, each prefills and decodes what the router gives it
+    disaggregated   --prefill-workers 1 --decode-workers 1 --max-local-prefill-length N --max-prefill-queue-size Q:
+                    a prompt whose part not cached on the decode worker is longer than N tokens is prefilled on
+                    the prefill worker, its KV handed to the decode worker, unless Q remote prefills are in
+                    flight (then the decode worker prefills it itself, as it does every shorter prompt)
+Both use two worker processes of one torch thread each: the same two cores, split two ways.
+
+Workload (seeded by --seed; the same requests at the same relative times for both configurations and, scaled,
+for every rate): arrivals form a Poisson process at the rate; each arrival is a long prompt with probability
+--long-share, else the next short conversation turn.
+  short  the Mooncake conversation trace (bench/data/mooncake), all requests of its first --conversations
+         conversations with at least --min-turns turns, in trace order: one hash id = one 16-token KV block of deterministic token ids
+         (bench/routing.py), at most --short-max-blocks blocks, so turns of one conversation and the shared system
+         prompt (hash id 0) are prefix hits; output = the trace's output length clamped to
+         [--short-min-output, --short-max-output] tokens, so decoding dominates these requests.
+  long   --long-min-tokens..--long-max-tokens (uniform) seeded random token ids, unique so never cached, with
+         --long-output output tokens: prefill-heavy prompts that arrive while the short turns are decoding.
+Requests per rate: rate x --duration-s, or --requests. Every request is streamed over /v1/completions with a
+token-id prompt, temperature 0 and ignore_eos (bench/serve_replay.stream_completion), one client thread each.
+
+Numbers, per configuration and rate:
+  TTFT p50/p90       submit -> first streamed chunk, all requests (short and long also apart in the JSON)
+  ITL p50/p90/p99    gaps between consecutive streamed chunks of one request, over all requests' gaps. A chunk
+                     may hold several tokens (the detokenizer holds back partial characters); `tok/chunk` is the
+                     mean tokens per gap ((completion tokens - 1) / (chunks - 1)), so 1.00 means per-token gaps
+  output tok/s       output tokens of all requests / (last finish - first submit)
+  prefills           disaggregated only, from /metrics at the end: strata_disagg_prefills_total by where/reason
+                     (remote/long_prompt; local/short_prompt, queue_full, no_prefill_worker, prefill_failed)
+  transfer GB/s      strata_disagg_kv_transfer_bytes_total / strata_disagg_kv_transfer_seconds_sum, per side
+                     (send: the prefill worker's write; receive: the decode worker's read into its pool)
+Ratios are disaggregated / aggregated at the same rate. Goals: ITL p90 ratio <= 0.5, TTFT p50 ratio <= 1.3,
+throughput ratio >= 0.9. Disaggregation "pays off" at a rate when its ITL p90 is lower and the TTFT and
+throughput goals hold; the report names the rates where it pays off, the first higher rate where it stops
+(`stops_paying_off_at_rate`, null if none) and the conditional rule's decisions there (else at the top rate).
+Prints a table per rate and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
+from bench.serve_replay import StreamTiming, drive, make_repository, summarize  # noqa: E402
+from tests.conftest import start_strata  # noqa: E402
+
+CONFIGS = ("aggregated", "disaggregated")
+ITL_GOAL, TTFT_GOAL, THROUGHPUT_GOAL = 0.5, 1.3, 0.9  # disaggregated / aggregated
+_SAMPLE = re.compile(r"^(strata_disagg_\w+?)(?:\{([^}]*)\})? (\S+)$", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    arrival_s: float  # at rate 1 request/s; divided by the rate
+    prompt: list[int]  # token ids
+    max_tokens: int
+    long: bool
+
+
+def short_turns(args: argparse.Namespace, count: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens) of the first `count` turns of the chosen conversations, in trace order."""
+    turns = load_conversations(TRACE, args.conversations, args.min_turns, args.short_max_output)
+    if len(turns) < count:
+        raise ValueError(
+            f"{count} short turns wanted, {args.conversations} conversations of >= {args.min_turns} turns have "
+            f"{len(turns)}: raise --conversations"
+        )
+    return [
+        (
+            [t for block_id in turn.hash_ids[: args.short_max_blocks] for t in _block_tokens(block_id, 16)],
+            max(args.short_min_output, turn.output_tokens),
+        )
+        for turn in turns[:count]
+    ]
+
+
+def build_workload(args: argparse.Namespace, count: int) -> list[Request]:
+    """`count` requests at rate 1; the first k are the same for any count >= k (so rates share a prefix)."""
+    rng = random.Random(args.seed)
+    arrivals: list[tuple[float, list[int] | None]] = []  # (time, the long prompt or None for a short turn)
+    clock = 0.0
+    for _ in range(count):
+        clock += rng.expovariate(1.0)
+        long_prompt = None
+        if rng.random() < args.long_share:
+            length = rng.randint(args.long_min_tokens, args.long_max_tokens)
+            long_prompt = [rng.randrange(1000, 41_000) for _ in range(length)]
+        arrivals.append((clock, long_prompt))
+    shorts = iter(short_turns(args, sum(prompt is None for _, prompt in arrivals)))
+    return [
+        Request(arrival_s, prompt, args.long_output, True)
+        if prompt is not None
+        else Request(arrival_s, *next(shorts), False)
+        for arrival_s, prompt in arrivals
+    ]
+
+
+def server_flags(config: str, args: argparse.Namespace) -> list[str]:
+    if config == "aggregated":
+        return ["--workers", "2", "--no-kvbm"]
+    return [
+        "--prefill-workers", "1",
+        "--decode-workers", "1",
+        "--max-local-prefill-length", str(args.max_local_prefill_length),
+        "--max-prefill-queue-size", str(args.max_prefill_queue_size),
+        "--no-kvbm",
+    ]  # fmt: skip
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at quantile q of sorted `values` (nearest rank, as serve_replay.summarize); NaN if empty."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def latency_summary(timings: list[StreamTiming], requests: list[Request]) -> dict[str, Any]:
+    """serve_replay.summarize, plus ITL p90/p99 (ms), TTFT by kind (s) and tokens per chunk gap."""
+    result = summarize(timings)
+    ok = [(t, r) for t, r in zip(timings, requests, strict=True) if t.error is None and t.first_token]
+    gaps = sorted(b - a for t, _ in ok for a, b in itertools.pairwise(t.chunk_times))
+    for q in (0.5, 0.9, 0.99):
+        result[f"itl_p{round(q * 100)}_ms"] = round(percentile(gaps, q) * 1000, 1)
+    token_gaps = sum(max(0, t.completion_tokens - 1) for t, _ in ok)
+    result["tokens_per_chunk"] = round(token_gaps / max(1, len(gaps)), 2)
+    for kind, long in (("short", False), ("long", True)):
+        ttft = sorted(t.first_token - t.submitted for t, r in ok if r.long == long)
+        result[f"ttft_p50_{kind}_s"] = round(percentile(ttft, 0.5), 3)
+    result["makespan_s"] = round(max(t.finished for t in timings) - min(t.submitted for t in timings), 1)
+    return result
+
+
+def disagg_metrics(text: str) -> dict[str, Any]:
+    """The strata_disagg_* series of a /metrics page: prefill decisions by where/reason, transfer bytes, seconds
+    and GB/s per side, and the prefill queue gauge (an empty `prefills` for a server without prefill workers)."""
+    prefills: dict[str, int] = {}
+    transfer_bytes = 0.0
+    seconds: dict[str, float] = {}
+    transfers: dict[str, int] = {}
+    queue = None
+    for name, label_text, value in _SAMPLE.findall(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+        if name == "strata_disagg_prefills_total":
+            prefills[f"{labels.get('where')}/{labels.get('reason')}"] = int(float(value))
+        elif name == "strata_disagg_kv_transfer_bytes_total":
+            transfer_bytes += float(value)
+        elif name == "strata_disagg_kv_transfer_seconds_sum":
+            seconds[labels.get("side", "?")] = float(value)
+        elif name == "strata_disagg_kv_transfer_seconds_count":
+            transfers[labels.get("side", "?")] = int(float(value))
+        elif name == "strata_disagg_prefill_queue":
+            queue = float(value)
+    gb_s = {side: round(transfer_bytes / 1e9 / s, 2) for side, s in seconds.items() if s > 0}
+    return {
+        "prefills": prefills,
+        "transfer_gb": round(transfer_bytes / 1e9, 3),
+        "transfers": transfers,
+        "transfer_seconds": {side: round(s, 4) for side, s in seconds.items()},
+        "transfer_gb_s": gb_s,
+        "prefill_queue_at_end": queue,
+    }
+
+
+def run_one(config: str, rate: float, requests: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh server of `config` driven by `requests` at `rate`; its summary and /metrics figures."""
+    schedule = [(r.arrival_s / rate, r.prompt, r.max_tokens) for r in requests]
+    with tempfile.TemporaryDirectory(prefix="strata-disagg-") as tmp:
+        root = Path(tmp)
+        server = start_strata(make_repository(root, args), root, *server_flags(config, args))
+        url = f"http://127.0.0.1:{server.openai_port}"
+        try:
+            timings = drive(url, schedule, duration_s=schedule[-1][0])  # already at its rate: no compression
+            result = latency_summary(timings, requests)
+            result |= disagg_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+        except Exception:
+            print(f"{config} server log tail:\n{server.log()[-4000:]}", file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+        if args.keep_logs:
+            Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+            (Path(args.keep_logs) / f"{config}-{rate:g}.log").write_text(server.log())
+    return result
+
+
+def compare(aggregated: dict[str, Any], disaggregated: dict[str, Any]) -> dict[str, Any]:
+    """Ratios disaggregated / aggregated, which goals hold, and whether disaggregation pays off."""
+
+    def ratio(key: str) -> float:
+        base = aggregated[key]
+        return round(disaggregated[key] / base, 3) if base else float("nan")
+
+    ratios = {
+        "itl_p90": ratio("itl_p90_ms"),
+        "ttft_p50": ratio("ttft_p50_s"),
+        "throughput": ratio("throughput_tok_s"),
+    }
+    goals = {
+        "itl_p90": ratios["itl_p90"] <= ITL_GOAL,
+        "ttft_p50": ratios["ttft_p50"] <= TTFT_GOAL,
+        "throughput": ratios["throughput"] >= THROUGHPUT_GOAL,
+    }
+    pays_off = ratios["itl_p90"] < 1.0 and goals["ttft_p50"] and goals["throughput"]
+    return {"ratios": ratios, "goals_met": goals, "pays_off": pays_off}
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    rates = sorted(float(r) for r in args.rates.split(","))
+    configs = args.configs.split(",")
+    counts = {rate: args.requests or max(1, round(rate * args.duration_s)) for rate in rates}
+    workload = build_workload(args, max(counts.values()))
+    runs = []
+    for rate in rates:
+        requests = workload[: counts[rate]]
+        row: dict[str, Any] = {
+            "rate": rate,
+            "requests": len(requests),
+            "long_requests": sum(r.long for r in requests),
+            "arrival_span_s": round(requests[-1].arrival_s / rate, 1),
+        }
+        for config in configs:
+            row[config] = run_one(config, rate, requests, args)
+            print(f"rate {rate:g} {config}: {row[config]}", file=sys.stderr, flush=True)
+        if set(CONFIGS) <= set(configs):
+            row["comparison"] = compare(row["aggregated"], row["disaggregated"])
+        runs.append(row)
+    paying = [row["rate"] for row in runs if row.get("comparison", {}).get("pays_off")]
+    return {
+        "bench": "disagg",
+        "scale": scale_note(args),
+        "runs": runs,
+        "pays_off_at_rates": paying,
+        "stops_paying_off_at_rate": stop_rate(runs),
+    }
+
+
+def stop_rate(runs: list[dict[str, Any]]) -> float | None:
+    """The lowest rate, above one where disaggregation paid off, at which it no longer does (None: no such rate).
+    Below the first paying rate the two configurations tie: prefills rarely meet decodes there."""
+    paid = False
+    for row in runs:
+        if "comparison" not in row:
+            continue
+        if row["comparison"]["pays_off"]:
+            paid = True
+        elif paid:
+            return row["rate"]
+    return None
+
+
+def scale_note(args: argparse.Namespace) -> str:
+    return (
+        f"SmolLM2-135M fp32, 2 worker processes x 1 torch thread, {args.kv_blocks} KV blocks of "
+        f"{args.block_tokens} tokens each, step budget {args.max_num_batched_tokens} tokens, G1 only; "
+        f"Poisson arrivals, {args.long_share:.0%} long prompts of {args.long_min_tokens}-{args.long_max_tokens} "
+        f"unique tokens ({args.long_output} output tokens), the rest Mooncake conversation turns "
+        f"(>= {args.min_turns} turns; 1 hash id = 16 tokens, <= {args.short_max_blocks} blocks; "
+        f"{args.short_min_output}-{args.short_max_output} output tokens); seed {args.seed}; disaggregated: "
+        f"--max-local-prefill-length {args.max_local_prefill_length} "
+        f"--max-prefill-queue-size {args.max_prefill_queue_size}"
+    )
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"disaggregated vs aggregated: {report['scale']}")
+    rows = (
+        ("TTFT p50 s", "ttft_p50_s"),
+        ("TTFT p90 s", "ttft_p90_s"),
+        ("TTFT p50 short s", "ttft_p50_short_s"),
+        ("TTFT p50 long s", "ttft_p50_long_s"),
+        ("ITL p50 ms", "itl_p50_ms"),
+        ("ITL p90 ms", "itl_p90_ms"),
+        ("ITL p99 ms", "itl_p99_ms"),
+        ("tok/chunk", "tokens_per_chunk"),
+        ("output tok/s", "throughput_tok_s"),
+        ("makespan s", "makespan_s"),
+        ("errors", "errors"),
+    )
+    for run in report["runs"]:
+        configs = [c for c in CONFIGS if c in run]
+        print(
+            f"\n### rate {run['rate']:g} req/s: {run['requests']} requests ({run['long_requests']} long) "
+            f"over {run['arrival_span_s']:g} s"
+        )
+        print("| metric | " + " | ".join(configs) + " |")
+        print("|---" * (len(configs) + 1) + "|")
+        for label, key in rows:
+            print(f"| {label} | " + " | ".join(f"{run[c][key]:g}" for c in configs) + " |")
+        if "disaggregated" in run:
+            print_disagg_rows(run["disaggregated"], len(configs))
+        if "comparison" in run:
+            comparison = run["comparison"]
+            ratios, goals = comparison["ratios"], comparison["goals_met"]
+            print(
+                f"disagg/agg: ITL p90 {ratios['itl_p90']:.2f}x (goal <= {ITL_GOAL}: "
+                f"{'met' if goals['itl_p90'] else 'missed'}), TTFT p50 {ratios['ttft_p50']:.2f}x (goal <= "
+                f"{TTFT_GOAL}: {'met' if goals['ttft_p50'] else 'missed'}), throughput {ratios['throughput']:.2f}x "
+                f"(goal >= {THROUGHPUT_GOAL}: {'met' if goals['throughput'] else 'missed'}); "
+                f"pays off: {'yes' if comparison['pays_off'] else 'no'}"
+            )
+    compared = [run for run in report["runs"] if "comparison" in run]
+    if not compared:
+        return
+    paying = ", ".join(f"{rate:g}" for rate in report["pays_off_at_rates"]) or "none"
+    stops = report["stops_paying_off_at_rate"]
+    last = next((r for r in compared if r["rate"] == stops), compared[-1])
+    where = f"stops paying off at {stops:g} req/s" if stops is not None else "does not stop paying off"
+    print(
+        f"\ndisaggregation pays off at (req/s): {paying}; it {where}; the rule's prefills at "
+        f"{last['rate']:g} req/s: {last['disaggregated']['prefills']}"
+    )
+
+
+def print_disagg_rows(result: dict[str, Any], columns: int) -> None:
+    padding = " | " * (columns - 1)
+    prefills = ", ".join(f"{k} {v}" for k, v in sorted(result["prefills"].items())) or "none"
+    gb_s = ", ".join(f"{side} {v:g}" for side, v in sorted(result["transfer_gb_s"].items())) or "none"
+    print(f"| prefills (where/reason) | -{padding}{prefills} |")
+    print(f"| KV transfer GB/s | -{padding}{gb_s} ({result['transfer_gb']:g} GB) |")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rates", default="0.25,0.5,0.75,1", help="request rates to sweep, requests/s")
+    parser.add_argument(
+        "--duration-s", type=float, default=80.0, help="arrival span per run: rate x this requests"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=0, help="requests per run at every rate (0: rate x duration)"
+    )
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="run in this order, fresh server each")
+    parser.add_argument("--max-local-prefill-length", type=int, default=512, help="tokens (disaggregated)")
+    parser.add_argument("--max-prefill-queue-size", type=int, default=4, help="remote prefills in flight")
+    parser.add_argument(
+        "--long-share", type=float, default=0.2, help="share of arrivals that are long prompts"
+    )
+    parser.add_argument("--long-min-tokens", type=int, default=1024)
+    parser.add_argument("--long-max-tokens", type=int, default=2048)
+    parser.add_argument("--long-output", type=int, default=8, help="output tokens of a long prompt")
+    parser.add_argument("--conversations", type=int, default=64, help="short turns: whole conversations")
+    parser.add_argument(
+        "--min-turns", type=int, default=2, help="short turns: conversations with this many turns"
+    )
+    parser.add_argument(
+        "--short-max-blocks", type=int, default=4, help="16-token blocks kept of a short prompt"
+    )
+    parser.add_argument("--short-min-output", type=int, default=32)
+    parser.add_argument("--short-max-output", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=1024, help="G1 pool per worker, blocks")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine step budget, tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-logs", default="", help="directory for each run's server log")
+    parser.add_argument(
+        "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: one rate (0.5 req/s), 20 s")
+    args = parser.parse_args()
+    args.block_tokens, args.threads_per_worker = 16, 1  # make_repository's fields: one block = one hash id
+    if args.quick:
+        args.rates, args.duration_s = "0.5", 20.0
+    return args
+
+
+def main() -> None:
+    report = bench(parse_args())
+    print_report(report)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
