@@ -4,7 +4,7 @@
                            [--max-local-prefill-length 512] [--max-prefill-queue-size 4] [--configs ...]
     python bench/disagg.py --quick        # smoke run: one rate (0.5 req/s), 20 s, both configurations
 
-The default sweep takes ~20 minutes on 2 cores: each server start loads and calibrates (~40-60 s), and a run
+The default sweep takes ~19 minutes on 2 cores: each server start loads and calibrates (~40-60 s), and a run
 lasts its arrivals plus the drain of what queued.
 
 Configurations, each a fresh `strata serve` per rate (tests.conftest.start_strata: free ports, wait for
@@ -35,6 +35,9 @@ Numbers, per configuration and rate:
   ITL p50/p90/p99    gaps between consecutive streamed chunks of one request, over all requests' gaps. A chunk
                      may hold several tokens (the detokenizer holds back partial characters); `tok/chunk` is the
                      mean tokens per gap ((completion tokens - 1) / (chunks - 1)), so 1.00 means per-token gaps
+  long 1st gap       a long prompt's gap from its first chunk to its second: disaggregated, the handoff (KV
+                     transfer, admission on the decode worker, recompute of the last partial block) and one decode
+                     step; aggregated, one step of the worker that prefilled it
   output tok/s       output tokens of all requests / (last finish - first submit)
   prefills           disaggregated only, from /metrics at the end: strata_disagg_prefills_total by where/reason
                      (remote/long_prompt; local/short_prompt, queue_full, no_prefill_worker, prefill_failed)
@@ -136,7 +139,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def latency_summary(timings: list[StreamTiming], requests: list[Request]) -> dict[str, Any]:
-    """serve_replay.summarize, plus ITL p90/p99 (ms), TTFT by kind (s) and tokens per chunk gap."""
+    """serve_replay.summarize, plus ITL p90/p99 (ms), TTFT by kind (s), the long prompts' first gap (ms) and
+    tokens per chunk gap."""
     result = summarize(timings)
     ok = [(t, r) for t, r in zip(timings, requests, strict=True) if t.error is None and t.first_token]
     gaps = sorted(b - a for t, _ in ok for a, b in itertools.pairwise(t.chunk_times))
@@ -147,6 +151,10 @@ def latency_summary(timings: list[StreamTiming], requests: list[Request]) -> dic
     for kind, long in (("short", False), ("long", True)):
         ttft = sorted(t.first_token - t.submitted for t, r in ok if r.long == long)
         result[f"ttft_p50_{kind}_s"] = round(percentile(ttft, 0.5), 3)
+    first_gaps = sorted(
+        t.chunk_times[1] - t.chunk_times[0] for t, r in ok if r.long and len(t.chunk_times) > 1
+    )
+    result["long_first_gap_p50_ms"] = round(percentile(first_gaps, 0.5) * 1000, 1)
     result["makespan_s"] = round(max(t.finished for t in timings) - min(t.submitted for t in timings), 1)
     return result
 
@@ -289,6 +297,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("TTFT p90 s", "ttft_p90_s"),
         ("TTFT p50 short s", "ttft_p50_short_s"),
         ("TTFT p50 long s", "ttft_p50_long_s"),
+        ("long 1st gap p50 ms", "long_first_gap_p50_ms"),
         ("ITL p50 ms", "itl_p50_ms"),
         ("ITL p90 ms", "itl_p90_ms"),
         ("ITL p99 ms", "itl_p99_ms"),
@@ -322,13 +331,17 @@ def print_report(report: dict[str, Any]) -> None:
     compared = [run for run in report["runs"] if "comparison" in run]
     if not compared:
         return
-    paying = ", ".join(f"{rate:g}" for rate in report["pays_off_at_rates"]) or "none"
-    stops = report["stops_paying_off_at_rate"]
-    last = next((r for r in compared if r["rate"] == stops), compared[-1])
-    where = f"stops paying off at {stops:g} req/s" if stops is not None else "does not stop paying off"
+    paying, stops = report["pays_off_at_rates"], report["stops_paying_off_at_rate"]
+    if not paying:
+        verdict = "pays off at no swept rate"
+    else:
+        verdict = f"pays off at {', '.join(f'{rate:g}' for rate in paying)} req/s" + (
+            f" and stops at {stops:g} req/s" if stops is not None else ", still at the highest rate"
+        )
+    last = next((run for run in compared if run["rate"] == stops), compared[-1])
     print(
-        f"\ndisaggregation pays off at (req/s): {paying}; it {where}; the rule's prefills at "
-        f"{last['rate']:g} req/s: {last['disaggregated']['prefills']}"
+        f"\ndisaggregation {verdict}; the rule's prefills at {last['rate']:g} req/s: "
+        f"{last['disaggregated']['prefills']}"
     )
 
 
