@@ -307,9 +307,8 @@ class RoutedEngine:
         if self.disagg is None:
             self._submit_to(request, hashes, sink)
             return
-        decision = self.router.route(
-            request.request_id, hashes
-        )  # the decode worker, as without disaggregation
+        # the decode worker is routed as any worker is without disaggregation; then where to prefill
+        decision = self.router.route(request.request_id, hashes)
         uncached = len(request.prompt_token_ids) - decision.reusable_blocks * self.block_size
         with self._lock:
             queued = self._prefill_queue
