@@ -2,7 +2,7 @@
 
     python bench/disagg.py [--rates 0.25,0.5,0.75,1] [--duration-s 80] [--requests N] [--long-share 0.2]
                            [--max-local-prefill-length 512] [--max-prefill-queue-size 4] [--configs ...]
-    python bench/disagg.py --quick        # smoke run: one rate (0.5 req/s), 20 s, both configurations
+    python bench/disagg.py --quick        # smoke run: one rate (0.5 req/s), 40 s, both configurations
 
 The default sweep takes ~19 minutes on 2 cores: each server start loads and calibrates (~40-60 s), and a run
 lasts its arrivals plus the drain of what queued.
@@ -317,7 +317,7 @@ def print_report(report: dict[str, Any]) -> None:
         for label, key in rows:
             print(f"| {label} | " + " | ".join(f"{run[c][key]:g}" for c in configs) + " |")
         if "disaggregated" in run:
-            print_disagg_rows(run["disaggregated"], len(configs))
+            print_disagg_rows(run["disaggregated"], configs)
         if "comparison" in run:
             comparison = run["comparison"]
             ratios, goals = comparison["ratios"], comparison["goals_met"]
@@ -345,12 +345,16 @@ def print_report(report: dict[str, Any]) -> None:
     )
 
 
-def print_disagg_rows(result: dict[str, Any], columns: int) -> None:
-    padding = " | " * (columns - 1)
+def print_disagg_rows(result: dict[str, Any], configs: list[str]) -> None:
+    """The rule's decisions and the transfer rate, in the disaggregated column ("-" in the others)."""
     prefills = ", ".join(f"{k} {v}" for k, v in sorted(result["prefills"].items())) or "none"
     gb_s = ", ".join(f"{side} {v:g}" for side, v in sorted(result["transfer_gb_s"].items())) or "none"
-    print(f"| prefills (where/reason) | -{padding}{prefills} |")
-    print(f"| KV transfer GB/s | -{padding}{gb_s} ({result['transfer_gb']:g} GB) |")
+    for label, value in (
+        ("prefills (where/reason)", prefills),
+        ("KV transfer GB/s", f"{gb_s} ({result['transfer_gb']:g} GB)"),
+    ):
+        cells = [value if config == "disaggregated" else "-" for config in configs]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def parse_args() -> argparse.Namespace:
@@ -389,11 +393,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: one rate (0.5 req/s), 20 s")
+    parser.add_argument("--quick", action="store_true", help="smoke run: one rate (0.5 req/s), 40 s")
     args = parser.parse_args()
     args.block_tokens, args.threads_per_worker = 16, 1  # make_repository's fields: one block = one hash id
     if args.quick:
-        args.rates, args.duration_s = "0.5", 20.0
+        args.rates, args.duration_s = "0.5", 40.0  # 20 requests, 3 of them long (seed 0)
     return args
 
 
