@@ -102,13 +102,11 @@ class LLMEngine:
         if connector is not None:
             connector.bind(self.runner.kv_cache, self.layout)
         self.transfer = transfer or KVTransfer()
-        if (
-            self.runner.kv_cache.device.type == "cpu"
-        ):  # a device pool would need a staging buffer: no handoffs
+        # handoffs read and write pool rows as host memory (a device pool would need a staging buffer)
+        if self.runner.kv_cache.device.type == "cpu":
             self.block_manager.rows = block_rows(self.runner.kv_cache, num_blocks)
-        self._fetcher: ThreadPoolExecutor | None = (
-            None  # fetches handoffs off the caller's and engine's threads
-        )
+        # fetches handoffs off the caller's and the engine's threads (started with the first one)
+        self._fetcher: ThreadPoolExecutor | None = None
         self._cond = threading.Condition()
         self._inbox: list[Seq] = []
         self._abort_ids: list[RequestId] = []
@@ -179,10 +177,8 @@ class LLMEngine:
                     f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
                 )
             self._active[request.request_id] = seq
-            if handoff is not None and handoff.transport not in (
-                "none",
-                "kvbm",
-            ):  # kvbm: found by the connector
+            # "kvbm": the blocks are in the KVBM tiers, found by the connector at admission
+            if handoff is not None and handoff.transport not in ("none", "kvbm"):
                 self._fetch_later(seq, handoff)
             else:
                 self._inbox.append(seq)
@@ -445,8 +441,13 @@ class LLMEngine:
         if transport == "none" and num_blocks and self._connector is not None:
             # no transport reaches the decode worker: through this worker's KVBM tiers (G2 on this node, G4 for
             # every node with write-through), where the decode worker's connector finds them at admission
-            self._connector.offload(hashes, seq.block_table[:num_blocks])
-            transport = "kvbm"
+            try:
+                self._connector.offload(hashes, seq.block_table[:num_blocks])
+                transport = "kvbm"
+            except Exception:
+                log.exception(
+                    "request %s: offloading its KV failed; the decode worker recomputes", seq.request_id
+                )
         sent = (
             time.perf_counter() - started,
             num_blocks * self.layout.block_bytes if transport != "none" else 0,
