@@ -22,6 +22,7 @@ change while serving (`set`: an SLA planner tunes them); every decision is count
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -49,29 +50,19 @@ class DisaggRule:
         self._config = config or DisaggConfig()
         self._lock = threading.Lock()
 
-    @property
-    def config(self) -> DisaggConfig:
-        return self._config
-
     def set(
         self, max_local_prefill_length: int | None = None, max_prefill_queue_size: int | None = None
     ) -> None:
         """Change either threshold; ValueError for a negative one (nothing changes then)."""
+        changes = {"max_local_prefill_length": max_local_prefill_length,
+                   "max_prefill_queue_size": max_prefill_queue_size}  # fmt: skip
         with self._lock:
-            current = self._config
-            self._config = DisaggConfig(
-                current.max_local_prefill_length
-                if max_local_prefill_length is None
-                else max_local_prefill_length,
-                current.max_prefill_queue_size if max_prefill_queue_size is None else max_prefill_queue_size,
+            self._config = dataclasses.replace(
+                self._config, **{k: v for k, v in changes.items() if v is not None}
             )
 
     def thresholds(self) -> dict[str, int]:
-        config = self._config
-        return {
-            "max_local_prefill_length": config.max_local_prefill_length,
-            "max_prefill_queue_size": config.max_prefill_queue_size,
-        }
+        return dataclasses.asdict(self._config)
 
     def decide(self, uncached_tokens: int, queued: int, prefill_workers: int) -> tuple[bool, str]:
         """(remote, reason) for a prompt with `uncached_tokens` not cached on its decode worker, `queued` remote
