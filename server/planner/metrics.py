@@ -1,15 +1,15 @@
 """The planner's Prometheus series (every one carries `model`):
 
-    strata_planner_desired_workers{model,role}       what the last decision asked for
-    strata_planner_workers{model,role}               what the connector reports running or starting
-    strata_planner_predicted_requests_per_second{model}
-    strata_planner_predicted_prompt_tokens{model}    mean prompt length predicted for the next interval
-    strata_planner_predicted_output_tokens{model}
-    strata_planner_observed_requests_per_second{model}
-    strata_planner_sla_attainment{model,target}      share of last interval's requests within the target:
-                                                     target = ttft | itl (from the histograms' buckets)
-    strata_planner_decisions_total{model,role,direction}  direction = up | down | hold
-    strata_planner_leader{model}                     1 while this planner holds the lease
+strata_planner_desired_workers{model,role}       what the last decision asked for
+strata_planner_workers{model,role}               what the connector reports running or starting
+strata_planner_predicted_requests_per_second{model}
+strata_planner_predicted_prompt_tokens{model}    mean prompt length predicted for the next interval
+strata_planner_predicted_output_tokens{model}
+strata_planner_observed_requests_per_second{model}
+strata_planner_sla_attainment{model,target}      share of last interval's requests within the target:
+                                                 target = ttft | itl (from the histograms' buckets)
+strata_planner_decisions_total{model,role,direction}  direction = up | down | hold
+strata_planner_leader{model}                     1 while this planner holds the lease
 """
 
 from __future__ import annotations

@@ -189,6 +189,7 @@ class RoutedEngine:
         self._speeds: dict[WorkerId, SpeedMeter] = {}  # one meter per speed_class, shared by its workers
         self._meters: dict[Hashable, SpeedMeter] = {}
         self._in_flight: dict[RequestId, _InFlight] = {}
+        self._draining: set[WorkerId] = set()  # alive, finishing their requests, taking no new ones
         self._prefill_queue = 0  # remote prefills in flight
         self._lock = threading.Lock()
         self._turn = 0
@@ -212,11 +213,12 @@ class RoutedEngine:
             meter.seed(info.speeds)
             self._speeds[worker.worker_id] = meter
             self._workers = {**self._workers, worker.worker_id: worker}
+            self._draining.discard(worker.worker_id)
         self.router.metrics.show_worker(self.model_name, worker.worker_id, info.hardware)
         for twin in self._workers.values():  # its calibration moved its class's shared meter
             if (
-                twin.alive and self._speeds[twin.worker_id] is meter
-            ):  # a dead twin must not re-enter the router
+                self._serving(twin) and self._speeds[twin.worker_id] is meter
+            ):  # a dead or draining twin must not re-enter the router
                 self._router_of(twin).update_worker(self._stats_of(twin))
         self._count_roles()
         worker.add_listener(self)
@@ -227,16 +229,21 @@ class RoutedEngine:
             return self.prefill_router
         return self.router
 
+    def _serving(self, worker: RoutableWorker) -> bool:
+        """Alive and not draining: the router may send it new requests."""
+        return worker.alive and worker.worker_id not in self._draining
+
     def _count_roles(self) -> None:
+        """strata_workers{model,role}: the workers serving (draining ones no longer count)."""
         counts = dict.fromkeys(("prefill", "decode", "both"), 0)
         for worker in self._workers.values():
-            if worker.alive:
+            if self._serving(worker):
                 counts[worker.info.role] = counts.get(worker.info.role, 0) + 1
         for role, count in counts.items():
             self.router.metrics.workers_by_role.labels(self.model_name, role).set(count)
 
     def _live_prefill_workers(self) -> int:
-        return sum(1 for w in self._workers.values() if w.alive and w.info.role == "prefill")
+        return sum(1 for w in self._workers.values() if self._serving(w) and w.info.role == "prefill")
 
     def incompatibility(self, model_name: str, info: WorkerInfo) -> str | None:
         """Why a worker cannot join this model (another model, another KV layout whose block hashes would not
@@ -507,7 +514,7 @@ class RoutedEngine:
         target, tried = flight.decode_worker_id, []
         while True:
             worker = self._workers.get(target) if target is not None else None
-            if worker is not None and worker.alive:
+            if worker is not None and self._serving(worker):
                 flight.worker_id = target  # before submit: its first output may arrive before submit returns
                 try:
                     worker.submit(resumed, self._sink(request.request_id, sink))
@@ -569,7 +576,7 @@ class RoutedEngine:
 
     def on_beat(self, worker: RoutableWorker) -> None:
         """A worker reported its pool stats: refresh the router's view of it."""
-        if self._workers.get(worker.worker_id) is worker and worker.alive:
+        if self._workers.get(worker.worker_id) is worker and self._serving(worker):
             self._router_of(worker).update_worker(self._stats_of(worker))
 
     def on_death(self, worker: RoutableWorker) -> None:
@@ -578,6 +585,16 @@ class RoutedEngine:
         logger.warning("worker %s left the router", worker.worker_id)
         self._router_of(worker).remove_worker(worker.worker_id)
         self.router.metrics.hide_worker(worker.worker_id)
+        self._count_roles()
+
+    def on_draining(self, worker: RoutableWorker) -> None:
+        """The worker is stopping (scale-down, SIGTERM): nothing new goes to it; its requests finish there, or
+        migrate when it leaves (on_death)."""
+        if self._workers.get(worker.worker_id) is not worker:
+            return
+        logger.info("worker %s is draining: no new requests go to it", worker.worker_id)
+        self._draining.add(worker.worker_id)
+        self._router_of(worker).remove_worker(worker.worker_id)
         self._count_roles()
 
     def on_rejected(self, worker: RoutableWorker) -> None:
@@ -704,13 +721,13 @@ class RoutedEngine:
 
     @property
     def healthy(self) -> bool:
-        """At least one worker that decodes (a decode or aggregated one) is alive."""
-        return any(w.alive and w.info.role != "prefill" for w in self._workers.values())
+        """At least one worker that decodes (a decode or aggregated one) is alive and not draining."""
+        return any(self._serving(w) and w.info.role != "prefill" for w in self._workers.values())
 
     def _on_any_worker(self, call: Callable[[RoutableWorker], list[int]]) -> list[int]:
         """`call` on a live worker, in turn (all workers serve the same model); on the next one if that worker
         turns out to be gone."""
-        live = [w for w in self._workers.values() if w.alive] or list(self._workers.values())
+        live = [w for w in self._workers.values() if self._serving(w)] or list(self._workers.values())
         if not live:
             raise NoWorkerError(f"no worker serves {self.model_name} yet")
         self._turn += 1

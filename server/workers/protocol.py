@@ -27,7 +27,10 @@ worker -> server (`ToServer`):
     Out(output)                      from the engine thread, one per step per request
     Beat(stats)                      every `heartbeat_s`; the server declares the worker dead without them
     Event(event)                     KVBM tier events, when the worker forwards them to the server's index
-    Bye(reason)                      the worker is leaving (SIGTERM), or drops a server after a bad frame
+    Draining(reason)                 the worker takes nothing new (SIGTERM): the server routes nothing more to it;
+                                     it finishes what it holds (up to its --exit-timeout-secs), then says Bye
+    Bye(reason)                      the worker is leaving (what it still held is resumed elsewhere), or drops a
+                                     server after a bad frame
 """
 
 from __future__ import annotations
@@ -178,6 +181,10 @@ class Event(Message):
     event: TierEvent
 
 
+class Draining(Message):
+    reason: str
+
+
 class Bye(Message):
     reason: str
 
@@ -185,7 +192,9 @@ class Bye(Message):
 Call = Submit | Encode | ApplyChatTemplate
 Answer = Accepted | TokenIds | Refused | Busy | CallFailed
 ToWorker = Attach | Submit | Encode | ApplyChatTemplate | Abort | Ack | Stop
-ToServer = Hello | Failed | Accepted | TokenIds | Refused | Busy | CallFailed | Out | Beat | Event | Bye
+ToServer = (
+    Hello | Failed | Accepted | TokenIds | Refused | Busy | CallFailed | Out | Beat | Event | Draining | Bye
+)
 
 
 class Codec:

@@ -7,7 +7,8 @@ One receiver thread per worker reads outputs, answers and heartbeats (each acked
 server is alive), hands each output to its request's sink, and watches liveness: a worker that exits, is
 killed, leaves, or misses heartbeats for `heartbeat_timeout_s` is declared dead within that time (exit: within
 `_TICK_S`); every unfinished request then gets a final output with finish_reason "error", pending calls raise
-`WorkerDied`, and death listeners run. A frame on the link that is not a message (`BadMessage`) is counted
+`WorkerDied`, and death listeners run. A remote worker told to stop says Draining first (`draining`, and
+listeners' `on_draining`): nothing new should go to it; its requests finish there. A frame on the link that is not a message (`BadMessage`) is counted
 (`messages_rejected`, and listeners' `on_rejected`) and the worker is dropped as dead: a spawned one is killed.
 """
 
@@ -52,6 +53,7 @@ from server.workers.protocol import (
     Bye,
     Call,
     CallFailed,
+    Draining,
     Encode,
     Event,
     Failed,
@@ -87,6 +89,11 @@ class WorkerListener(Protocol):
         """The worker died or left (once); its unfinished requests end right after this returns."""
         ...
 
+    def on_draining(self, worker: RemoteEngine) -> None:
+        """The worker is stopping (once): route nothing new to it; what it holds finishes there (or, if it
+        leaves first, ends with on_death as usual)."""
+        ...
+
     def on_rejected(self, worker: RemoteEngine) -> None:
         """A frame on the worker's link was not a message; the worker is dropped (on_death follows)."""
         ...
@@ -115,6 +122,7 @@ class RemoteEngine:
             else None
         )
         self.messages_rejected = 0  # frames on the link that were not messages (each one drops the worker)
+        self.draining = False  # the worker said Draining: it takes nothing new
         self._stats = PoolStats(
             0, 0, 0, 0, 0, 0
         )  # the worker's last report (zeros until its first heartbeat)
@@ -340,6 +348,11 @@ class RemoteEngine:
                 self._check_liveness()
                 for listener in self._listeners:
                     listener.on_beat(self)
+            elif isinstance(message, Draining):
+                logger.info("worker %s is draining: %s", self.worker_id, message.reason)
+                self.draining = True
+                for listener in self._listeners:
+                    listener.on_draining(self)
             elif isinstance(message, Bye):
                 logger.info("worker %s is leaving: %s", self.worker_id, message.reason)
                 self._leaving = True

@@ -8,8 +8,9 @@ its `WorkerInfo` (hardware and calibrated speeds). Then, in a loop:
 One server at a time: the claim in Redis keeps other servers away, and each session gets fresh sockets, so a
 server that left cannot receive outputs meant for the next one. A server that goes silent (no message, not
 even the Ack of a heartbeat, for `lease_s`) is treated as gone: the worker aborts its requests and becomes
-available again, so restarting a server never requires restarting its remote workers. SIGTERM/SIGINT: say
-Bye to the attached server, deregister, close the engine, exit 0.
+available again, so restarting a server never requires restarting its remote workers. SIGTERM/SIGINT: drain
+(Draining to the attached server, which routes nothing new here; finish the requests held, for up to
+`exit_timeout_s`), say Bye (the server resumes what is left elsewhere), deregister, close the engine, exit 0.
 
 Its ports are open to anyone who can reach them, so a frame that is not a message (protocol.py) is counted in
 `messages_rejected`, logged, and answered by dropping the peer: while serving, the worker says Bye to its server
@@ -69,6 +70,7 @@ class RemoteWorkerOptions:
     port: int = 0
     lease_s: float = 3.0
     heartbeat_s: float = 0.5
+    exit_timeout_s: float = 30.0  # drain on SIGTERM: finish requests this long before leaving
     curve: CurveKeys | None = None  # from the cluster secret: only servers that hold it can connect
 
 
@@ -133,7 +135,9 @@ class RemoteWorker:
         channel.send(Hello(self.info))
         beat_stop = threading.Event()
         beat = start_heartbeat(channel, self.engine, self.options.heartbeat_s, beat_stop)
-        reason = serve_channel(channel, self.engine, self.stop, server_timeout_s=self.options.lease_s)
+        reason = serve_channel(
+            channel, self.engine, self.stop, self.options.lease_s, self.options.exit_timeout_s
+        )
         if reason == "signal":
             channel.send(Bye("worker shutting down"))
         elif reason == MALFORMED:
@@ -202,6 +206,7 @@ def run_worker(
         advertise,
         args.port,
         args.lease_secs,
+        exit_timeout_s=args.exit_timeout_secs,
         curve=link_keys(cluster_secret),
     )
     try:

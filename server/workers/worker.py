@@ -34,6 +34,7 @@ from server.workers.protocol import (
     Busy,
     Call,
     CallFailed,
+    Draining,
     Encode,
     Event,
     Failed,
@@ -181,21 +182,29 @@ def serve_channel(
     engine: LocalEngine,
     stop: threading.Event | None = None,
     server_timeout_s: float | None = None,
+    drain_s: float = 0.0,
 ) -> str:
     """Answer one server's messages until it sends Stop; then abort what it left running on the engine.
 
     Returns why serving ended: "stop"; `MALFORMED` after a frame that is not a message (logged; whoever sent it,
-    this server is dropped); or for a remote worker (`stop` given) "signal" once `stop` is set, or "server silent"
-    after `server_timeout_s` without a message (the server acks every beat).
+    this server is dropped); or for a remote worker (`stop` given) "server silent" after `server_timeout_s`
+    without a message (the server acks every beat), or "signal" once `stop` is set and the worker has drained:
+    it says Draining (the server routes nothing new to it) and serves on until its requests finish or `drain_s`
+    passes. What is still running then is aborted without a word to the server: the caller says Bye, and the
+    server resumes those requests on another worker.
     """
     active: set[RequestId] = set()
+    silenced = threading.Event()
 
     def sink(output: GenerationOutput) -> None:
         if output.finished:
             active.discard(output.request_id)
-        channel.send(Out(output))
+        if not silenced.is_set():
+            channel.send(Out(output))
 
-    reason = _answer(channel, engine, sink, active, stop, server_timeout_s)
+    reason = _answer(channel, engine, sink, active, stop, server_timeout_s, drain_s)
+    if reason == "signal":
+        silenced.set()
     for request_id in list(active):
         engine.abort(request_id)
     return reason
@@ -208,17 +217,24 @@ def _answer(
     active: set[RequestId],
     stop: threading.Event | None,
     server_timeout_s: float | None,
+    drain_s: float,
 ) -> str:
     last_heard = time.monotonic()
+    drain_until: float | None = None
     while True:
+        if stop is not None and stop.is_set():
+            if drain_until is None:
+                logger.info("draining: %d request(s) to finish within %.0f s", len(active), drain_s)
+                channel.send(Draining("worker shutting down"))
+                drain_until = time.monotonic() + drain_s
+            if not active or time.monotonic() >= drain_until:
+                return "signal"
         try:
             message = channel.recv(timeout_s=None if stop is None else _TICK_S)
         except BadMessage as exc:
             logger.error("dropping the server: a frame that is not a message arrived (%s)", exc)
             return MALFORMED
         if message is None:
-            if stop is not None and stop.is_set():
-                return "signal"
             if server_timeout_s is not None and time.monotonic() - last_heard > server_timeout_s:
                 return "server silent"
             continue

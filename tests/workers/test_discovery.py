@@ -88,9 +88,11 @@ def remote_workers(redis_url: str) -> Iterator[callable]:
     """Factory: start a remote StepEngine worker process; all are killed at teardown."""
     processes: list[multiprocessing.Process] = []
 
-    def start(worker_id: str) -> multiprocessing.Process:
+    def start(worker_id: str, exit_timeout_s: float = 30.0) -> multiprocessing.Process:
         process = multiprocessing.get_context("spawn").Process(
-            target=run_remote_step_worker, args=(worker_id, redis_url, LEASE_S), daemon=True
+            target=run_remote_step_worker,
+            args=(worker_id, redis_url, LEASE_S, 0.005, exit_timeout_s),
+            daemon=True,
         )
         process.start()
         processes.append(process)
@@ -171,6 +173,50 @@ def test_sigterm_says_bye_and_deregisters(server, remote_workers, redis_url, cap
     client = redis.Redis.from_url(redis_url)
     assert not client.hexists(registrations_key("step"), "r1")
     assert client.xrevrange(events_key("step"), count=1)[0][1][b"event"] == b"leave"
+
+
+def stream_on(server: Server, worker_id: str, count: int, max_tokens: int) -> dict[str, queue.SimpleQueue]:
+    """Submit requests (round robin over the spawned worker and the remote ones) until `count` run on
+    `worker_id`; their outputs' queues by request id."""
+    streams: dict[str, queue.SimpleQueue] = {}
+    for i in range(4 * count):
+        request_id = f"long{i}"
+        outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
+        sampling = SamplingParams(max_tokens=max_tokens)
+        server.routed.submit(GenerationRequest(RequestId(request_id), [1, 2, 3], sampling), outputs.put)
+        if server.routed._in_flight[RequestId(request_id)].worker_id == worker_id:
+            streams[request_id] = outputs
+            if len(streams) == count:
+                return streams
+    raise AssertionError(f"round robin never reached {worker_id}")
+
+
+def drain(outputs: queue.SimpleQueue) -> tuple[int, str]:
+    """Tokens and finish reason of one request's stream."""
+    tokens = 0
+    while not (output := outputs.get(timeout=20)).finished:
+        tokens += len(output.new_token_ids)
+    return tokens + len(output.new_token_ids), output.finish_reason
+
+
+@pytest.mark.parametrize(
+    "exit_timeout_s, migrated", [(30.0, False), (0.2, True)], ids=["finished-there", "timeout-migrates"]
+)
+def test_sigterm_drains_then_leaves(server, remote_workers, caplog, exit_timeout_s, migrated) -> None:
+    """SIGTERM (a scale-down): the worker says Draining, the router sends it nothing new, its requests finish
+    there within --exit-timeout-secs; past it, what is left resumes elsewhere. No request is lost either way."""
+    caplog.set_level(logging.INFO, logger="server")
+    process = remote_workers("r1", exit_timeout_s)
+    wait_for(lambda: served_by(server, "r1"), 20, 0.05, what="r1 in the router")
+    streams = stream_on(server, "r1", count=2, max_tokens=150)  # 0.75 s each at 5 ms a token
+    process.terminate()
+    wait_for(lambda: "worker r1 is draining" in caplog.text, 5, 0.02, what="r1 draining")
+    assert not served_by(server, "r1")  # out of the router while its requests run on
+    assert [generate(server.routed, f"new{i}", [7]).finish_reason for i in range(4)] == ["length"] * 4
+    assert [drain(outputs) for outputs in streams.values()] == [(150, "length")] * 2
+    assert ("migrated from r1" in caplog.text) is migrated
+    process.join(10)
+    assert process.exitcode == 0
 
 
 def test_one_server_at_a_time_and_the_next_takes_over(redis_url, remote_workers) -> None:

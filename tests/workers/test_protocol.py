@@ -23,6 +23,7 @@ from server.workers.protocol import (
     Bye,
     CallFailed,
     Codec,
+    Draining,
     Encode,
     Event,
     Failed,
@@ -64,6 +65,7 @@ TO_SERVER = [
     Out(GenerationOutput(RequestId("r-1"), [1000], " t0", True, "length", 3, 2, 1, None, True)),
     Beat(PoolStats(100, 90, 5, 2, 1, 0)),
     Event(TierEvent("w0", "moved", G2, (1, 2**64 - 1), from_tier=1, timestamp=1.5, node="host:0")),
+    Draining("worker shutting down"),
     Bye("worker shutting down"),
     Busy(5, "9 requests are waiting", 1.0),
 ]

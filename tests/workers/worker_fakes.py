@@ -135,9 +135,10 @@ FAKE_SPEEDS = Speeds(prefill_tok_s=5000.0, decode_tok_s=80.0)
 
 
 def run_remote_step_worker(
-    worker_id: str, redis_url: str, lease_s: float = 1.5, step_s: float = 0.005
+    worker_id: str, redis_url: str, lease_s: float = 1.5, step_s: float = 0.005, exit_timeout_s: float = 30.0
 ) -> None:
-    """A `strata worker` whose engine is a StepEngine (spawn target): registers, serves, leaves on SIGTERM."""
+    """A `strata worker` whose engine is a StepEngine (spawn target): registers, serves, drains and leaves on
+    SIGTERM."""
     import logging
     import signal
 
@@ -154,6 +155,7 @@ def run_remote_step_worker(
         advertise_host="127.0.0.1",
         lease_s=lease_s,
         heartbeat_s=0.2,
+        exit_timeout_s=exit_timeout_s,
         curve=CURVE,
     )
     worker = RemoteWorker(engine, describe(engine, FAKE_SPEEDS), options, events)
