@@ -5,7 +5,12 @@ ARG PIP_EXTRA_INDEX_URL=
 ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} PYTHONUNBUFFERED=1 STRATA_CACHE_DIR=/var/cache/strata
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/strata
-COPY . .
+# Only what the install needs: a checkout's own .venv (whose stamp would skip `make install`), caches and tests
+# stay out of the image. The planner's dependencies (statsmodels, kubernetes) come with '.[dev]' (make install).
+COPY pyproject.toml Makefile README.md ./
+COPY server server
+COPY kvbm kvbm
+COPY model_repository model_repository
 RUN make install models
 EXPOSE 8000 8001 8002 9000
 CMD [".venv/bin/strata", "serve", "--model-repository", "/opt/strata/model_repository"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server import settings
+from server.planner.cli import add_planner_parser, add_profile_parser, run_planner, run_profile
 
 if TYPE_CHECKING:
     from kvbm.config import KVBMConfig
@@ -444,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _worker_parser(sub)
     _kvbm_parser(sub)
+    add_planner_parser(sub)
+    add_profile_parser(sub, _engine_flags)
     return parser
 
 
@@ -471,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger("strata").error("%s", exc)
             return 2
         return run_worker(args, overrides, kvbm, secret)
+    if args.command == "planner":
+        return run_planner(args)
+    if args.command == "profile":
+        return run_profile(args, engine_overrides(args))
     if args.command == "kvbm":
         from kvbm.cli import run
 

@@ -35,6 +35,7 @@ class _Track:
     """Timing of one engine request, for the latency histograms (monotonic seconds)."""
 
     submitted_at: float
+    prompt_tokens: int
     last_token_at: float | None = None
     finished: bool = False
 
@@ -71,7 +72,7 @@ class Generation:
         """
         for index, (token_ids, sampling) in enumerate(prompts):
             request_id = RequestId(f"{self.request_id}-{index}")
-            track = _Track(submitted_at=time.monotonic())
+            track = _Track(submitted_at=time.monotonic(), prompt_tokens=len(token_ids))
             with self._lock:
                 if self._closed:
                     return
@@ -79,6 +80,7 @@ class Generation:
                 self._ids.append(request_id)
             self._metrics.in_flight.labels(self._model).inc()
             self._metrics.queued.labels(self._model).inc()
+            self._metrics.queued_prompt_tokens.labels(self._model).inc(track.prompt_tokens)
             try:
                 self._engine.submit(
                     GenerationRequest(request_id, token_ids, sampling, cache_salt), self._sink(index)
@@ -148,6 +150,7 @@ class Generation:
             if track.last_token_at is None:
                 self._metrics.time_to_first_token.labels(self._model).observe(now - track.submitted_at)
                 self._metrics.queued.labels(self._model).dec()
+                self._metrics.queued_prompt_tokens.labels(self._model).dec(track.prompt_tokens)
             else:
                 gap = (now - track.last_token_at) / len(output.new_token_ids)
                 self._metrics.inter_token_latency.labels(self._model).observe(gap)
@@ -164,3 +167,4 @@ class Generation:
         self._metrics.in_flight.labels(self._model).dec()
         if track.last_token_at is None:
             self._metrics.queued.labels(self._model).dec()
+            self._metrics.queued_prompt_tokens.labels(self._model).dec(track.prompt_tokens)

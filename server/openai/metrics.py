@@ -26,6 +26,7 @@ class FrontendMetrics:
     requests: Counter
     in_flight: Gauge
     queued: Gauge
+    queued_prompt_tokens: Gauge
     prompt_tokens: Counter
     cached_prompt_tokens: Counter
     generation_tokens: Counter
@@ -69,6 +70,13 @@ class FrontendMetrics:
             queued=Gauge(
                 "strata_requests_queued",
                 "Engine requests submitted that have not produced a token yet",
+                model,
+                registry=reg,
+            ),
+            queued_prompt_tokens=Gauge(
+                "strata_queued_prompt_tokens",
+                "Prompt tokens of the engine requests that have not produced a token yet (the planner's "
+                "backlog: load that no TTFT sample shows yet)",
                 model,
                 registry=reg,
             ),

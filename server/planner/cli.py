@@ -1,0 +1,231 @@
+"""`strata planner` and `strata profile`: their flags and how they start (server/cli.py adds the subcommands)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import threading
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from server import settings
+from server.planner.predict import PREDICTORS
+
+log = logging.getLogger(__name__)
+
+
+def add_planner_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "planner",
+        help="scale a model's prefill and decode (or aggregated) workers to meet TTFT and ITL targets",
+    )
+    p.add_argument("--model", required=True, help="the LLM model to plan for")
+    p.add_argument("--metrics-url", required=True, help="the Strata frontend's /metrics (OpenAI port)")
+    p.add_argument(
+        "--profile", type=Path, required=True, help="the worker profile (`strata profile --output`)"
+    )
+    p.add_argument("--ttft-target", type=float, required=True, help="time to first token target, seconds")
+    p.add_argument("--itl-target", type=float, required=True, help="inter-token latency target, seconds")
+    p.add_argument("--adjustment-interval", type=float, default=30.0, help="seconds between decisions")
+    p.add_argument("--predictor", choices=PREDICTORS, default="auto", help="load predictor (default: auto)")
+    p.add_argument("--min-workers", type=int, default=1, help="per role")
+    p.add_argument("--max-workers", type=int, default=8, help="per role")
+    p.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
+    p.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="plan aggregated workers (role both) instead of prefill + decode",
+    )
+    p.add_argument("--connector", choices=["local", "kubernetes"], default="local")
+    p.add_argument("--dry-run", action="store_true", help="log what it would scale, change nothing")
+    p.add_argument("--metrics-port", type=int, default=9100, help="the planner's own /metrics (0: none)")
+    p.add_argument(
+        "--disagg-url",
+        default=None,
+        help="the frontend's OpenAI base URL: tune the conditional-disaggregation thresholds there "
+        "(PUT /v1/strata/models/{model}/disagg, with --api-key)",
+    )
+    p.add_argument(
+        "--api-key", default=settings.api_key(), help="the frontend's --api-key (default: $STRATA_API_KEY)"
+    )
+    local = p.add_argument_group("local connector (strata worker processes on this host)")
+    local.add_argument("--model-repository", type=Path, default=None)
+    local.add_argument(
+        "--redis-url", default=None, help="the server's --redis-url; also holds the planner lease"
+    )
+    local.add_argument(
+        "--worker-args", default="", help="more `strata worker` flags, one shell-quoted string"
+    )
+    local.add_argument(
+        "--exit-timeout-secs", type=int, default=30, help="each worker's drain time on scale-down"
+    )
+    k8s = p.add_argument_group("Kubernetes connector")
+    k8s.add_argument("--namespace", default=None, help="default: the planner pod's namespace")
+    k8s.add_argument(
+        "--deployment", action="append", default=[], metavar="ROLE=NAME", help="the Deployment of each role"
+    )
+    k8s.add_argument("--lease-name", default=None, help="default: strata-planner-<model>")
+    k8s.add_argument(
+        "--identity", default=None, help="lease holder name (default: $POD_NAME, else the host name)"
+    )
+
+
+def add_profile_parser(
+    sub: argparse._SubParsersAction, engine_flags: Callable[[argparse._ArgumentGroup], None]
+) -> None:
+    p = sub.add_parser("profile", help="measure one worker of a model on this hardware, for the planner")
+    p.add_argument("--model-repository", type=Path, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--output", type=Path, required=True, help="the profile file the planner reads (JSON)")
+    p.add_argument(
+        "--prompt-lengths", type=_ints, default=(128, 512, 1024, 2048), help="comma-separated tokens"
+    )
+    p.add_argument("--concurrency", type=_ints, default=(1, 4, 8, 16), help="comma-separated stream counts")
+    p.add_argument("--contexts", type=_ints, default=(256, 1024), help="comma-separated context tokens")
+    p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3, help="TTFT samples per prompt length (median)")
+    engine_flags(p.add_argument_group("engine overrides (as `strata worker` takes them)"))
+
+
+def run_profile(args: argparse.Namespace, overrides: dict[str, int]) -> int:
+    from server.engine.llm_engine import LLMEngine
+    from server.planner.profile import profile_worker, save, table
+    from server.workers.remote_worker import model_engine_config
+
+    try:
+        config = model_engine_config(args.model_repository, args.model, overrides)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    engine = LLMEngine(config)
+    try:
+        profile = profile_worker(
+            engine, args.prompt_lengths, args.concurrency, args.contexts, args.decode_tokens, args.repeats
+        )
+    finally:
+        engine.close()
+    save(profile, args.output)
+    print(table(profile))
+    print(f"written to {args.output}")
+    return 0
+
+
+def run_planner(args: argparse.Namespace) -> int:
+    """`strata planner` until SIGTERM/SIGINT. Exit code 2 for a bad flag or profile (the message names it)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from server.planner.metrics import PlannerMetrics
+    from server.planner.observe import ScrapeSource
+    from server.planner.planner import Planner
+
+    registry = CollectorRegistry()
+    try:
+        config, profile = planner_config(args)
+        connector, leadership = _connector(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    thresholds = HttpThresholds(args.disagg_url, args.model, args.api_key) if args.disagg_url else None
+    planner = Planner(config, profile, ScrapeSource(args.metrics_url), connector, PlannerMetrics.create(registry),
+                      leadership, thresholds)  # fmt: skip
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=registry)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    planner.run(stop)
+    connector.close()
+    return 0
+
+
+def planner_config(args: argparse.Namespace):
+    """The PlannerConfig and WorkerProfile of the planner flags (shared with `strata serve --planner`)."""
+    from server.planner.planner import PlannerConfig
+    from server.planner.profile import load
+    from server.planner.sizing import Bounds, Targets
+
+    for flag in ("ttft_target", "itl_target", "adjustment_interval"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not 0 <= args.min_workers <= args.max_workers <= args.max_total_workers:
+        raise ValueError("expected 0 <= --min-workers <= --max-workers <= --max-total-workers")
+    bounds = Bounds(args.min_workers, args.max_workers, max(args.min_workers, 1), args.max_workers,
+                    args.max_total_workers)  # fmt: skip
+    config = PlannerConfig(args.model, Targets(args.ttft_target, args.itl_target), bounds,
+                           args.adjustment_interval, args.predictor, not args.aggregated)  # fmt: skip
+    return config, load(args.profile)
+
+
+def _connector(args: argparse.Namespace):
+    if args.connector == "kubernetes":
+        from server.planner.kubernetes import KubernetesConnector, KubernetesLeadership
+
+        deployments = dict(_role_name(value) for value in args.deployment)
+        connector = KubernetesConnector.from_cluster(args.namespace, deployments, args.dry_run)
+        identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+        leadership = KubernetesLeadership.from_cluster(
+            args.namespace, args.lease_name or f"strata-planner-{args.model}", identity
+        )
+        return connector, leadership
+    from server.planner.local import LocalConnector, RedisLeadership
+
+    if args.model_repository is None or args.redis_url is None:
+        raise ValueError("--connector local needs --model-repository and --redis-url")
+    connector = LocalConnector(args.model_repository, args.model, args.redis_url, shlex.split(args.worker_args),
+                               exit_timeout_s=args.exit_timeout_secs)  # fmt: skip
+    if args.dry_run:
+        raise ValueError(
+            "--dry-run is for --connector kubernetes; the local connector acts or is not started"
+        )
+    return connector, RedisLeadership(args.redis_url, args.model, lease_s=3 * args.adjustment_interval)
+
+
+class HttpThresholds:
+    """The DisaggControl of a model served by a frontend elsewhere: GET and PUT /v1/strata/models/{model}/disagg."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None) -> None:
+        self.url = f"{base_url.rstrip('/')}/v1/strata/models/{model}/disagg"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def thresholds(self) -> dict[str, int]:
+        return self._call("GET", None)
+
+    def set(
+        self, max_local_prefill_length: int | None = None, max_prefill_queue_size: int | None = None
+    ) -> None:
+        body = {
+            "max_local_prefill_length": max_local_prefill_length,
+            "max_prefill_queue_size": max_prefill_queue_size,
+        }
+        self._call("PUT", {k: v for k, v in body.items() if v is not None})
+
+    def _call(self, method: str, body: dict | None) -> dict[str, int]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url, data, self.headers, method=method)
+        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 (the operator's URL)
+            return json.loads(response.read())
+
+
+def _role_name(value: str) -> tuple[str, str]:
+    role, _, name = value.partition("=")
+    if not role or not name:
+        raise ValueError(f"--deployment {value!r}: expected ROLE=NAME, e.g. decode=strata-decode")
+    return role, name
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        numbers = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated whole numbers") from None
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected positive numbers")
+    return numbers

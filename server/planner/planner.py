@@ -1,0 +1,254 @@
+"""The SLA planner's loop: every interval, observe the model's last interval, predict the next one, size the
+workers that meet the TTFT and ITL targets on the worker profile, and have the connector run that many.
+
+    observe   Observation.between(last snapshot, this one)            observe.py
+    predict   one predictor per series: request rate, prompt and output lengths   predict.py
+    size      disaggregated_workers / aggregated_workers on the profile  sizing.py
+    act       connector.scale per role, only while this planner holds the lease   connector.py
+
+Queued prompt tokens go into the load as they are (never predicted away): a burst that queues requests scales
+prefill up in the interval it arrives, before any TTFT sample reports it.
+
+Scaling up happens at once; scaling down by at most one worker per role per interval (a worker drains before it
+goes, and a dip of one interval should not cost the next interval's capacity).
+
+With disaggregated workers and a `DisaggControl`, the planner also tunes the conditional-disaggregation
+thresholds (server/router/disagg.py):
+    max_prefill_queue_size     PREFILL_QUEUE_PER_WORKER remote prefills per prefill worker it asks for
+    max_local_prefill_length   halved (not under MIN_LOCAL_PREFILL) when ITL attainment falls under
+                               ATTAINMENT_LOW (local prefills stall the decode workers' streams); doubled (not
+                               over MAX_LOCAL_PREFILL) when TTFT attainment is under ATTAINMENT_LOW while ITL
+                               attainment is at least ATTAINMENT_HIGH (the decode workers have room to prefill)
+
+Every decision is one log line with its inputs, and the planner's series (metrics.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+from server.engine.api import DisaggControl
+from server.planner.connector import Leadership, WorkerConnector
+from server.planner.metrics import PlannerMetrics
+from server.planner.observe import MetricsSource, Observation, Snapshot
+from server.planner.predict import make_predictor
+from server.planner.sizing import (
+    Bounds,
+    Load,
+    Targets,
+    WorkerCounts,
+    WorkerProfile,
+    aggregated_workers,
+    disaggregated_workers,
+)
+
+log = logging.getLogger(__name__)
+
+PREFILL_QUEUE_PER_WORKER = 4
+ATTAINMENT_LOW, ATTAINMENT_HIGH = 0.9, 0.98
+MIN_LOCAL_PREFILL, MAX_LOCAL_PREFILL = 64, 1 << 15
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    model: str
+    targets: Targets
+    bounds: Bounds
+    interval_s: float = 30.0
+    predictor: str = "auto"
+    disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One interval's decision and what it was made from."""
+
+    observed: Observation
+    load: Load  # predicted for the next interval (queued tokens as observed)
+    counts: WorkerCounts
+    before: dict[str, int]  # workers per role when deciding
+    after: dict[str, int]  # what the planner asked for (== before when not leader)
+    leader: bool
+    thresholds: dict[str, int] | None  # conditional-disaggregation thresholds set, if any
+
+    def describe(self, model: str) -> str:
+        o, load, c = self.observed, self.load, self.counts
+        return (
+            f"planner {model}: observed {o.request_rate:.2f} req/s, prompt {_fmt(o.prompt_tokens)}, output "
+            f"{_fmt(o.output_tokens)}, ttft {_fmt(o.ttft_s, '.3f')} s ({_pct(o.ttft_attainment)} in target), "
+            f"itl {_fmt(o.itl_s, '.4f')} s ({_pct(o.itl_attainment)}), queued {o.queued_requests:.0f} req / "
+            f"{o.queued_prompt_tokens:.0f} tok -> predicted {load.request_rate:.2f} req/s, prompt "
+            f"{load.prompt_tokens:.0f}, output {load.output_tokens:.0f} -> need prefill {c.prefill_need:.2f}, "
+            f"decode {c.decode_need:.2f} ({c.reason}); workers {self.before} -> {self.after}"
+            + ("" if self.leader else " (not leader: not acting)")
+            + (f"; thresholds {self.thresholds}" if self.thresholds else "")
+        )
+
+
+class Planner:
+    def __init__(
+        self,
+        config: PlannerConfig,
+        profile: WorkerProfile,
+        source: MetricsSource,
+        connector: WorkerConnector,
+        metrics: PlannerMetrics,
+        leadership: Leadership | None = None,
+        thresholds: DisaggControl | None = None,
+    ) -> None:
+        """`leadership` None: this planner is the only one. `thresholds`: tune conditional disaggregation."""
+        self.config = config
+        self.profile = profile
+        self.source = source
+        self.connector = connector
+        self.metrics = metrics
+        self.leadership = leadership
+        self.thresholds = thresholds
+        self.predictors = {
+            series: make_predictor(config.predictor) for series in ("rate", "prompt", "output")
+        }
+        self.roles = ("prefill", "decode") if config.disaggregated else ("both",)
+        self._last: Snapshot | None = None
+
+    def step(self) -> Decision | None:
+        """One interval. None the first time (it only takes the baseline snapshot) and when the metrics cannot be
+        read (logged; the next step measures from the last snapshot read)."""
+        try:
+            snapshot = self.source.snapshot(self.config.model)
+        except OSError as exc:
+            log.warning("planner %s: cannot read the metrics: %s", self.config.model, exc)
+            return None
+        last, self._last = self._last, snapshot
+        if last is None:
+            return None
+        observed = Observation.between(last, snapshot, self.config.targets.ttft_s, self.config.targets.itl_s)
+        load = self._predict(observed)
+        counts = self._size(load)
+        leader = self.leadership is None or self.leadership.is_leader()
+        before = self._workers()
+        after = self._act(counts, before) if leader and before is not None else dict(before or {})
+        thresholds = self._tune(observed, counts) if leader else None
+        decision = Decision(observed, load, counts, before or {}, after, leader, thresholds)
+        self._export(decision)
+        log.info("%s", decision.describe(self.config.model))
+        return decision
+
+    def run(self, stop: threading.Event) -> None:
+        """Step every interval until `stop` is set; then give the lease up."""
+        try:
+            while not stop.is_set():
+                self.step()
+                stop.wait(self.config.interval_s)
+        finally:
+            if self.leadership is not None:
+                self.leadership.release()
+
+    def _predict(self, observed: Observation) -> Load:
+        rate, prompt, output = (self.predictors[s] for s in ("rate", "prompt", "output"))
+        rate.add(observed.request_rate)
+        if observed.prompt_tokens is not None:
+            prompt.add(observed.prompt_tokens)
+        if observed.output_tokens is not None:
+            output.add(observed.output_tokens)
+        prompt_tokens = prompt.predict()
+        if prompt_tokens <= 0 and observed.queued_requests > 0:  # nothing finished yet: the backlog's mean
+            prompt_tokens = observed.queued_prompt_tokens / observed.queued_requests
+        return Load(
+            request_rate=rate.predict(),
+            prompt_tokens=max(prompt_tokens, 1.0),
+            output_tokens=max(output.predict(), 1.0),
+            queued_prompt_tokens=observed.queued_prompt_tokens,
+        )
+
+    def _size(self, load: Load) -> WorkerCounts:
+        size = disaggregated_workers if self.config.disaggregated else aggregated_workers
+        return size(self.profile, load, self.config.targets, self.config.bounds, self.config.interval_s)
+
+    def _workers(self) -> dict[str, int] | None:
+        try:
+            return self.connector.workers()
+        except Exception as exc:  # a connector's failure (API, processes) must not stop the planner
+            log.error("planner %s: cannot count the workers: %s", self.config.model, exc)
+            return None
+
+    def _act(self, counts: WorkerCounts, before: dict[str, int]) -> dict[str, int]:
+        wanted = {"prefill": counts.prefill, "decode": counts.decode, "both": counts.decode}
+        after = dict(before)
+        for role in self.roles:
+            now = before.get(role, 0)
+            target = wanted[role] if wanted[role] >= now else now - 1  # down one at a time
+            if target == now:
+                continue
+            try:
+                self.connector.scale(role, target)
+                after[role] = target
+            except Exception as exc:
+                log.error("planner %s: scaling %s workers %d -> %d failed: %s", self.config.model, role, now,
+                          target, exc)  # fmt: skip
+        return after
+
+    def _tune(self, observed: Observation, counts: WorkerCounts) -> dict[str, int] | None:
+        if self.thresholds is None or not self.config.disaggregated:
+            return None
+        try:
+            current = self.thresholds.thresholds()
+        except (OSError, ValueError) as exc:  # the frontend is away: the next step tries again
+            log.warning("planner %s: cannot read the disaggregation thresholds: %s", self.config.model, exc)
+            return None
+        length = current["max_local_prefill_length"]
+        ttft_ok, itl_ok = observed.ttft_attainment, observed.itl_attainment
+        if itl_ok is not None and itl_ok < ATTAINMENT_LOW:
+            length = max(MIN_LOCAL_PREFILL, length // 2)
+        elif (
+            ttft_ok is not None
+            and itl_ok is not None
+            and ttft_ok < ATTAINMENT_LOW
+            and itl_ok >= ATTAINMENT_HIGH
+        ):
+            length = min(MAX_LOCAL_PREFILL, length * 2)
+        queue = max(1, PREFILL_QUEUE_PER_WORKER * counts.prefill)
+        wanted = {"max_local_prefill_length": length, "max_prefill_queue_size": queue}
+        if wanted != current:
+            try:
+                self.thresholds.set(**wanted)
+            except (OSError, ValueError) as exc:
+                log.warning(
+                    "planner %s: cannot set the disaggregation thresholds: %s", self.config.model, exc
+                )
+                return None
+        return wanted
+
+    def _export(self, decision: Decision) -> None:
+        m, model = self.metrics, self.config.model
+        desired = {
+            "prefill": decision.counts.prefill,
+            "decode": decision.counts.decode,
+            "both": decision.counts.decode,
+        }
+        for role in self.roles:
+            m.desired_workers.labels(model, role).set(desired[role])
+            m.workers.labels(model, role).set(decision.before.get(role, 0))
+            change = decision.after.get(role, 0) - decision.before.get(role, 0)
+            m.decisions.labels(model, role, "up" if change > 0 else "down" if change < 0 else "hold").inc()
+        m.predicted_rate.labels(model).set(decision.load.request_rate)
+        m.predicted_prompt_tokens.labels(model).set(decision.load.prompt_tokens)
+        m.predicted_output_tokens.labels(model).set(decision.load.output_tokens)
+        m.observed_rate.labels(model).set(decision.observed.request_rate)
+        for target, share in (
+            ("ttft", decision.observed.ttft_attainment),
+            ("itl", decision.observed.itl_attainment),
+        ):
+            if share is not None:
+                m.sla_attainment.labels(model, target).set(share)
+        m.leader.labels(model).set(1 if decision.leader else 0)
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
