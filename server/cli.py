@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server import settings
-from server.planner.cli import add_planner_parser, add_profile_parser, run_planner, run_profile
+from server.planner.cli import (
+    add_embedded_planner_flags,
+    add_planner_parser,
+    add_profile_parser,
+    run_planner,
+    run_profile,
+)
 
 if TYPE_CHECKING:
     from kvbm.config import KVBMConfig
@@ -141,6 +147,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     kv = p.add_argument_group("KV Block Manager (tiers below the engine's own pool)")
     _kvbm_flags(kv)
     _cluster_flag(kv)
+    add_embedded_planner_flags(p.add_argument_group("SLA planner (strata serve --planner MODEL)"))
     kv.add_argument(
         "--redis-url",
         default=None,

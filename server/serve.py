@@ -20,6 +20,7 @@ from server.backends.unavailable import StartupHold
 from server.cli import cluster_secret, engine_overrides, kvbm_config, request_limits, triton_access
 from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
+from server.planner.embedded import EmbeddedPlanner
 from server.repository.manager import ControlMode, RepositoryManager
 from server.router.config import RouterConfig
 from server.router.disagg import DisaggConfig
@@ -71,7 +72,7 @@ def serve(args: argparse.Namespace) -> int:
         args.repository_poll_secs,
         args.load_model,
     )
-    frontend = None
+    frontend, planner = None, None
     if args.allow_openai:
         frontend = OpenAIFrontend(
             deployment.engines,
@@ -90,6 +91,8 @@ def serve(args: argparse.Namespace) -> int:
         if frontend is not None:
             frontend.start()
         manager.start()
+        if args.planner is not None:
+            planner = EmbeddedPlanner.start(args, deployment.engines, registry)
         if hold is not None:
             hold.release()
         log.info("strata ready (pid %d)", os.getpid())
@@ -99,8 +102,15 @@ def serve(args: argparse.Namespace) -> int:
                 return 1
         log.info("signal received, shutting down (exit timeout %d s)", args.exit_timeout_secs)
         return 0
+    except ValueError as exc:  # --planner: a model not served, a bad profile (the message names it)
+        log.error("%s", exc)
+        return 2
     finally:
+        if planner is not None:
+            planner.stop()
         _shutdown(manager, frontend, deployment, triton, args.exit_timeout_secs)
+        if planner is not None:
+            planner.stop_workers()  # after the model's engine let them go: they exit at once
 
 
 def llm_serving(args: argparse.Namespace) -> LLMServing:
@@ -118,6 +128,8 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         raise ValueError("--accept-remote-workers: needs --redis-url (remote workers register in Redis)")
     if args.workers is not None and args.workers < 0:
         raise ValueError(f"--workers: must be >= 0, got {args.workers}")
+    if args.planner is not None and not args.accept_remote_workers:
+        raise ValueError("--planner: its workers join through Redis; needs --accept-remote-workers")
     if args.workers == 0 and not args.accept_remote_workers:
         raise ValueError("--workers 0: serves LLMs by remote workers only; needs --accept-remote-workers")
     if args.kvbm and args.kvbm_flush_secs > args.exit_timeout_secs:

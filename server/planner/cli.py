@@ -30,13 +30,7 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile", type=Path, required=True, help="the worker profile (`strata profile --output`)"
     )
-    p.add_argument("--ttft-target", type=float, required=True, help="time to first token target, seconds")
-    p.add_argument("--itl-target", type=float, required=True, help="inter-token latency target, seconds")
-    p.add_argument("--adjustment-interval", type=float, default=30.0, help="seconds between decisions")
-    p.add_argument("--predictor", choices=PREDICTORS, default="auto", help="load predictor (default: auto)")
-    p.add_argument("--min-workers", type=int, default=1, help="per role")
-    p.add_argument("--max-workers", type=int, default=8, help="per role")
-    p.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
+    sla_flags(p)
     p.add_argument(
         "--aggregated",
         action="store_true",
@@ -74,6 +68,36 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument(
         "--identity", default=None, help="lease holder name (default: $POD_NAME, else the host name)"
     )
+
+
+def add_embedded_planner_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--planner",
+        default=None,
+        metavar="MODEL",
+        help="scale MODEL's workers to the SLA targets: `strata worker` processes on this host, joining through "
+        "--redis-url (needs --accept-remote-workers)",
+    )
+    group.add_argument(
+        "--planner-profile", type=Path, default=None, help="the worker profile (`strata profile`)"
+    )
+    group.add_argument(
+        "--planner-worker-args", default="", help="more `strata worker` flags, one quoted string"
+    )
+    sla_flags(group)
+
+
+def sla_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The targets, interval, predictor and bounds (shared by `strata planner` and `strata serve --planner`)."""
+    group.add_argument("--ttft-target", type=float, default=None, help="time to first token target, seconds")
+    group.add_argument("--itl-target", type=float, default=None, help="inter-token latency target, seconds")
+    group.add_argument("--adjustment-interval", type=float, default=30.0, help="seconds between decisions")
+    group.add_argument(
+        "--predictor", choices=PREDICTORS, default="auto", help="load predictor (default: auto)"
+    )
+    group.add_argument("--min-workers", type=int, default=1, help="per role")
+    group.add_argument("--max-workers", type=int, default=8, help="per role")
+    group.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
 
 
 def add_profile_parser(
@@ -126,7 +150,7 @@ def run_planner(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry()
     try:
-        config, profile = planner_config(args)
+        config, profile = planner_config(args, args.model, args.profile, not args.aggregated)
         connector, leadership = _connector(args)
     except ValueError as exc:
         log.error("%s", exc)
@@ -144,22 +168,29 @@ def run_planner(args: argparse.Namespace) -> int:
     return 0
 
 
-def planner_config(args: argparse.Namespace):
-    """The PlannerConfig and WorkerProfile of the planner flags (shared with `strata serve --planner`)."""
+def planner_config(args: argparse.Namespace, model: str, profile: Path | None, disaggregated: bool):
+    """The PlannerConfig and WorkerProfile of the SLA flags (`strata planner`, `strata serve --planner`);
+    ValueError names a missing or bad flag."""
     from server.planner.planner import PlannerConfig
     from server.planner.profile import load
     from server.planner.sizing import Bounds, Targets
 
     for flag in ("ttft_target", "itl_target", "adjustment_interval"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"the planner needs --{flag.replace('_', '-')}")
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if not 0 <= args.min_workers <= args.max_workers <= args.max_total_workers:
         raise ValueError("expected 0 <= --min-workers <= --max-workers <= --max-total-workers")
     bounds = Bounds(args.min_workers, args.max_workers, max(args.min_workers, 1), args.max_workers,
                     args.max_total_workers)  # fmt: skip
-    config = PlannerConfig(args.model, Targets(args.ttft_target, args.itl_target), bounds,
-                           args.adjustment_interval, args.predictor, not args.aggregated)  # fmt: skip
-    return config, load(args.profile)
+    config = PlannerConfig(model, Targets(args.ttft_target, args.itl_target), bounds, args.adjustment_interval,
+                           args.predictor, disaggregated)  # fmt: skip
+    if profile is None:
+        raise ValueError(
+            "the planner needs a worker profile (--planner-profile; write one with `strata profile`)"
+        )
+    return config, load(profile)
 
 
 def _connector(args: argparse.Namespace):

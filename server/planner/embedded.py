@@ -1,0 +1,71 @@
+"""`strata serve --planner MODEL`: the SLA planner inside the server, on one thread.
+
+It reads the frontend's series from the server's own registry (no scrape), tunes the model's conditional-
+disaggregation thresholds directly (its `DisaggRule`), and scales `strata worker` processes on this host through
+the local connector; those register in the server's Redis (`--accept-remote-workers --redis-url`), where the
+planner's lease lives too. The model is planned as it was served at start: disaggregated (prefill and decode
+workers) when its engine has a `disagg` rule, else aggregated. The planner's series join the server's /metrics.
+
+When the server stops, the planner stops first, and the workers it started are stopped after the model's engine
+has let them go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry
+
+from server.engine.api import Engine
+from server.planner.cli import planner_config
+from server.planner.local import LocalConnector, RedisLeadership
+from server.planner.metrics import PlannerMetrics
+from server.planner.observe import RegistrySource
+from server.planner.planner import Planner
+
+
+class EmbeddedPlanner:
+    def __init__(self, planner: Planner, connector: LocalConnector) -> None:
+        self.planner = planner
+        self.connector = connector
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=planner.run, args=(self._stop,), name="planner", daemon=True)
+
+    @classmethod
+    def start(
+        cls, args: argparse.Namespace, engines: Mapping[str, Engine], registry: CollectorRegistry
+    ) -> EmbeddedPlanner:
+        """Plan `args.planner` from now on; ValueError names the flag at fault."""
+        model = args.planner
+        if not args.accept_remote_workers:
+            raise ValueError("--planner: its workers join through Redis; needs --accept-remote-workers")
+        engine = engines.get(model)
+        if engine is None:
+            raise ValueError(
+                f"--planner {model}: no LLM model of that name is served (served: {sorted(engines)})"
+            )
+        disagg = getattr(engine, "disagg", None)
+        config, profile = planner_config(args, model, args.planner_profile, disaggregated=disagg is not None)
+        worker_args = shlex.split(args.planner_worker_args)
+        if args.cluster_secret_file is not None:
+            worker_args += ["--cluster-secret-file", str(args.cluster_secret_file)]
+        repository = next(r for r in args.model_repository if (r / model).is_dir())
+        connector = LocalConnector(repository, model, args.redis_url, worker_args,
+                                   exit_timeout_s=args.exit_timeout_secs)  # fmt: skip
+        leadership = RedisLeadership(args.redis_url, model, lease_s=3 * config.interval_s)
+        planner = Planner(config, profile, RegistrySource(registry), connector, PlannerMetrics.create(registry),
+                          leadership, disagg)  # fmt: skip
+        embedded = cls(planner, connector)
+        embedded._thread.start()
+        return embedded
+
+    def stop(self) -> None:
+        """Stop deciding (the lease is given up); the workers keep running until `stop_workers`."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def stop_workers(self) -> None:
+        self.connector.close(stop_workers=True)
