@@ -58,7 +58,7 @@ class PlannerConfig:
     targets: Targets
     bounds: Bounds
     interval_s: float = 30.0
-    predictor: str = "auto"
+    predictor: str = "moving_average"
     disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
 
 
