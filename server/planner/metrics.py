@@ -30,6 +30,7 @@ class PlannerMetrics:
     sla_attainment: Gauge
     decisions: Counter
     leader: Gauge
+    correction: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> PlannerMetrics:
@@ -72,5 +73,11 @@ class PlannerMetrics:
             ),
             leader=Gauge(
                 "strata_planner_leader", "1 while this planner holds the planner lease", model, registry=reg
+            ),
+            correction=Gauge(
+                "strata_planner_correction",
+                "Observed / profile latency factor the sizing uses (prefill: TTFT, decode: ITL)",
+                ("model", "phase"),
+                registry=reg,
             ),
         )  # fmt: skip

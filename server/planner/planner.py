@@ -9,6 +9,15 @@ workers that meet the TTFT and ITL targets on the worker profile, and have the c
 Queued prompt tokens go into the load as they are (never predicted away): a burst that queues requests scales
 prefill up in the interval it arrives, before any TTFT sample reports it.
 
+Corrections (as Dynamo's planner makes them): a deployment is rarely as fast as its profile, which measured one
+worker alone (an aggregated worker's decode steps wait for prefill chunks; other processes share the host). Each
+interval compares what was observed with what the profile predicts for that load on the workers there were:
+
+    prefill   observed mean TTFT / (profile TTFT + the M/D/1 wait at the observed rate), when utilisation < 0.9
+    decode    observed mean ITL / profile ITL at the streams each worker ran (Little's law: rate x output x ITL)
+
+and sizes on the profile scaled by them (each factor smoothed, half old and half new, within CORRECTION_RANGE).
+
 Scaling up happens at once; scaling down by at most one worker per role per interval (a worker drains before it
 goes, and a dip of one interval should not cost the next interval's capacity).
 
@@ -50,6 +59,7 @@ log = logging.getLogger(__name__)
 PREFILL_QUEUE_PER_WORKER = 4
 ATTAINMENT_LOW, ATTAINMENT_HIGH = 0.9, 0.98
 MIN_LOCAL_PREFILL, MAX_LOCAL_PREFILL = 64, 1 << 15
+CORRECTION_RANGE = (0.5, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +70,7 @@ class PlannerConfig:
     interval_s: float = 30.0
     predictor: str = "moving_average"
     disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
+    correct: bool = True  # scale the profile by the observed/predicted latency ratios
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,7 @@ class Decision:
     after: dict[str, int]  # what the planner asked for (== before when not leader)
     leader: bool
     thresholds: dict[str, int] | None  # conditional-disaggregation thresholds set, if any
+    correction: dict[str, float]  # the profile's factors used: prefill (TTFT), decode (ITL)
 
     def describe(self, model: str) -> str:
         o, load, c = self.observed, self.load, self.counts
@@ -82,7 +94,8 @@ class Decision:
             f"itl {_fmt(o.itl_s, '.4f')} s ({_pct(o.itl_attainment)}), queued {o.queued_requests:.0f} req / "
             f"{o.queued_prompt_tokens:.0f} tok -> predicted {load.request_rate:.2f} req/s, prompt "
             f"{load.prompt_tokens:.0f}, output {load.output_tokens:.0f} -> need prefill {c.prefill_need:.2f}, "
-            f"decode {c.decode_need:.2f} ({c.reason}); workers {self.before} -> {self.after}"
+            f"decode {c.decode_need:.2f} ({c.reason}; profile x{self.correction['prefill']:.2f} prefill, "
+            f"x{self.correction['decode']:.2f} decode); workers {self.before} -> {self.after}"
             + ("" if self.leader else " (not leader: not acting)")
             + (f"; thresholds {self.thresholds}" if self.thresholds else "")
         )
@@ -111,6 +124,7 @@ class Planner:
             series: make_predictor(config.predictor) for series in ("rate", "prompt", "output")
         }
         self.roles = ("prefill", "decode") if config.disaggregated else ("both",)
+        self.correction = {"prefill": 1.0, "decode": 1.0}
         self._last: Snapshot | None = None
 
     def step(self) -> Decision | None:
@@ -123,15 +137,20 @@ class Planner:
             return None
         last, self._last = self._last, snapshot
         if last is None:
+            self._ensure_minimum()
             return None
         observed = Observation.between(last, snapshot, self.config.targets.ttft_s, self.config.targets.itl_s)
+        before = self._workers()
+        if self.config.correct and before is not None:
+            self._correct(observed, before)
         load = self._predict(observed)
         counts = self._size(load)
         leader = self.leadership is None or self.leadership.is_leader()
-        before = self._workers()
         after = self._act(counts, before) if leader and before is not None else dict(before or {})
         thresholds = self._tune(observed, counts) if leader else None
-        decision = Decision(observed, load, counts, before or {}, after, leader, thresholds)
+        decision = Decision(
+            observed, load, counts, before or {}, after, leader, thresholds, dict(self.correction)
+        )
         self._export(decision)
         log.info("%s", decision.describe(self.config.model))
         return decision
@@ -145,6 +164,24 @@ class Planner:
         finally:
             if self.leadership is not None:
                 self.leadership.release()
+
+    def _ensure_minimum(self) -> None:
+        """At the first step, with nothing observed yet: bring each role up to its minimum (a server started with
+        no workers of its own serves as soon as the first one joins)."""
+        if self.leadership is not None and not self.leadership.is_leader():
+            return
+        before = self._workers()
+        if before is None:
+            return
+        bounds = self.config.bounds
+        minimum = {"prefill": bounds.min_prefill, "decode": bounds.min_decode, "both": bounds.min_decode}
+        for role in self.roles:
+            if before.get(role, 0) < minimum[role]:
+                try:
+                    self.connector.scale(role, minimum[role])
+                except Exception as exc:
+                    log.error("planner %s: starting the minimum %s workers failed: %s", self.config.model, role,
+                              exc)  # fmt: skip
 
     def _predict(self, observed: Observation) -> Load:
         rate, prompt, output = (self.predictors[s] for s in ("rate", "prompt", "output"))
@@ -163,13 +200,37 @@ class Planner:
             queued_prompt_tokens=observed.queued_prompt_tokens,
         )
 
+    def _correct(self, observed: Observation, workers: dict[str, int]) -> None:
+        prompt, output = observed.prompt_tokens, observed.output_tokens
+        if prompt is None or output is None:
+            return
+        prefill_workers = workers.get("prefill" if self.config.disaggregated else "both", 0)
+        decode_workers = workers.get("decode" if self.config.disaggregated else "both", 0)
+        if observed.ttft_s is not None and prefill_workers > 0:
+            service = self.profile.ttft(prompt)
+            rho = observed.request_rate * service / prefill_workers
+            if service > 0 and rho < 0.9:  # past that the wait is the queue's, not the worker's speed
+                self._update("prefill", observed.ttft_s / (service + rho * service / (2 * (1 - rho))))
+        if observed.itl_s is not None and decode_workers > 0:
+            streams = observed.request_rate * output * observed.itl_s / decode_workers  # Little's law
+            expected = self.profile.itl_at(streams, prompt + output / 2)
+            if expected > 0:
+                self._update("decode", observed.itl_s / expected)
+
+    def _update(self, phase: str, sample: float) -> None:
+        low, high = CORRECTION_RANGE
+        self.correction[phase] = min(high, max(low, (self.correction[phase] + sample) / 2))
+
     def _size(self, load: Load) -> WorkerCounts:
         size = disaggregated_workers if self.config.disaggregated else aggregated_workers
-        return size(self.profile, load, self.config.targets, self.config.bounds, self.config.interval_s)
+        profile = self.profile.scaled(self.correction["prefill"], self.correction["decode"])
+        return size(profile, load, self.config.targets, self.config.bounds, self.config.interval_s)
 
     def _workers(self) -> dict[str, int] | None:
+        """Workers of the planned roles, or None (logged) when the connector cannot count them."""
         try:
-            return self.connector.workers()
+            counts = self.connector.workers()
+            return {role: counts.get(role, 0) for role in self.roles}
         except Exception as exc:  # a connector's failure (API, processes) must not stop the planner
             log.error("planner %s: cannot count the workers: %s", self.config.model, exc)
             return None
@@ -244,6 +305,8 @@ class Planner:
             if share is not None:
                 m.sla_attainment.labels(model, target).set(share)
         m.leader.labels(model).set(1 if decision.leader else 0)
+        for phase, factor in decision.correction.items():
+            m.correction.labels(model, phase).set(factor)
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:

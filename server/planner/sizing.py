@@ -69,6 +69,23 @@ class WorkerProfile:
         points = sorted((p.context_tokens, p.itl_s) for p in self.decode if p.concurrency == concurrency)
         return _interpolate(points, context_tokens) if points else None
 
+    def itl_at(self, concurrency: float, context_tokens: float) -> float:
+        """ITL at any concurrency: linear between the measured ones (at this context), flat below the smallest."""
+        points = []
+        for measured in sorted({p.concurrency for p in self.decode}):
+            itl = self.itl(measured, context_tokens)
+            if itl is not None:
+                points.append((float(measured), itl))
+        return _interpolate(points, max(concurrency, points[0][0]))
+
+    def scaled(self, prefill_factor: float, decode_factor: float) -> WorkerProfile:
+        """This profile with every TTFT times `prefill_factor` and every ITL times `decode_factor`: the planner's
+        correction for a deployment slower (or faster) than the profile says (interference, other load)."""
+        return WorkerProfile(
+            tuple(PrefillPoint(p.prompt_tokens, p.ttft_s * prefill_factor) for p in self.prefill),
+            tuple(DecodePoint(d.concurrency, d.context_tokens, d.itl_s * decode_factor) for d in self.decode),
+        )
+
     def prefill_capacity(self, prompt_tokens: float, ttft_target_s: float) -> float:
         """Prompt tokens per second one worker carries while its mean TTFT meets the target (0: it cannot)."""
         service = self.ttft(prompt_tokens)

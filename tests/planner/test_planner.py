@@ -124,10 +124,16 @@ class Thresholds:
 
 
 def planner(
-    source: Recorded, connector: Connector, disaggregated: bool = True, leader: bool = True, **kw
+    source: Recorded,
+    connector: Connector,
+    disaggregated: bool = True,
+    leader: bool = True,
+    correct=False,
+    **kw,
 ) -> Planner:
+    """A planner stepping every 10 s; without corrections unless asked (the sizing then is the profile's own)."""
     config = PlannerConfig(MODEL, TARGETS, Bounds(1, 4, 1, 4, 8), interval_s=10.0, predictor="constant",
-                           disaggregated=disaggregated)  # fmt: skip
+                           disaggregated=disaggregated, correct=correct)  # fmt: skip
     leadership = type("Lease", (), {"is_leader": lambda self: leader, "release": lambda self: None})()
     return Planner(
         config, PROFILE, source, connector, PlannerMetrics.create(CollectorRegistry()), leadership, **kw
@@ -164,6 +170,33 @@ def test_steady_load_sizes_both_roles_and_scales_down_one_at_a_time() -> None:
     assert decision.after == {"prefill": 3, "decode": 2}  # down by one per role per interval
     assert connector.calls == [("prefill", 3), ("decode", 2)]
     assert "need prefill 1.50, decode 1.00" in decision.describe(MODEL)
+
+
+def test_corrections_scale_the_profile_by_observed_over_predicted_latency() -> None:
+    # 2 req/s of 1000-token prompts on 2 prefill workers: S = 0.5 s, rho = 2 x 0.5 / 2 = 0.5, predicted TTFT
+    # 0.5 + 0.5 x 0.5 / (2 x 0.5) = 0.75 s; observed 1.5 s -> sample 2.0, factor (1 + 2) / 2 = 1.5. Scaled S = 0.75:
+    # rho_max = 2 (1 - 0.75) / (2 - 0.75) = 0.4, capacity 0.4 x 1000 / 0.75 = 533.3 tok/s; 2000 / 533.3 = 3.75 -> 4.
+    # decode: streams = 2 x 100 x 0.03 / 1 = 6 per worker, under the smallest measured 8: profile ITL 0.04 s;
+    # observed 0.03 -> sample 0.75, factor (1 + 0.75) / 2 = 0.875; 8 / (0.04 x 0.875) = 228.6 tok/s; 200 -> 0.875 -> 1.
+    connector = Connector(prefill=2, decode=1)
+    p = planner(
+        Recorded(IDLE, frontend(20, 20, 20000, 2000, [1.5] * 20, [0.03] * 40)), connector, correct=True
+    )
+    p.step()
+    decision = p.step()
+    assert decision.correction == pytest.approx({"prefill": 1.5, "decode": 0.875})
+    assert decision.counts.prefill_need == pytest.approx(3.75)
+    assert decision.counts.decode_need == pytest.approx(0.875)
+    assert (decision.counts.prefill, decision.counts.decode) == (4, 1)
+    assert p.metrics.correction.labels(MODEL, "prefill")._value.get() == pytest.approx(1.5)
+
+
+def test_the_first_step_brings_each_role_to_its_minimum() -> None:
+    connector = Connector(prefill=0, decode=0)
+    assert (
+        planner(Recorded(IDLE), connector).step() is None
+    )  # nothing observed yet, but the floor holds at once
+    assert connector.calls == [("prefill", 1), ("decode", 1)]
 
 
 def test_aggregated_workers() -> None:
