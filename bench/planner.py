@@ -54,8 +54,8 @@ PHASES = (0.3, 0.15, 0.15, 0.15)  # low, ramp up, high, ramp down; the rest is l
 
 
 def rate_at(t: float, duration: float, low: float, high: float) -> float:
-    edges = [sum(PHASES[:i]) * duration for i in range(1, 5)]
-    if t < edges[0] or t >= edges[3] + PHASES[3] * duration:
+    edges = [sum(PHASES[:i]) * duration for i in range(1, 5)]  # ends of: low, ramp up, high, ramp down
+    if t < edges[0] or t >= edges[3]:
         return low
     if t < edges[1]:
         return low + (high - low) * (t - edges[0]) / (edges[1] - edges[0])

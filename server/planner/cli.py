@@ -98,6 +98,12 @@ def sla_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     group.add_argument("--min-workers", type=int, default=1, help="per role")
     group.add_argument("--max-workers", type=int, default=8, help="per role")
     group.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
+    group.add_argument(
+        "--scale-down-intervals",
+        type=int,
+        default=3,
+        help="intervals in a row the need must stay under a role's count before one of its workers is drained",
+    )
 
 
 def add_profile_parser(
@@ -180,12 +186,14 @@ def planner_config(args: argparse.Namespace, model: str, profile: Path | None, d
             raise ValueError(f"the planner needs --{flag.replace('_', '-')}")
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.scale_down_intervals < 1:
+        raise ValueError(f"--scale-down-intervals must be 1 or more, got {args.scale_down_intervals}")
     if not 0 <= args.min_workers <= args.max_workers <= args.max_total_workers:
         raise ValueError("expected 0 <= --min-workers <= --max-workers <= --max-total-workers")
     bounds = Bounds(args.min_workers, args.max_workers, max(args.min_workers, 1), args.max_workers,
                     args.max_total_workers)  # fmt: skip
     config = PlannerConfig(model, Targets(args.ttft_target, args.itl_target), bounds, args.adjustment_interval,
-                           args.predictor, disaggregated)  # fmt: skip
+                           args.predictor, disaggregated, scale_down_intervals=args.scale_down_intervals)  # fmt: skip
     if profile is None:
         raise ValueError(
             "the planner needs a worker profile (--planner-profile; write one with `strata profile`)"

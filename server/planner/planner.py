@@ -18,8 +18,10 @@ interval compares what was observed with what the profile predicts for that load
 
 and sizes on the profile scaled by them (each factor smoothed, half old and half new, within CORRECTION_RANGE).
 
-Scaling up happens at once; scaling down by at most one worker per role per interval (a worker drains before it
-goes, and a dip of one interval should not cost the next interval's capacity).
+Scaling up happens at once; scaling down by one worker per role, and only once the need has been under the count
+for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
+its start-up (model load, calibration) every time it comes back, and at low rates one interval's count of
+arrivals is mostly noise.
 
 With disaggregated workers and a `DisaggControl`, the planner also tunes the conditional-disaggregation
 thresholds (server/router/disagg.py):
@@ -71,6 +73,7 @@ class PlannerConfig:
     predictor: str = "moving_average"
     disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
     correct: bool = True  # scale the profile by the observed/predicted latency ratios
+    scale_down_intervals: int = 3  # intervals in a row the need must stay under the count before one goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,9 @@ class Planner:
         }
         self.roles = ("prefill", "decode") if config.disaggregated else ("both",)
         self.correction = {"prefill": 1.0, "decode": 1.0}
+        self._under = dict.fromkeys(
+            self.roles, 0
+        )  # intervals in a row each role had more workers than needed
         self._last: Snapshot | None = None
 
     def step(self) -> Decision | None:
@@ -159,7 +165,10 @@ class Planner:
         """Step every interval until `stop` is set; then give the lease up."""
         try:
             while not stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                except Exception:  # a bug in one step must not end planning: logged, the next step runs
+                    log.exception("planner %s: step failed", self.config.model)
                 stop.wait(self.config.interval_s)
         finally:
             if self.leadership is not None:
@@ -240,8 +249,12 @@ class Planner:
         after = dict(before)
         for role in self.roles:
             now = before.get(role, 0)
-            target = wanted[role] if wanted[role] >= now else now - 1  # down one at a time
-            if target == now:
+            self._under[role] = self._under[role] + 1 if wanted[role] < now else 0
+            if wanted[role] > now:
+                target = wanted[role]
+            elif self._under[role] >= self.config.scale_down_intervals:
+                target, self._under[role] = now - 1, 0  # down one at a time, after the window
+            else:
                 continue
             try:
                 self.connector.scale(role, target)

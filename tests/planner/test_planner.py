@@ -3,16 +3,20 @@ expected number worked out by hand in the comments. No server, no workers: a fak
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.openai.metrics import FrontendMetrics
 from server.planner.metrics import PlannerMetrics
-from server.planner.observe import Observation, RegistrySource, Snapshot
+from server.planner.observe import Observation, RegistrySource, ScrapeSource, Snapshot
 from server.planner.planner import Planner, PlannerConfig
 from server.planner.predict import Arima, Auto, Constant, MovingAverage, make_predictor
 from server.planner.sizing import Bounds, DecodePoint, PrefillPoint, Targets, WorkerProfile
+from tests.conftest import run_cli
 
 MODEL = "m"
 TARGETS = Targets(ttft_s=1.0, itl_s=0.05)
@@ -129,11 +133,14 @@ def planner(
     disaggregated: bool = True,
     leader: bool = True,
     correct=False,
+    scale_down_intervals: int = 1,
     **kw,
 ) -> Planner:
-    """A planner stepping every 10 s; without corrections unless asked (the sizing then is the profile's own)."""
+    """A planner stepping every 10 s; without corrections unless asked (the sizing then is the profile's own), and
+    scaling down at the first interval under the count unless told to wait longer."""
     config = PlannerConfig(MODEL, TARGETS, Bounds(1, 4, 1, 4, 8), interval_s=10.0, predictor="constant",
-                           disaggregated=disaggregated, correct=correct)  # fmt: skip
+                           disaggregated=disaggregated, correct=correct,
+                           scale_down_intervals=scale_down_intervals)  # fmt: skip
     leadership = type("Lease", (), {"is_leader": lambda self: leader, "release": lambda self: None})()
     return Planner(
         config, PROFILE, source, connector, PlannerMetrics.create(CollectorRegistry()), leadership, **kw
@@ -197,6 +204,19 @@ def test_the_first_step_brings_each_role_to_its_minimum() -> None:
         planner(Recorded(IDLE), connector).step() is None
     )  # nothing observed yet, but the floor holds at once
     assert connector.calls == [("prefill", 1), ("decode", 1)]
+
+
+def test_scale_down_waits_for_the_need_to_stay_low() -> None:
+    # 2 req/s needs 2 prefill workers (the steady test); 4 run. Window of 3 intervals: hold, hold, then 4 -> 3; the
+    # window starts over: hold, hold, 3 -> 2. A burst in between (need above the count) would reset it.
+    steady = [
+        frontend(20 * k, 20 * k, 20000 * k, 2000 * k, [0.6] * 20 * k, [0.03] * 40 * k) for k in range(7)
+    ]
+    connector = Connector(prefill=4, decode=1)
+    p = planner(Recorded(*steady), connector, scale_down_intervals=3)
+    p.step()
+    assert [p.step().after["prefill"] for _ in range(6)] == [4, 4, 3, 3, 3, 2]
+    assert connector.calls == [("prefill", 3), ("prefill", 2)]
 
 
 def test_aggregated_workers() -> None:
@@ -280,3 +300,61 @@ def test_arima_follows_a_trend_and_auto_picks_by_measured_error() -> None:
     assert auto.best == "arima" and auto.predict() == pytest.approx(21.0, abs=0.5)
     with pytest.raises(ValueError, match="--predictor 'prophet'"):
         make_predictor("prophet")
+
+
+def test_a_scrape_of_metrics_text_is_a_source() -> None:
+    metrics = FrontendMetrics.create(CollectorRegistry())
+    metrics.time_to_first_token.labels(MODEL).observe(0.2)
+    body = generate_latest(metrics.registry)
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        snapshot = ScrapeSource(f"http://127.0.0.1:{server.server_port}/metrics").snapshot(MODEL)
+    finally:
+        server.shutdown()
+    assert snapshot.values["strata_time_to_first_token_seconds_count"] == 1.0
+    with pytest.raises(OSError):
+        ScrapeSource("http://127.0.0.1:1/metrics", timeout_s=1).snapshot(MODEL)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile", "{missing}"], "--profile {missing}: No such file or directory"),
+        (["--profile", "{bad}"], "not a worker profile"),
+        (["--profile", "{good}"], "--connector local needs --model-repository and --redis-url"),
+        (["--profile", "{good}", "--ttft-target", "0"], "--ttft-target must be positive, got 0.0"),
+        (
+            ["--profile", "{good}", "--deployment", "decode", "--connector", "kubernetes"],
+            "expected ROLE=NAME",
+        ),
+    ],
+    ids=["no-profile", "bad-profile", "local-needs-redis", "zero-target", "bad-deployment"],
+)
+def test_strata_planner_refuses_bad_flags_naming_them(tmp_path, args, message) -> None:
+    files = {
+        "missing": tmp_path / "missing.json",
+        "bad": tmp_path / "bad.json",
+        "good": tmp_path / "good.json",
+    }
+    files["bad"].write_text('{"prefill": []}')
+    files["good"].write_text(
+        '{"prefill": [{"prompt_tokens": 128, "ttft_s": 0.2}], '
+        '"decode": [{"concurrency": 1, "context_tokens": 256, "itl_s": 0.05}]}'
+    )
+    args = [a.format(**files) for a in args]
+    base = ["planner", "--model", "m", "--metrics-url", "http://127.0.0.1:1/metrics", "--ttft-target", "1",
+            "--itl-target", "0.1", "--metrics-port", "0"]  # fmt: skip
+    result = run_cli(*base, *args)
+    assert result.returncode == 2
+    assert message.format(**files) in result.stderr
