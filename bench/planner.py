@@ -303,13 +303,23 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--runs", default="fixed-min,fixed-max,planner")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="reuse this profile (same ramp and requests)"
+    )
+    parser.add_argument(
+        "--baseline-json",
+        type=Path,
+        default=None,
+        help="take the runs not made now from this earlier report (same profile and seed)",
+    )
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="plan") as scratch:
         tmp = Path(scratch)
         repository = make_repository(tmp)
-        profile_path = RESULTS / "planner-profile.json"
-        profile(repository, profile_path)
+        profile_path = args.profile or RESULTS / "planner-profile.json"
+        if args.profile is None:
+            profile(repository, profile_path)
         worker_profile = load_profile(profile_path)
         probe = workload(args, [0.0] * 200)
         prompt = statistics.mean(len(p) for _, p, _ in probe)
@@ -330,6 +340,14 @@ def main() -> None:
         print(f"ramp {low:.2f} -> {high:.2f} req/s over {args.duration_s:.0f} s: {len(requests)} requests, "
               f"mean prompt {prompt:.0f} tokens, mean output {output:.0f}", flush=True)  # fmt: skip
         runs = [run(name, args, repository, profile_path, requests, tmp) for name in args.runs.split(",")]
+    if (
+        args.baseline_json is not None
+    ):  # e.g. re-run the planner alone against the fixed runs of the same ramp
+        earlier = json.loads(args.baseline_json.read_text())
+        if (earlier["rate_low"], earlier["rate_high"], earlier["requests"]) != (low, high, len(requests)):
+            raise SystemExit(f"{args.baseline_json}: another ramp (profile or seed differ)")
+        made = {r["run"] for r in runs}
+        runs = [r | {"from": str(args.baseline_json)} for r in earlier["runs"] if r["run"] not in made] + runs
     report = {"bench": "planner", "duration_s": args.duration_s, "rate_low": low, "rate_high": high,
               "ttft_target_s": args.ttft_target, "itl_target_s": args.itl_target, "requests": len(requests),
               "runs": runs}  # fmt: skip

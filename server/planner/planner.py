@@ -6,8 +6,9 @@ workers that meet the TTFT and ITL targets on the worker profile, and have the c
     size      disaggregated_workers / aggregated_workers on the profile  sizing.py
     act       connector.scale per role, only while this planner holds the lease   connector.py
 
-Queued prompt tokens go into the load as they are (never predicted away): a burst that queues requests scales
-prefill up in the interval it arrives, before any TTFT sample reports it.
+Queued prompt tokens beyond what the arrival rate explains (at rate r meeting the TTFT target, r x target requests
+wait for their first token: Little's law) go into the load as they are, never predicted away: a burst that queues
+requests scales prefill up in the interval it arrives, before any TTFT sample reports it.
 
 Corrections (as Dynamo's planner makes them): a deployment is rarely as fast as its profile, which measured one
 worker alone (an aggregated worker's decode steps wait for prefill chunks; other processes share the host). Each
@@ -202,11 +203,15 @@ class Planner:
         prompt_tokens = prompt.predict()
         if prompt_tokens <= 0 and observed.queued_requests > 0:  # nothing finished yet: the backlog's mean
             prompt_tokens = observed.queued_prompt_tokens / observed.queued_requests
+        prompt_tokens = max(prompt_tokens, 1.0)
+        # Requests waiting for their first token are normal: at rate r meeting the TTFT target, r x target of them
+        # are (Little's law), and the rate already counts them. Only what queues beyond that is a backlog to clear.
+        usual = observed.request_rate * self.config.targets.ttft_s * prompt_tokens
         return Load(
             request_rate=rate.predict(),
-            prompt_tokens=max(prompt_tokens, 1.0),
+            prompt_tokens=prompt_tokens,
             output_tokens=max(output.predict(), 1.0),
-            queued_prompt_tokens=observed.queued_prompt_tokens,
+            queued_prompt_tokens=max(0.0, observed.queued_prompt_tokens - usual),
         )
 
     def _correct(self, observed: Observation, workers: dict[str, int]) -> None:

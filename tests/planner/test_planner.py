@@ -164,6 +164,18 @@ def test_a_burst_that_only_queues_scales_prefill_up_before_any_ttft_sample() -> 
     assert connector.calls == [("prefill", 2)]
 
 
+def test_requests_waiting_as_the_rate_implies_are_no_backlog() -> None:
+    # 2 req/s meeting the 1 s TTFT target: 2 x 1 = 2 requests (2000 tokens) wait for a first token at any time
+    # (Little's law); they are in the rate already. 5000 queued tokens leave a backlog of 3000: 300 tok/s more.
+    for queued, backlog in ((2000, 0.0), (5000, 3000.0)):
+        p = planner(Recorded(IDLE, frontend(20, 20, 20000, 2000, [0.6] * 20, [0.03] * 40, 2, queued)),
+                    Connector(prefill=2, decode=1))  # fmt: skip
+        p.step()
+        decision = p.step()
+        assert decision.load.queued_prompt_tokens == backlog
+        assert decision.counts.prefill_need == pytest.approx((2000 + backlog / 10) / (4000 / 3))
+
+
 def test_steady_load_sizes_both_roles_and_scales_down_one_at_a_time() -> None:
     # 10 s: 20 first tokens (2 req/s), 20 finished with 1000 prompt and 100 output tokens each.
     # prefill: 2 x 1000 = 2000 tok/s / 1333.3 = 1.5 -> 2; decode at context 1000 + 50: 8 streams / 0.04 s = 200
