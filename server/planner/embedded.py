@@ -38,10 +38,9 @@ class EmbeddedPlanner:
     def start(
         cls, args: argparse.Namespace, engines: Mapping[str, Engine], registry: CollectorRegistry
     ) -> EmbeddedPlanner:
-        """Plan `args.planner` from now on; ValueError names the flag at fault."""
+        """Plan `args.planner` from now on (serve's flag checks already required --accept-remote-workers);
+        ValueError names the flag at fault."""
         model = args.planner
-        if not args.accept_remote_workers:
-            raise ValueError("--planner: its workers join through Redis; needs --accept-remote-workers")
         engine = engines.get(model)
         if engine is None:
             raise ValueError(
