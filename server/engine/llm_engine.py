@@ -25,6 +25,7 @@ from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt, request_salt
 from kvbm.connector import block_rows
 from kvbm.transfer import KVTransfer
+from server.engine import kernels
 from server.engine.api import (
     EngineOverloaded,
     EngineResources,
@@ -67,8 +68,14 @@ class LLMEngine:
         self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
         hf_config = load_config(self.files)
         shape = ModelShape.from_config(hf_config)
+        kernel = kernels.paged_attention() if config.paged_kernel and config.torch_device == "cpu" else None
         self.model = LlamaModel(
-            shape, load_weights(self.files), config.torch_dtype, config.torch_device, config.pack_weights
+            shape,
+            load_weights(self.files),
+            config.torch_dtype,
+            config.torch_device,
+            config.pack_weights,
+            kernel,
         )
         self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
         self._chat_tokenizer = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -72,13 +73,17 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decode rows [start, start+count) attended together: block tables padded to the group's longest sequence,
-    `mask` hides the padding (None when no row has any). Rows are grouped by length so little is padded."""
+    """Decode rows [start, start+count) attended together: block tables padded to the group's longest sequence.
+
+    With the compiled kernel (`lengths` set) one group holds every decode row and the kernel reads each row's
+    `lengths[i]` keys from the pool, never the padding. Without it the blocks are gathered, `mask` hides the
+    padding (None when no row has any), and rows are grouped by length so little is padded."""
 
     start: int
     count: int
     block_tables: torch.Tensor  # [count, max_blocks] int64
     mask: torch.Tensor | None  # [count, 1, 1, max_blocks*block_size] bool
+    lengths: torch.Tensor | None = None  # [count] int64: keys of each row (kernel path only)
 
 
 @dataclass(slots=True)
@@ -143,12 +148,15 @@ class LlamaModel:
         dtype: torch.dtype,
         device: str,
         pack_weights: bool = True,
+        decode_kernel: ModuleType | None = None,
     ):
+        """`decode_kernel`: the compiled paged attention (server/engine/kernels), for a CPU pool; None: gather."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
         # linear weights reordered once for the CPU GEMM kernel (see linear.py); the embedding stays plain
         self.packed = pack_weights and packed_linear.can_pack(self.device, dtype)
+        self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -208,10 +216,9 @@ class LlamaModel:
             qk = (qk * cos).add_(_rotate_half(qk).mul_(sin))  # RoPE on q and k heads at once
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            layer_cache = kv_cache.view(kv_cache.shape[0], s.num_layers, 2, -1)[:, index]
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
-            attn = self._attention(batch, q, k, v, layer_cache)
+            attn = self._attention(batch, q, k, v, kv_cache, index)
             hidden.add_(linear(attn, layer.o_proj))
             x = self._rms_norm(hidden, layer.post_norm)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -219,13 +226,20 @@ class LlamaModel:
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
         return linear(last, self.lm_head).float()
 
-    def _attention(self, batch: StepBatch, q, k, v, layer_cache: torch.Tensor) -> torch.Tensor:
-        """Attention output [T, H*D] for every row: decode rows batched, each prefill chunk on its own.
-        `layer_cache` is [num_blocks, 2, block_size*Hkv*D]: this layer's K and V rows of each block."""
+    def _attention(self, batch: StepBatch, q, k, v, kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+        """Attention output [T, H*D] for every row of `layer`: decode rows batched, each prefill chunk on its own."""
         s = self.shape
         out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
+        # this layer's K and V rows of each block: [num_blocks, 2, block_size*Hkv*D]
+        layer_cache = kv_cache.view(kv_cache.shape[0], s.num_layers, 2, -1)[:, layer]
         for group in batch.decode_groups:
             rows = slice(group.start, group.start + group.count)
+            if group.lengths is not None:
+                result = out[rows].view(group.count, s.num_heads, s.head_dim)
+                self.decode_kernel.decode_attention(
+                    q[rows], kv_cache, layer, group.block_tables, group.lengths, self.scale, result
+                )
+                continue
             keys, values = self._gather(layer_cache, group.block_tables)
             out[rows] = self._decode_attention(q[rows], keys, values, group.mask).reshape(group.count, -1)
         for chunk in batch.prefills:

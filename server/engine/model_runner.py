@@ -83,9 +83,12 @@ class ModelRunner:
         )
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
-        """Split decode rows (sorted by length) into groups whose padding stays under MAX_GROUP_PADDING_BLOCKS."""
+        """Split decode rows (sorted by length) into groups whose padding stays under MAX_GROUP_PADDING_BLOCKS;
+        one group of every row when the compiled kernel attends (it reads no padding)."""
         bs = self.block_size
         lengths = [c.seq.num_computed_tokens + 1 for c in decodes]  # keys each row attends to, ascending
+        if self.model.decode_kernel is not None:
+            return [self._kernel_group(decodes, lengths)] if decodes else []
         blocks = [-(-n // bs) for n in lengths]
         groups: list[DecodeGroup] = []
         start = 0
@@ -111,6 +114,15 @@ class ModelRunner:
             mask = keys.unsqueeze(0) < torch.tensor(lengths[start:end]).unsqueeze(1)
             mask = mask.view(end - start, 1, 1, -1).to(self.device)
         return DecodeGroup(start, end - start, tables.to(self.device), mask)
+
+    def _kernel_group(self, decodes, lengths: list[int]) -> DecodeGroup:
+        """Every decode row: block tables padded with block 0 (never read) and each row's key count."""
+        width = -(-lengths[-1] // self.block_size)
+        tables = torch.zeros(len(decodes), width, dtype=torch.int64)
+        for row, (chunk, length) in enumerate(zip(decodes, lengths, strict=True)):
+            used = -(-length // self.block_size)
+            tables[row, :used] = torch.tensor(chunk.seq.block_table[:used])
+        return DecodeGroup(0, len(decodes), tables, None, torch.tensor(lengths, dtype=torch.int64))
 
     def _logits_rows(self, chunks, decodes, prefills) -> torch.Tensor:
         """Row of each sampling chunk's last token, in `chunks` order (decode rows come first in the batch)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import PROMPTS, collect_concurrently, engine_config, greedy, run
 
 from server.engine.llm_engine import LLMEngine
@@ -53,11 +54,17 @@ def test_shared_prefix_then_divergence(engine, prompt_ids):
     assert second.new_token_ids == expected.new_token_ids
 
 
-def test_preemption_by_recompute_matches(prompt_ids, reference_outputs):
-    """A pool too small for all requests at once forces preemption; outputs must stay identical."""
+@pytest.mark.parametrize("paged_kernel", [True, False], ids=["kernel", "gather"])
+def test_preemption_by_recompute_matches(prompt_ids, reference_outputs, paged_kernel):
+    """A pool too small for all requests at once forces preemption; outputs must stay identical, whether decode
+    attention runs in the compiled kernel or gathers the blocks for torch's SDPA (grouped by length, masked)."""
     picked = [i for i, ids in enumerate(prompt_ids) if len(ids) < 200][:10]
     longest = max(len(prompt_ids[i]) for i in picked) + 16
-    tiny = LLMEngine(engine_config(num_kv_blocks=-(-longest // 16) + 8, max_num_batched_tokens=256))
+    config = engine_config(
+        num_kv_blocks=-(-longest // 16) + 8, max_num_batched_tokens=256, paged_kernel=paged_kernel
+    )
+    tiny = LLMEngine(config)
+    assert (tiny.model.decode_kernel is not None) == paged_kernel
     try:
         tokens = collect_concurrently(tiny, [greedy(prompt_ids[i], f"pre-{i}") for i in picked])
         stats = tiny.stats()

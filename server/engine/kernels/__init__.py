@@ -1,0 +1,74 @@
+"""C++ kernels for the CPU engine, compiled on this machine the first time they are asked for.
+
+`paged_attention()` returns the compiled module, or None when it cannot be built here (no C++ compiler, or a
+torch build without headers); the engine then takes its torch path and says so once in the log. The build
+(about 45 s here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed by torch's version and this CPU
+(and by torch on the sources and flags), so `make install` builds it once (`python -m server.engine.kernels`)
+and every process after loads it in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from server import settings
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def build_dir() -> Path:
+    """Where the build lives: `<STRATA_CACHE_DIR or ~/.cache/strata>/kernels/torch-<version>-<cpu>`, where <cpu>
+    hashes this CPU's model name and feature flags: a build for another CPU (a container image built elsewhere)
+    is never loaded, since `-march=native` code can fault there."""
+    return settings.cache_dir() / "kernels" / f"torch-{torch.__version__}-{_cpu_fingerprint()}"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = [platform.processor(), platform.machine()]
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return hashlib.blake2b("\n".join(sorted(set(wanted))).encode(), digest_size=6).hexdigest()
+
+
+def paged_attention() -> ModuleType | None:
+    """The compiled `decode_attention` module, built on first use; None when it cannot be built here."""
+    with _lock:
+        if "paged_attention" not in _loaded:
+            _loaded["paged_attention"] = _build("strata_paged_attention", SOURCE, build_dir())
+        return _loaded["paged_attention"]
+
+
+def _build(name: str, source: Path, directory: Path) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError, cpp_extension.CalledProcessError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning(
+            "paged attention kernel unavailable, decode attention gathers K/V in torch: %s", first_line
+        )
+        return None

@@ -1,0 +1,178 @@
+// Decode attention that reads K/V straight from the paged pool: no gather, no padding, no mask.
+//
+// One query token per sequence. The pool is the engine's block-major tensor
+//
+//     kv_cache[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+//
+// so key t of sequence b, kv head h, layer l lives at block block_tables[b][t / block_size], row t % block_size.
+// Each (sequence, kv head) pair is one task: the query heads that share the kv head (GQA) are scored together,
+// a block at a time, with an online softmax (running max and sum, rescaled once per block), in fp32 whatever
+// the pool's dtype. Tasks run on torch's intra-op threads (at::parallel_for).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+
+// e^x for x <= 0 (scores minus their running max), relative error under 2e-7: x = n ln2 + r with |r| <= ln2/2,
+// e^r by a degree-6 Taylor polynomial, 2^n put in the exponent bits. Plain arithmetic, so the loops that call it
+// vectorize (std::exp is a scalar libm call per score, and was most of the kernel's time).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x is under FLT_MIN: treat as the smallest normal, which sums as 0
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;  // ln2 split in two for accuracy
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = at::BFloat16(v); }
+
+// Query heads [0, heads) of one sequence, `group` of them per kv head: query head g reads kv head g / group.
+// Every block's rows for these heads are used while they are in cache, so the pool streams from memory once.
+template <typename T>
+void decode_task(const T* q, const T* layer_k, const T* layer_v, int64_t block_stride, int64_t token_stride,
+                 const int64_t* table, int64_t seq_len, int64_t block_size, int64_t heads, int64_t group,
+                 int64_t head_dim, float scale, T* out, float* scratch) {
+  // scratch: heads*head_dim query (fp32) + heads*head_dim accumulator + heads*block_size scores
+  float* query = scratch;
+  float* acc = query + heads * head_dim;
+  float* scores = acc + heads * head_dim;
+  std::vector<float> running_max(heads, 0.0f);
+  std::vector<float> running_sum(heads, 0.0f);
+  for (int64_t g = 0; g < heads; ++g) {
+    for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = load(q + g * head_dim, d) * scale;
+  }
+  std::fill(acc, acc + heads * head_dim, 0.0f);
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    const int64_t base = table[i] * block_stride;
+    const int64_t rows = std::min(block_size, seq_len - i * block_size);
+    for (int64_t g = 0; g < heads; ++g) {
+      const float* qg = query + g * head_dim;
+      float block_max = i == 0 ? -std::numeric_limits<float>::max() : running_max[g];
+      for (int64_t t = 0; t < rows; ++t) {
+        const T* key = layer_k + base + t * token_stride + (g / group) * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key, d);
+        scores[g * block_size + t] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      // the running sum and accumulator are 0 until the first block, so any finite rescale works there
+      const float rescale = i == 0 ? 0.0f : exp_nonpositive(running_max[g] - block_max);
+      running_max[g] = block_max;
+      float* ag = acc + g * head_dim;
+      float* sg = scores + g * block_size;
+      float sum = running_sum[g] * rescale;
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < rows; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - block_max);
+        sum += sg[t];
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        const float p = sg[t];
+        const T* value = layer_v + base + t * token_stride + (g / group) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * load(value, d);
+      }
+      running_sum[g] = sum;
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) store(out + g * head_dim, d, acc[g * head_dim + d] * inv);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           at::Tensor& out) {
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_layers = kv_cache.size(1), block_size = kv_cache.size(3), num_kv_heads = kv_cache.size(4);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t half = block_size * token_stride;          // K (or V) of one layer of one block
+  const int64_t block_stride = num_layers * 2 * half;      // one block, every layer
+  const T* pool = kv_cache.data_ptr<T>();
+  const T* keys = pool + layer * 2 * half;
+  const T* values = keys + half;
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t table_width = block_tables.size(1);
+  const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
+  const float fscale = static_cast<float>(scale);
+  // a task is a whole sequence (its K/V rows are contiguous in each block), unless there are fewer sequences
+  // than threads: then each kv head of a sequence is a task of its own
+  const int64_t splits = batch >= at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t kv_per_task = num_kv_heads / splits;
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch((2 * head_dim + block_size) * kv_per_task * group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, h = (task % splits) * kv_per_task;
+      decode_task<T>(q + b * q_stride + h * group * head_dim, keys + h * head_dim, values + h * head_dim,
+                     block_stride, token_stride, tables + b * table_width, lens[b], block_size,
+                     kv_per_task * group, group, head_dim, fscale, o + b * o_stride + h * group * head_dim,
+                     scratch.data());
+    }
+  });
+}
+
+}  // namespace
+
+// query [B, H, D] (rows contiguous), kv_cache as above (contiguous), block_tables [B, W] int64, seq_lens [B]
+// int64 (keys each row attends to, <= W * block_size), out [B, H, D] written.
+void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [B, H, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 6-d pool");
+  TORCH_CHECK(kv_cache.size(5) == query.size(2), "head_dim of query and pool differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(4) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.numel() == query.size(0), "seq_lens: int64 [B]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2), "out shape");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, pool and out must share a dtype");
+  if (query.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(query, kv_cache, layer, block_tables, seq_lens, scale, out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<at::BFloat16>(query, kv_cache, layer, block_tables, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,73 @@
+"""The compiled decode kernel against torch's SDPA over the same keys gathered from the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.engine.kernels import paged_attention
+
+LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 3, 16, 3, 64, 9
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = paged_attention()
+    if module is None:
+        pytest.fail("the paged attention kernel did not build on this machine (see the log)")
+    return module
+
+
+def reference(query, pool, layer, tables, lengths, scale):
+    """Gather each row's keys in token order, then SDPA with GQA: [B, H, D]."""
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        blocks = tables[b, : -(-length // BLOCK_SIZE)]
+        keys = pool[blocks, layer, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1).float()
+        values = pool[blocks, layer, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1).float()
+        q = query[b].float().unsqueeze(1)  # [H, 1, D]
+        rows.append(F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matches_sdpa_on_ragged_lengths_and_scattered_blocks(kernel, dtype, tolerance):
+    torch.manual_seed(0)
+    pool = torch.randn(64, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
+    lengths = torch.tensor([1, 15, 16, 17, 100, 333], dtype=torch.int64)  # partial, full and one-token blocks
+    width = int(-(-lengths.max() // BLOCK_SIZE))
+    tables = torch.stack([torch.randperm(64)[:width] for _ in lengths])  # blocks in no particular order
+    query = torch.randn(len(lengths), HEADS, HEAD_DIM).to(dtype)
+    scale = HEAD_DIM**-0.5
+    for layer in range(LAYERS):
+        out = torch.empty_like(query)
+        kernel.decode_attention(query, pool, layer, tables, lengths, scale, out)
+        expected = reference(query, pool, layer, tables, lengths, scale)
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_padding_past_a_row_length_is_never_read(kernel):
+    """Table entries past a row's length may be anything (here: out of range); they are not touched."""
+    pool = torch.randn(8, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    tables = torch.tensor([[3, 10**9, -5], [1, 2, 4]], dtype=torch.int64)
+    lengths = torch.tensor([16, 40], dtype=torch.int64)
+    query = torch.randn(2, HEADS, HEAD_DIM)
+    out = torch.empty_like(query)
+    kernel.decode_attention(query, pool, 1, tables, lengths, 0.125, out)
+    expected = reference(query, pool, 1, tables.clamp(0, 7), lengths, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_refused_naming_the_argument(kernel):
+    pool = torch.randn(8, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    query = torch.randn(1, HEADS, HEAD_DIM)
+    tables, lengths = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        kernel.decode_attention(query, pool, 0, tables.int(), lengths, 0.1, torch.empty_like(query))
+    with pytest.raises(RuntimeError, match="layer"):
+        kernel.decode_attention(query, pool, LAYERS, tables, lengths, 0.1, torch.empty_like(query))
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.decode_attention(
+            query.double(), pool, 0, tables, lengths, 0.1, torch.empty_like(query).double()
+        )
