@@ -68,11 +68,13 @@ class LLMEngine:
         self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
         hf_config = load_config(self.files)
         shape = ModelShape.from_config(hf_config)
+        dtype = config.torch_dtype  # `auto` resolved once, for this machine
+        dtype_name = str(dtype).removeprefix("torch.")
         kernel = kernels.paged_attention() if config.paged_kernel and config.torch_device == "cpu" else None
         self.model = LlamaModel(
             shape,
             load_weights(self.files),
-            config.torch_dtype,
+            dtype,
             config.torch_device,
             config.pack_weights,
             kernel,
@@ -85,10 +87,10 @@ class LLMEngine:
             config.max_tokens_limit, self.max_model_len
         )  # largest max_tokens accepted
         self.layout = KVLayout(
-            fingerprint=f"{self.files.name}|{config.dtype}|bs{config.block_size}"
+            fingerprint=f"{self.files.name}|{dtype_name}|bs{config.block_size}"
             f"|l{shape.num_layers}h{shape.num_kv_heads}d{shape.head_dim}",
             num_layers=shape.num_layers, block_size=config.block_size, num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim, dtype=config.torch_dtype,
+            head_dim=shape.head_dim, dtype=dtype,
         )  # fmt: skip
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // self.layout.block_bytes)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
@@ -129,7 +131,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             self.model.device,
-            config.dtype,
+            dtype_name + (" (auto)" if config.dtype == "auto" else ""),
         )
 
     @classmethod
