@@ -10,6 +10,7 @@ and every process after loads it in well under a second.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import platform
 import threading
@@ -49,8 +50,23 @@ def paged_attention() -> ModuleType | None:
     """The compiled `decode_attention` module, built on first use; None when it cannot be built here."""
     with _lock:
         if "paged_attention" not in _loaded:
-            _loaded["paged_attention"] = _build("strata_paged_attention", SOURCE, build_dir())
+            _loaded["paged_attention"] = _load("strata_paged_attention", SOURCE)
         return _loaded["paged_attention"]
+
+
+def _load(name: str, source: Path) -> ModuleType | None:
+    """Import the build for these sources and flags if there is one (no lock, no compiler), else build it.
+    Loading a finished build directly matters: torch's builder serialises on a lock file that a process killed
+    mid-build would leave behind, and every engine start would wait on it."""
+    digest = hashlib.blake2b(source.read_bytes() + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    directory = build_dir() / digest
+    library = directory / f"{name}.so"
+    if library.exists():
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return _build(name, source, directory)
 
 
 def _build(name: str, source: Path, directory: Path) -> ModuleType | None:
