@@ -91,6 +91,10 @@ def prompt_ids(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def reference_outputs(hf_model, prompt_ids: list[list[int]]) -> list[list[int]]:
+    return hf_greedy(hf_model, prompt_ids)
+
+
+def hf_greedy(hf_model, prompt_ids: list[list[int]]) -> list[list[int]]:
     """transformers greedy continuations (do_sample=False), one prompt at a time, stopping at EOS."""
     outputs = []
     with torch.inference_mode():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_TOKENS, PROMPTS, collect_concurrently, engine_config, greedy
+from conftest import PROMPTS, collect_concurrently, engine_config, greedy, hf_greedy
 
 from server.engine.llm_engine import LLMEngine
 
@@ -25,18 +25,7 @@ def hf_bf16_outputs(bf16_engine, prompt_ids):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(bf16_engine.files.folder, dtype=torch.bfloat16).eval()
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            result = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=2,
-                eos_token_id=2,
-            )
-            outputs.append(result[0, len(ids) :].tolist())
-    return outputs
+    return hf_greedy(model, prompt_ids)
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[float, list[int | None]]:
