@@ -103,11 +103,8 @@ class ModelRunner:
 
     def _decode_group(self, decodes, lengths: list[int], start: int, end: int) -> DecodeGroup:
         """Rows [start, end): block tables padded to the longest, and the key mask (None when nothing is padded)."""
-        width = -(-lengths[end - 1] // self.block_size)
-        tables = torch.zeros(end - start, width, dtype=torch.int64)
-        for row in range(start, end):
-            used = -(-lengths[row] // self.block_size)
-            tables[row - start, :used] = torch.tensor(decodes[row].seq.block_table[:used])
+        tables = self._block_tables(decodes, lengths, start, end)
+        width = tables.shape[1]
         mask = None
         if any(n != width * self.block_size for n in lengths[start:end]):
             keys = torch.arange(width * self.block_size)
@@ -117,12 +114,16 @@ class ModelRunner:
 
     def _kernel_group(self, decodes, lengths: list[int]) -> DecodeGroup:
         """Every decode row: block tables padded with block 0 (never read) and each row's key count."""
-        width = -(-lengths[-1] // self.block_size)
-        tables = torch.zeros(len(decodes), width, dtype=torch.int64)
-        for row, (chunk, length) in enumerate(zip(decodes, lengths, strict=True)):
-            used = -(-length // self.block_size)
-            tables[row, :used] = torch.tensor(chunk.seq.block_table[:used])
+        tables = self._block_tables(decodes, lengths, 0, len(decodes))
         return DecodeGroup(0, len(decodes), tables, None, torch.tensor(lengths, dtype=torch.int64))
+
+    def _block_tables(self, decodes, lengths: list[int], start: int, end: int) -> torch.Tensor:
+        """[end - start, blocks of the longest row] int64: rows [start, end)'s block tables, padded with block 0."""
+        tables = torch.zeros(end - start, -(-lengths[end - 1] // self.block_size), dtype=torch.int64)
+        for row in range(start, end):
+            used = -(-lengths[row] // self.block_size)
+            tables[row - start, :used] = torch.tensor(decodes[row].seq.block_table[:used])
+        return tables
 
     def _logits_rows(self, chunks, decodes, prefills) -> torch.Tensor:
         """Row of each sampling chunk's last token, in `chunks` order (decode rows come first in the batch)."""
