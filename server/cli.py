@@ -65,7 +65,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
     p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
     _request_limit_flags(p.add_argument_group("OpenAI request limits (checked before a prompt is tokenized)"))
-    llm = p.add_argument_group("LLM serving (models with backend strata_llm)")
+    llm = p.add_argument_group("LLM serving (models with backend strata_llm or vllm)")
+    llm.add_argument(
+        "--vllm-python",
+        default=settings.vllm_python(),
+        help="the Python of a venv with vLLM (make vllm builds .venv-vllm): models with backend vllm run in "
+        "worker processes started with it (default: STRATA_VLLM_PYTHON)",
+    )
     llm.add_argument(
         "--workers",
         type=int,

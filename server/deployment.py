@@ -9,6 +9,8 @@ decides (model.json, instance_group) and `start` builds it:
     P prefill + D decode workers    disaggregated: the same, with a second router over the prefill workers and the
                                     conditional rule (server/router/disagg.py); from --prefill-workers and
                                     --decode-workers, or config.pbtxt parameters `prefill_workers`/`decode_workers`
+    backend "vllm"                  N >= 1 worker processes under --vllm-python, each running vLLM (server/vllm_engine),
+                                    behind the same RoutedEngine; their vLLM KV events feed the same index
     remote workers accepted         every model routed (N >= 0 processes here) and a Discovery thread adding the
                                     `strata worker` processes that register for the model in Redis
 
@@ -40,13 +42,16 @@ from server.engine.api import Engine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.errors import ConfigError
+from server.repository.model_config import VLLM
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
 from server.router.disagg import DisaggConfig, DisaggRule
 from server.router.metrics import RouterMetrics
 from server.router.routed import RoutedEngine
 from server.router.router import Router
+from server.vllm_engine.config import VLLMConfig
 from server.workers.discovery import Discovery
+from server.workers.external import ExternalSpec
 from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
@@ -82,6 +87,7 @@ class LLMServing:
     prefill_workers: int | None = None
     decode_workers: int | None = None
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    vllm_python: str | None = None  # the interpreter of a venv with vLLM (--vllm-python), for backend vllm
 
 
 @dataclass(slots=True)
@@ -91,9 +97,15 @@ class EnginePlan:
 
     name: str
     version: int
-    config: EngineConfig
+    config: EngineConfig | VLLMConfig
     workers: int  # engine processes; 1 without remote workers means in this process; 0: remote workers only
     roles: list[str] | None = None
+
+    @property
+    def summary(self) -> str:
+        if isinstance(self.config, VLLMConfig):
+            return f"vLLM, {self.config.engine_args['model']}"
+        return f"{self.config.model}, {self.config.dtype}"
 
 
 class LLMDeployment:
@@ -110,6 +122,8 @@ class LLMDeployment:
     def plan(self, model: ModelSource) -> EnginePlan:
         """Read and validate the model's engine settings; ValueError names model.json and the field."""
         version = model.versions[-1]
+        if model.backend == VLLM:
+            return self._plan_vllm(model, version)
         config = EngineConfig.from_json(model.path / str(version) / model.model_filename)
         config.model_name = model.name
         for key, value in self.serving.overrides.items():
@@ -124,6 +138,25 @@ class LLMDeployment:
         if self.serving.remote_workers is None:
             workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
         return EnginePlan(model.name, version, config, workers)
+
+    def _plan_vllm(self, model: ModelSource, version: int) -> EnginePlan:
+        """A Triton vLLM-backend model: vLLM in worker processes of the vLLM venv (never in this process)."""
+        pbtxt = model.path / "config.pbtxt"
+        if self.serving.vllm_python is None:
+            raise ConfigError(
+                pbtxt,
+                'backend "vllm" runs vLLM in worker processes of a vLLM venv: start strata serve with '
+                "--vllm-python (or STRATA_VLLM_PYTHON); `make vllm` builds .venv-vllm",
+            )
+        if self._roles(model) is not None:
+            raise ConfigError(pbtxt, 'disaggregated serving is not available for backend "vllm" yet')
+        config = VLLMConfig.from_json(model.path / str(version) / model.model_filename)
+        config.model_name = model.name
+        config.apply_overrides(self.serving.overrides)
+        workers = self.serving.workers
+        if workers is None:
+            workers = model.config.instance_group[0].count if model.config.instance_group else 1
+        return EnginePlan(model.name, version, config, max(workers, 1))
 
     def _roles(self, model: ModelSource) -> list[str] | None:
         """Disaggregated roles of the model's worker processes, prefill first (None: aggregated). The flags win
@@ -153,7 +186,8 @@ class LLMDeployment:
 
     def start(self, plan: EnginePlan) -> Engine:
         """Build the model's engine and add it to `engines` (stop the running one first)."""
-        if plan.workers == 1 and self.serving.remote_workers is None and plan.roles is None:
+        in_process = isinstance(plan.config, EngineConfig) and plan.roles is None
+        if in_process and plan.workers == 1 and self.serving.remote_workers is None:
             engine = self._in_process(plan)
         else:
             engine = self._routed(plan)
@@ -175,6 +209,7 @@ class LLMDeployment:
             self.stop(name)
 
     def _in_process(self, plan: EnginePlan) -> Engine:
+        assert isinstance(plan.config, EngineConfig)
         connector = None
         if self.serving.kvbm is not None:
             connector = build_connector(
@@ -190,9 +225,13 @@ class LLMDeployment:
             plan.roles is not None and self.serving.remote_workers is not None
         ):  # decode workers on other hosts
             transfer = KVTransferConfig(self.serving.cluster_secret)
-        spec = WorkerSpec(
-            build_llm_engine, (plan.config, self.serving.kvbm, transfer), forward_events=not standalone
-        )
+        spec: WorkerSpec | ExternalSpec
+        if isinstance(plan.config, VLLMConfig):
+            spec = self._vllm_spec(plan.config, forward_events=not standalone)
+        else:
+            spec = WorkerSpec(
+                build_llm_engine, (plan.config, self.serving.kvbm, transfer), forward_events=not standalone
+            )
         if plan.roles is None:
             worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         else:
@@ -222,6 +261,17 @@ class LLMDeployment:
         if self.serving.remote_workers is not None:
             self._discoveries[plan.name] = self._discover(plan.name, routed, event_sink)
         return routed
+
+    def _vllm_spec(self, config: VLLMConfig, forward_events: bool) -> ExternalSpec:
+        if not forward_events:
+            log.warning(
+                "%s: vLLM workers forward their KV events to this server's index only; with --kvbm-service "
+                "the router does not see their blocks",
+                config.model_name,
+            )
+        assert self.serving.vllm_python is not None
+        engine = {"engine_args": config.engine_args, "source": config.source, "model_name": config.model_name}
+        return ExternalSpec("vllm", engine, self.serving.vllm_python, forward_events=forward_events)
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
         """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""

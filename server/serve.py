@@ -161,6 +161,7 @@ def llm_serving(args: argparse.Namespace) -> LLMServing:
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         disagg=disagg,
+        vllm_python=args.vllm_python,
     )
 
 

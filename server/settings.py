@@ -27,6 +27,11 @@ def api_key() -> str | None:
     return os.environ.get("STRATA_API_KEY") or None
 
 
+def vllm_python() -> str | None:
+    """The Python of a venv with vLLM, for models with backend vllm (STRATA_VLLM_PYTHON)."""
+    return os.environ.get("STRATA_VLLM_PYTHON") or None
+
+
 def cluster_secret() -> str | None:
     """The cluster secret itself (STRATA_CLUSTER_SECRET), when no --cluster-secret-file names a file."""
     return os.environ.get("STRATA_CLUSTER_SECRET") or None

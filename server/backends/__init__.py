@@ -23,7 +23,7 @@ from server.backends import python, pytorch
 from server.backends.staging import ModelLoader, StagedBackend
 from server.backends.unavailable import UnavailableBackend
 from server.repository.backend import BackendRegistry, ModelBackend
-from server.repository.model_config import LIBTORCH, LLM, PYTHON
+from server.repository.model_config import LIBTORCH, LLM_BACKENDS, PYTHON
 
 
 def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendRegistry:
@@ -33,5 +33,6 @@ def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendReg
         LIBTORCH: StagedBackend(triton, pytorch.stage),
     }
     if llm is not None:
-        backends[LLM] = llm
+        for name in LLM_BACKENDS:  # Strata's engine and vLLM: one binding, the deployment picks the engine
+            backends[name] = llm
     return BackendRegistry(backends, UnavailableBackend(triton))

@@ -114,12 +114,7 @@ class LLMBackend:
             self.unload(model.name)
             raise self._unavailable(model.name, exc) from exc
         log.info(
-            "%s: serving version %d on %d worker(s) (%s, %s)",
-            model.name,
-            plan.version,
-            plan.workers,
-            plan.config.model,
-            plan.config.dtype,
+            "%s: serving version %d on %d worker(s) (%s)", model.name, plan.version, plan.workers, plan.summary
         )
 
     def unload(self, name: str) -> None:

@@ -20,12 +20,14 @@ ModelConfig = model_config_pb2.ModelConfig
 PYTHON = "python"
 LIBTORCH = "pytorch"
 LLM = "strata_llm"
+VLLM = "vllm"  # Triton's vLLM backend: model.json holds vLLM's engine arguments, vLLM runs them (server/vllm_engine)
+LLM_BACKENDS = (LLM, VLLM)
 _BACKEND_ALIASES = {
     "python": PYTHON,
     "pytorch": LIBTORCH,
     "pytorch_libtorch": LIBTORCH,
     "strata_llm": LLM,
-    "vllm": LLM,  # configs written for Triton's vLLM backend run on Strata's engine
+    "vllm": VLLM,
 }
 
 
@@ -46,7 +48,7 @@ def parse_config(path: Path, text: str | None = None) -> ModelConfig:
 
 
 def backend_of(config: ModelConfig, path: Path, text: str) -> str:
-    """Strata's backend for this config: one of PYTHON, LIBTORCH, LLM."""
+    """Strata's backend for this config: one of PYTHON, LIBTORCH, LLM, VLLM."""
     declared = config.backend or config.platform
     if not declared:
         raise ConfigError(

@@ -16,6 +16,7 @@ from server.repository.model_config import (
     LIBTORCH,
     LLM,
     PYTHON,
+    VLLM,
     ModelConfig,
     backend_of,
     check_name,
@@ -24,7 +25,7 @@ from server.repository.model_config import (
 
 Fingerprint = tuple[tuple[str, int, int], ...]  # (relative path, size in bytes, mtime in ns) of every file
 
-_DEFAULT_FILENAME = {PYTHON: "model.py", LIBTORCH: "model.pt", LLM: "model.json"}
+_DEFAULT_FILENAME = {PYTHON: "model.py", LIBTORCH: "model.pt", LLM: "model.json", VLLM: "model.json"}
 
 
 @dataclass(slots=True)

@@ -40,6 +40,8 @@ from server.engine.api import (
     RequestId,
     max_output_tokens,
 )
+from server.workers import external
+from server.workers.external import ExternalSpec
 from server.workers.protocol import (
     Abort,
     Accepted,
@@ -78,6 +80,19 @@ class WorkerDied(EngineUnavailable):
     """The worker process exited or stopped answering."""
 
 
+class WorkerProcess(Protocol):
+    """A worker process this server started: multiprocessing's Process, or `external.ChildProcess`."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class WorkerListener(Protocol):
     """Told about a worker's life, on its receiver thread (the router: `RoutedEngine`)."""
 
@@ -105,7 +120,7 @@ class RemoteEngine:
     def __init__(
         self,
         worker_id: WorkerId,
-        process: multiprocessing.process.BaseProcess | None,
+        process: WorkerProcess | None,
         channel: Channel,
         info: WorkerInfo,
         heartbeat_timeout_s: float,
@@ -152,21 +167,26 @@ class RemoteEngine:
     def spawn(
         cls,
         worker_id: WorkerId,
-        spec: WorkerSpec,
+        spec: WorkerSpec | ExternalSpec,
         start_timeout_s: float = 300.0,
         heartbeat_timeout_s: float = 5.0,
         call_timeout_s: float = 60.0,
         event_sink: EventSink | None = None,
     ) -> RemoteEngine:
-        """Start a worker process (spawn) and wait until its engine is built; its forwarded KVBM events (see
+        """Start a worker process (spawn, or under another Python for an `ExternalSpec`) and wait until its
+        engine is built; its forwarded KVBM events (see
         `WorkerSpec.forward_events`) go to `event_sink` (the router's index in embedded mode)."""
-        spec = dataclasses.replace(spec, worker_id=worker_id)
+        spec = _replace(spec, worker_id=worker_id)
         address = ChannelAddress.fresh()
         channel = Channel(address, server_side=True)
-        process = multiprocessing.get_context("spawn").Process(
-            target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True
-        )
-        process.start()
+        process: WorkerProcess
+        if isinstance(spec, ExternalSpec):  # under another Python (the engine's own venv)
+            process = external.start(spec, address)
+        else:
+            process = multiprocessing.get_context("spawn").Process(
+                target=worker_main, args=(spec, address), name=f"strata-worker-{worker_id}", daemon=True
+            )
+            process.start()
         try:
             info = _wait_for_hello(
                 worker_id, process, channel, time.monotonic() + start_timeout_s, event_sink
@@ -438,7 +458,7 @@ class RemoteEngine:
 
 def _wait_for_hello(
     worker_id: WorkerId,
-    process: multiprocessing.process.BaseProcess | None,
+    process: WorkerProcess | None,
     channel: Channel,
     deadline: float,
     event_sink: EventSink | None,
@@ -468,11 +488,14 @@ def _wait_for_hello(
 
 
 def spawn_workers(
-    worker_ids: Sequence[WorkerId], spec: WorkerSpec, roles: Sequence[str] | None = None, **options: Any
+    worker_ids: Sequence[WorkerId],
+    spec: WorkerSpec | ExternalSpec,
+    roles: Sequence[str] | None = None,
+    **options: Any,
 ) -> list[RemoteEngine]:
     """Start several workers at once (engine loads overlap), each with its role (default: the spec's); if one
     fails, stop the others and raise."""
-    specs = [dataclasses.replace(spec, role=role) for role in roles] if roles else [spec] * len(worker_ids)
+    specs = [_replace(spec, role=role) for role in roles] if roles else [spec] * len(worker_ids)
     with ThreadPoolExecutor(max_workers=len(worker_ids)) as pool:
         futures = [
             pool.submit(RemoteEngine.spawn, worker_id, s, **options)
@@ -486,3 +509,9 @@ def spawn_workers(
                 future.result().close()
         raise failures[0]  # type: ignore[misc]
     return [future.result() for future in futures]
+
+
+def _replace(spec: WorkerSpec | ExternalSpec, **changes: Any) -> WorkerSpec | ExternalSpec:
+    if isinstance(spec, ExternalSpec):
+        return msgspec.structs.replace(spec, **changes)
+    return dataclasses.replace(spec, **changes)

@@ -92,17 +92,32 @@ def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
         level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s"
     )
     channel = Channel(address, server_side=False)
+
+    def build(events: EventSink | None) -> LocalEngine:
+        return spec.factory(*spec.args, worker_id=spec.worker_id, events=events)
+
+    run_worker(channel, build, spec.forward_events, spec.role, spec.heartbeat_s)
+
+
+def run_worker(
+    channel: Channel,
+    build: Callable[[EventSink | None], LocalEngine],
+    forward_events: bool,
+    role: str,
+    heartbeat_s: float,
+) -> None:
+    """A spawned worker's life on its channel: build the engine (Failed if that raises), say Hello, beat, serve
+    until Stop; `build` gets the EventSink of forwarded KVBM events, or None."""
     try:
-        events = ChannelEvents(channel) if spec.forward_events else None
-        engine = spec.factory(*spec.args, worker_id=spec.worker_id, events=events)
+        engine = build(ChannelEvents(channel) if forward_events else None)
     except Exception as exc:
         logger.exception("building the engine failed")
         channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         channel.close()
         return
-    channel.send(Hello(describe(engine, calibrate_logged(engine), spec.role)))
+    channel.send(Hello(describe(engine, calibrate_logged(engine), role)))
     stop = threading.Event()
-    beat = start_heartbeat(channel, engine, spec.heartbeat_s, stop, parent_pid=os.getppid())
+    beat = start_heartbeat(channel, engine, heartbeat_s, stop, parent_pid=os.getppid())
     try:
         reason = serve_channel(channel, engine)
         logger.info("serving ended: %s", reason)

@@ -1,0 +1,93 @@
+"""A model folder written for Triton's vLLM backend: `config.pbtxt` says `backend: "vllm"` and `<version>/model.json`
+holds vLLM's engine arguments (`AsyncEngineArgs` fields) as Triton's docs show them:
+
+    {"model": "facebook/opt-125m", "disable_log_requests": true, "gpu_memory_utilization": 0.5,
+     "enforce_eager": true}
+
+The server reads the file and checks its shape here; the worker that runs vLLM checks each argument against the
+installed vLLM (`engine.py`), so an unknown or bad one fails the model's load with the file and key named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Set by Strata on every vLLM engine: it subscribes to these events and reads these stats itself.
+MANAGED_ARGS = ("kv_events_config", "disable_log_stats")
+# Triton's documented model.json still says this; vLLM 0.10 replaced it with enable_log_requests (default off).
+RENAMED_ARGS = {"disable_log_requests": ("enable_log_requests", lambda value: not value)}
+# `strata serve` flags (EngineConfig names) that have a vLLM engine argument; the others do not apply to vLLM.
+OVERRIDES = {
+    "max_model_len": "max_model_len",
+    "max_concurrent_requests": "max_num_seqs",
+    "block_size": "block_size",
+    "num_kv_blocks": "num_gpu_blocks_override",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+}
+DEFAULT_MAX_MODEL_LEN = 4096  # only until the first worker says what vLLM derived from the model
+
+
+@dataclass(slots=True)
+class VLLMConfig:
+    """vLLM's engine arguments for one model, as the worker will pass them to `AsyncEngineArgs`."""
+
+    engine_args: dict[str, Any]
+    source: str  # the model.json, for error messages the worker sends back
+    model_name: str | None = None  # the served name (the model's folder)
+    ignored_overrides: list[str] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        value = self.engine_args.get("max_model_len")
+        return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_MODEL_LEN
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> VLLMConfig:
+        """Read a vLLM-backend model.json; errors name the file (and the line, for JSON syntax)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(path, f"invalid JSON: {err.msg}", err.lineno, err.colno) from err
+        except OSError as err:
+            raise ConfigError(path, f"cannot read: {err.strerror}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                path, f"expected a JSON object of vLLM engine arguments, got {type(raw).__name__}"
+            )
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(path, "model: a non-empty string is required (a local model folder)")
+        for key in MANAGED_ARGS:
+            if key in raw:
+                raise ConfigError(path, f"{key}: set by Strata on every vLLM engine; remove it")
+        for old, (new, convert) in RENAMED_ARGS.items():
+            if old in raw:
+                raw[new] = convert(raw.pop(old))
+        local = path.parent / model
+        if not Path(model).is_absolute() and local.exists():
+            raw["model"] = str(local.resolve())  # a folder next to model.json, as for Strata's engine
+        return cls(raw, str(path))
+
+    def apply_overrides(self, overrides: dict[str, Any]) -> None:
+        """`strata serve` flags that set engine fields: those vLLM has take the place of model.json's values."""
+        for key, value in overrides.items():
+            arg = OVERRIDES.get(key)
+            if arg is None:
+                self.ignored_overrides.append(key)
+            else:
+                self.engine_args[arg] = value
+        if self.ignored_overrides:
+            log.warning(
+                "%s: %s do not apply to the vLLM engine (set vLLM's engine arguments in model.json)",
+                self.source,
+                ", ".join(sorted(self.ignored_overrides)),
+            )

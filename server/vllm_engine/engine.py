@@ -1,0 +1,342 @@
+"""`VLLMEngine`: Strata's Engine protocol over vLLM's `AsyncLLM`, run in a worker process of the vLLM venv.
+
+One asyncio loop on its own thread owns the AsyncLLM (vLLM's engine core runs in a child process of it); `submit`
+and `abort` hand work to that loop and return at once, and each request's outputs reach its sink from the loop, as
+deltas (`RequestOutputKind.DELTA`): the tokens and text one step added, with vLLM's finish reason and
+`num_cached_tokens`. vLLM detokenizes and applies stop strings itself.
+
+Strata sets two things on every engine: KV cache events on a ZMQ socket of its own (`kv_events.py` turns them into
+tier events with Strata's block hashes, for the router's index) and a stat logger whose scheduler stats become
+`stats()`. Everything else is the model.json's engine arguments, checked here against the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbm.block_hash import model_salt
+from kvbm.events import EventSink
+from server.engine.api import (
+    EngineOverloaded,
+    EngineResources,
+    GenerationOutput,
+    GenerationRequest,
+    KVBlockLayout,
+    OutputSink,
+    PoolStats,
+    RequestError,
+    RequestId,
+    SamplingParams,
+    max_output_tokens,
+    validate_cache_salt,
+)
+from server.vllm_engine.kv_events import KVEventRelay
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_START_TIMEOUT_S = 600.0
+
+
+class VLLMEngine:
+    """Implements `server.engine.api.LocalEngine` with vLLM's engine."""
+
+    def __init__(
+        self,
+        engine_args: Mapping[str, Any],
+        source: str = "model.json",
+        model_name: str | None = None,
+        worker_id: str = "vllm-0",
+        events: EventSink | None = None,
+        max_queued_requests: int = 256,
+    ) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: {unknown[0]!r} is not a vLLM engine argument (vLLM {_vllm_version()})"
+            )
+        self._endpoint = f"ipc://{tempfile.gettempdir()}/strata-kv-{uuid.uuid4().hex[:12]}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        self._tasks: dict[RequestId, asyncio.Task[None]] = {}  # touched on the loop only
+        self._num_active = 0  # submitted and not finished (any thread reads it; the lock guards it)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._scheduler = _SchedulerStats()
+        future = asyncio.run_coroutine_threadsafe(self._build(dict(engine_args), source), self._loop)
+        try:
+            self._llm, self._args = future.result(_START_TIMEOUT_S)
+        except BaseException:
+            self._stop_loop()
+            raise
+        vllm_config = self._llm.vllm_config
+        cache = vllm_config.cache_config
+        self.model_name = model_name or vllm_config.model_config.served_model_name or str(self._args.model)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.max_tokens_limit = self.max_model_len
+        self._vocab = int(vllm_config.model_config.get_vocab_size())
+        self._num_blocks = int(cache.num_gpu_blocks or 0)
+        self._max_running = int(vllm_config.scheduler_config.max_num_seqs)
+        self._max_requests = self._max_running + max_queued_requests
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        fingerprint = f"vllm|{Path(str(self._args.model)).name}|{dtype}|bs{cache.block_size}"
+        salt = model_salt(fingerprint)
+        self.block_layout = KVBlockLayout(int(cache.block_size), salt)
+        self._relay = KVEventRelay(self._endpoint, worker_id, int(cache.block_size), salt, events)
+        self._tokenizer = self._llm.get_tokenizer()
+        self._kv_bytes = int(getattr(cache, "kv_cache_memory_bytes", None) or 0)
+        logger.info(
+            "vLLM %s engine up: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            _vllm_version(), self._args.model, dtype, self._num_blocks, cache.block_size, self.max_model_len,
+        )  # fmt: skip
+
+    async def _build(self, raw: dict[str, Any], source: str) -> tuple[Any, Any]:
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        raw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=self._endpoint, topic="kv"
+        )
+        raw["disable_log_stats"] = False
+        try:
+            args = AsyncEngineArgs(**raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+        scheduler = self._scheduler
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda config, index=0: _StatLogger(scheduler)])
+        return llm, args
+
+    # ---- the Engine protocol ----
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed and not self._llm.errored
+
+    @property
+    def resources(self) -> EngineResources:
+        import torch
+
+        return EngineResources(
+            device="cpu" if not torch.cuda.is_available() else "cuda",
+            num_threads=torch.get_num_threads(),
+            max_concurrent_requests=self._max_running,
+            kv_capacity_blocks=self._num_blocks,
+            kv_capacity_bytes=self._kv_bytes,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        rendered = self._tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self._validate(request)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            if self._num_active >= self._max_requests:
+                raise EngineOverloaded(
+                    f"{self.model_name}: {self._num_active} requests are in the vLLM engine; retry later"
+                )
+            self._num_active += 1
+        self._loop.call_soon_threadsafe(self._start, request, sink)
+
+    def abort(self, request_id: RequestId) -> None:
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, request_id)
+
+    def stats(self) -> PoolStats:
+        scheduler = self._scheduler
+        used = round(scheduler.kv_cache_usage * self._num_blocks)
+        return PoolStats(
+            self._num_blocks,
+            self._num_blocks - used,
+            self._relay.num_cached_blocks,
+            scheduler.num_running,
+            scheduler.num_waiting,
+            scheduler.num_preemptions,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        asyncio.run_coroutine_threadsafe(self._abort_all(), self._loop).result(30)
+        self._llm.shutdown()
+        self._relay.close()
+        self._stop_loop()
+
+    # ---- on the loop ----
+
+    def _validate(self, request: GenerationRequest) -> None:
+        if request.remote_decode is not None or request.remote_prefill is not None:
+            raise RequestError(
+                "remote_decode", "disaggregated serving is not available on the vLLM engine yet"
+            )
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise RequestError("prompt", "must contain at least one token")
+        limit = max_output_tokens(self, len(prompt))
+        vocab = self._vocab
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        request.sampling.validate(limit)
+        if not all(0 <= t < vocab for t in request.sampling.stop_token_ids):
+            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        validate_cache_salt(request.cache_salt)
+
+    def _start(self, request: GenerationRequest, sink: OutputSink) -> None:
+        task = self._loop.create_task(self._generate(request, sink))
+        self._tasks[request.request_id] = task
+
+    def _cancel(self, request_id: RequestId) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _abort_all(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=10)
+
+    async def _generate(self, request: GenerationRequest, sink: OutputSink) -> None:
+        rid = request.request_id
+        num_prompt = len(request.prompt_token_ids)
+        emitted = 0
+        cached = 0
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        try:
+            async for out in self._llm.generate(prompt, _sampling(request.sampling), rid):
+                completion = out.outputs[0]
+                emitted += len(completion.token_ids)
+                cached = out.num_cached_tokens or 0
+                reason = completion.finish_reason if out.finished else None
+                sink(
+                    GenerationOutput(
+                        rid, list(completion.token_ids), completion.text, finished=out.finished,
+                        finish_reason=_FINISH_REASONS.get(reason, "stop") if out.finished else None,  # type: ignore[arg-type]
+                        num_prompt_tokens=num_prompt, num_cached_tokens=cached, num_output_tokens=emitted,
+                    )
+                )  # fmt: skip
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            sink(_final(rid, "abort", num_prompt, cached, emitted))
+        except Exception as exc:
+            logger.exception("request %s failed in vLLM", rid)
+            sink(
+                _final(rid, "error", num_prompt, cached, emitted, f"{type(exc).__name__} in the vLLM engine")
+            )
+        finally:
+            self._tasks.pop(rid, None)
+            with self._lock:
+                self._num_active -= 1
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def _final(
+    rid: RequestId, reason: str, num_prompt: int, cached: int, emitted: int, error: str | None = None
+) -> GenerationOutput:
+    return GenerationOutput(
+        rid, [], "", finished=True, finish_reason=reason, num_prompt_tokens=num_prompt,  # type: ignore[arg-type]
+        num_cached_tokens=cached, num_output_tokens=emitted, error=error,
+    )  # fmt: skip
+
+
+def _sampling(params: SamplingParams) -> Any:
+    """Strata's sampling fields (vLLM's names already) as vLLM's SamplingParams, streaming deltas."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=_vllm_seed(params.seed), stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+
+
+def _vllm_seed(seed: int | None) -> int | None:
+    """Strata takes seeds in [-2^63, 2^64); vLLM's generator takes a signed 64-bit one."""
+    if seed is None:
+        return None
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+class _SchedulerStats:
+    """The last scheduler stats vLLM reported (written on vLLM's output thread, read by the heartbeat)."""
+
+    num_running = 0
+    num_waiting = 0
+    kv_cache_usage = 0.0
+    num_preemptions = 0
+
+
+class _StatLogger:
+    """A vLLM stat logger (duck-typed to StatLoggerBase) that keeps what `stats()` reports."""
+
+    def __init__(self, stats: _SchedulerStats) -> None:
+        self._stats = stats
+
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ):
+        if scheduler_stats is not None:
+            self._stats.num_running = scheduler_stats.num_running_reqs
+            self._stats.num_waiting = scheduler_stats.num_waiting_reqs
+            self._stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            self._stats.num_preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+def build_vllm_engine(
+    engine_args: Mapping[str, Any],
+    source: str,
+    model_name: str | None,
+    *,
+    worker_id: str,
+    events: EventSink | None,
+) -> VLLMEngine:
+    """The worker's factory for `engine: "vllm"` (server/workers/external.py)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; nothing is downloaded
+    return VLLMEngine(engine_args, source, model_name, worker_id, events)

@@ -1,0 +1,182 @@
+"""vLLM's KV cache events, re-keyed with Strata's block hashes, for the router's one KV index.
+
+vLLM publishes a `KVEventBatch` per engine step on a ZMQ PUB socket (`kv_events_config`, publisher "zmq"): frames
+[topic, sequence number (8 bytes, big-endian), msgpack payload]. The events this relay reads:
+
+    BlockStored       block_hashes, parent_block_hash (None: the first block), token_ids (block_size per block),
+                      extra_keys (per block, untagged: the cache_salt string on a salted request's first block)
+    BlockRemoved      block_hashes
+    AllBlocksCleared
+
+vLLM's hashes are its own (sha256 of its pickled key, or xxhash with another seed), so the relay recomputes
+Strata's chain (`kvbm.block_hash`) from each stored block's token ids and its parent's Strata hash, keeps vLLM's
+hash -> Strata's for the blocks vLLM holds, and publishes TierEvents (G1, this worker) to the server's index: the
+router scores a vLLM worker's prefix exactly as it scores one of Strata's engines. A block whose parent it never
+saw (events lost), or whose key has more than a cache salt (LoRA, multimodal, prompt embeddings), is not indexed:
+the router only underestimates what that worker holds.
+
+The payload is decoded by msgspec into the Structs below (the fields Strata reads, as vLLM 0.32 declares them; the
+rest are ignored), never unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvbm.block_hash import BlockHash, hash_block, request_salt
+from kvbm.events import G1, EventSink, TierEvent
+
+logger = logging.getLogger(__name__)
+
+VLLMHash = int | bytes
+
+
+class BlockStored(msgspec.Struct, tag=True):
+    block_hashes: list[VLLMHash]
+    parent_block_hash: VLLMHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True):
+    block_hashes: list[VLLMHash]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class KVEventTranslator:
+    """vLLM's events to Strata's TierEvents for one worker (no I/O: `KVEventRelay` feeds it)."""
+
+    def __init__(self, worker_id: str, block_size: int, salt: BlockHash) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.salt = salt
+        self._strata: dict[VLLMHash, BlockHash] = {}  # the blocks vLLM holds, by its hash
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._strata)
+
+    def translate(self, batch: KVEventBatch) -> list[TierEvent]:
+        out: list[TierEvent] = []
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                hashes = self._stored(event)
+                kind = "stored"
+            elif isinstance(event, BlockRemoved):
+                hashes = [self._strata.pop(h) for h in event.block_hashes if h in self._strata]
+                kind = "removed"
+            else:
+                hashes, self._strata = list(self._strata.values()), {}
+                kind = "removed"
+            if hashes:
+                out.append(TierEvent(self.worker_id, kind, G1, tuple(hashes)))  # type: ignore[arg-type]
+        return out
+
+    def _stored(self, event: BlockStored) -> list[BlockHash]:
+        size = self.block_size
+        if event.block_size != size or event.lora_name is not None or event.lora_id is not None:
+            return []
+        extra = event.extra_keys or [None] * len(event.block_hashes)
+        if event.parent_block_hash is None:
+            first = extra[0] if extra else None
+            if first is not None and not (len(first) == 1 and isinstance(first[0], str)):
+                return []  # more than a cache salt in the key
+            parent = request_salt(self.salt, first[0] if first else None)
+        else:
+            known = self._strata.get(event.parent_block_hash)
+            if known is None:
+                return []
+            parent = known
+        stored: list[BlockHash] = []
+        for i, vllm_hash in enumerate(event.block_hashes):
+            if i > 0 and extra[i] is not None:
+                break
+            parent = hash_block(parent, event.token_ids[i * size : (i + 1) * size])
+            self._strata[vllm_hash] = parent
+            stored.append(parent)
+        return stored
+
+
+class KVEventRelay:
+    """Subscribes to a vLLM engine's KV event socket and publishes its translated events to `sink` (the worker's
+    link to the server's index; None: counted, not sent) from a thread of its own."""
+
+    def __init__(
+        self, endpoint: str, worker_id: str, block_size: int, salt: BlockHash, sink: EventSink | None
+    ):
+        self.translator = KVEventTranslator(worker_id, block_size, salt)
+        self._sink = sink
+        self._context = zmq.Context.instance()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self._stop_address = f"inproc://strata-kv-stop-{id(self)}"
+        self._stop = self._context.socket(zmq.PAIR)
+        self._stop.bind(self._stop_address)
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._last_seq = -1
+        self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.translator.num_blocks
+
+    def close(self) -> None:
+        with self._context.socket(zmq.PAIR) as wake:
+            wake.connect(self._stop_address)
+            wake.send(b"")
+        self._thread.join(5)
+        self._stop.close(0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._stop, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._stop in ready:
+                    return
+                self._receive(self._sub.recv_multipart())
+        finally:
+            self._sub.close(0)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            logger.warning("vLLM KV event with %d frames ignored", len(frames))
+            return
+        _topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if self._last_seq >= 0 and seq != self._last_seq + 1:
+            logger.warning(
+                "vLLM KV events %d..%d were lost; the index misses those blocks", self._last_seq + 1, seq - 1
+            )
+        self._last_seq = seq
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            logger.warning("vLLM KV event batch not understood (%s); ignored", exc)
+            return
+        for event in self.translator.translate(batch):
+            if self._sink is not None:
+                self._sink.publish(event)
