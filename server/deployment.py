@@ -270,7 +270,10 @@ class LLMDeployment:
                 config.model_name,
             )
         assert self.serving.vllm_python is not None
-        engine = {"engine_args": config.engine_args, "source": config.source, "model_name": config.model_name}
+        engine = {
+            "engine_args": config.engine_args, "source": config.source, "model_name": config.model_name,
+            "max_queued_requests": config.max_queued_requests,
+        }  # fmt: skip
         return ExternalSpec("vllm", engine, self.serving.vllm_python, forward_events=forward_events)
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:

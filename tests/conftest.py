@@ -101,6 +101,7 @@ def start_strata(
     *args: str,
     wait_ready: bool = True,
     ports: tuple[int, int, int] | None = None,
+    ready_timeout_s: float = 120,
 ) -> StrataProcess:
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
     openai_port = free_port()
@@ -136,7 +137,9 @@ def start_strata(
     server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
     if wait_ready:
         try:
-            wait_for(lambda: server.is_ready() or process.poll() is not None, 120, what="strata ready")
+            wait_for(
+                lambda: server.is_ready() or process.poll() is not None, ready_timeout_s, what="strata ready"
+            )
         except TimeoutError:
             server.stop(signal.SIGKILL)
             raise

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from pytriton.model_config import ModelConfig, Tensor
 from pytriton.proxy.types import Request
+from tritonclient.utils import InferenceServerException
 
 from server.backends.staging import remove
 from server.backends.unavailable import stage_reason
@@ -114,7 +115,11 @@ class LLMBackend:
             self.unload(model.name)
             raise self._unavailable(model.name, exc) from exc
         log.info(
-            "%s: serving version %d on %d worker(s) (%s)", model.name, plan.version, plan.workers, plan.summary
+            "%s: serving version %d on %d worker(s) (%s)",
+            model.name,
+            plan.version,
+            plan.workers,
+            plan.summary,
         )
 
     def unload(self, name: str) -> None:
@@ -126,6 +131,10 @@ class LLMBackend:
         reason = f"engine failed to start: {exc}"
         if name not in self.deployment.engines:
             stage_reason(name, reason, self.triton.store)
+            try:
+                self.triton.load(name)
+            except InferenceServerException:
+                pass  # fails by design: Triton now lists the model UNAVAILABLE with the reason
         return LoadError(reason)
 
 

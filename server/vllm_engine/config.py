@@ -24,14 +24,14 @@ log = logging.getLogger(__name__)
 MANAGED_ARGS = ("kv_events_config", "disable_log_stats")
 # Triton's documented model.json still says this; vLLM 0.10 replaced it with enable_log_requests (default off).
 RENAMED_ARGS = {"disable_log_requests": ("enable_log_requests", lambda value: not value)}
-# `strata serve` flags (EngineConfig names) that have a vLLM engine argument; the others do not apply to vLLM.
+# `strata serve` flags (EngineConfig names) that have a vLLM engine argument; max_queued_requests bounds the
+# adapter's own queue, as it bounds Strata's engine's.
 OVERRIDES = {
     "max_model_len": "max_model_len",
     "max_concurrent_requests": "max_num_seqs",
-    "block_size": "block_size",
-    "num_kv_blocks": "num_gpu_blocks_override",
     "max_num_batched_tokens": "max_num_batched_tokens",
 }
+DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEFAULT_MAX_MODEL_LEN = 4096  # only until the first worker says what vLLM derived from the model
 
 
@@ -42,6 +42,9 @@ class VLLMConfig:
     engine_args: dict[str, Any]
     source: str  # the model.json, for error messages the worker sends back
     model_name: str | None = None  # the served name (the model's folder)
+    max_queued_requests: int = (
+        DEFAULT_MAX_QUEUED_REQUESTS  # past running + this many, submit is refused (429)
+    )
     ignored_overrides: list[str] = field(default_factory=list)
 
     @property
@@ -81,7 +84,9 @@ class VLLMConfig:
         """`strata serve` flags that set engine fields: those vLLM has take the place of model.json's values."""
         for key, value in overrides.items():
             arg = OVERRIDES.get(key)
-            if arg is None:
+            if key == "max_queued_requests":
+                self.max_queued_requests = value
+            elif arg is None:
                 self.ignored_overrides.append(key)
             else:
                 self.engine_args[arg] = value

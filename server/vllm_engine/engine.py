@@ -333,10 +333,11 @@ def build_vllm_engine(
     engine_args: Mapping[str, Any],
     source: str,
     model_name: str | None,
+    max_queued_requests: int = 256,
     *,
     worker_id: str,
     events: EventSink | None,
 ) -> VLLMEngine:
     """The worker's factory for `engine: "vllm"` (server/workers/external.py)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; nothing is downloaded
-    return VLLMEngine(engine_args, source, model_name, worker_id, events)
+    return VLLMEngine(engine_args, source, model_name, worker_id, events, max_queued_requests)

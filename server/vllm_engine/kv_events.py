@@ -174,7 +174,7 @@ class KVEventRelay:
         self._last_seq = seq
         try:
             batch = self._decoder.decode(payload)
-        except msgspec.ValidationError as exc:
+        except msgspec.DecodeError as exc:  # a ValidationError too
             logger.warning("vLLM KV event batch not understood (%s); ignored", exc)
             return
         for event in self.translator.translate(batch):

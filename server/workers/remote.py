@@ -421,6 +421,7 @@ class RemoteEngine:
 
     def _check_liveness(self) -> None:
         if self._process is not None and not self._process.is_alive():
+            self._process.kill()  # what it started, if anything (an external worker's process group) goes too
             self._die(f"process exited with code {self._process.exitcode}")
         elif time.monotonic() - self._last_heard > self._heartbeat_timeout_s:
             self.kill()
