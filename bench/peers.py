@@ -27,7 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -127,8 +129,14 @@ def run_strata(args: argparse.Namespace, rng: random.Random) -> dict[str, float]
             server.stop()
 
 
-def run_vllm(args: argparse.Namespace, folder: Path, rng: random.Random) -> dict[str, float]:
-    """vLLM's OpenAI server from its own venv: same folder, dtype and threads; KV space 2 GiB."""
+def run_vllm(
+    args: argparse.Namespace,
+    folder: Path,
+    measure: Callable[[str], dict[str, Any]],
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`measure(url)` against vLLM's OpenAI server from its own venv: same folder, dtype and threads; KV space
+    2 GiB unless `extra_args` say otherwise (more `vllm serve` flags)."""
     port = free_port()
     env = {
         **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -137,7 +145,7 @@ def run_vllm(args: argparse.Namespace, folder: Path, rng: random.Random) -> dict
     command = [
         args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
         "--served-model-name", "smollm2", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
-        "--max-model-len", "4096", "--enable-prefix-caching", "--disable-log-stats",
+        "--max-model-len", "4096", "--enable-prefix-caching", "--disable-log-stats", *extra_args,
     ]  # fmt: skip
     with tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(
@@ -150,7 +158,7 @@ def run_vllm(args: argparse.Namespace, folder: Path, rng: random.Random) -> dict
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not start; its log: {log.name}")
             time.sleep(1)  # a child process's readiness: no event to wait on
-        return Workload(url, rng).run(args.reps)
+        return measure(url)
     finally:
         process.terminate()
         try:
@@ -198,7 +206,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM venv")
     args = parser.parse_args()
     folder = prepare_model(DEFAULT_MODEL).folder
-    vllm = run_vllm(args, folder, random.Random(1)) if args.vllm_python else None
+    vllm = None
+    if args.vllm_python:
+        vllm = run_vllm(args, folder, lambda url: Workload(url, random.Random(1)).run(args.reps))
     strata = run_strata(args, random.Random(1))
     report(strata, vllm, args)
 

@@ -40,7 +40,7 @@ from kvbm.transfer import KVTransferConfig
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
-from server.repository.model_config import LLM
+from server.repository.model_config import LLM, VLLM
 from server.repository.scan import BrokenModel, read_model
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
@@ -240,6 +240,11 @@ def model_engine_config(repository: Path, model: str, overrides: dict[str, Any])
     source = read_model(folder)
     if isinstance(source, BrokenModel):
         raise ValueError(f"--model {model}: {source.error}")
+    if source.backend == VLLM:
+        raise ValueError(
+            f"--model {model}: backend vllm runs in the workers `strata serve --vllm-python` starts; "
+            "`strata worker` serves Strata's engine only (vLLM on other hosts: not yet)"
+        )
     if source.backend != LLM:
         raise ValueError(
             f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r}); only LLM models "
