@@ -122,6 +122,7 @@ def run_vllm_server(args: argparse.Namespace, folder: Path, prompts: list) -> di
     """vLLM's OpenAI server (bench/peers.py starts it, two threads bound), with the same workload."""
     peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=2)
     flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
+    flags.append("--enable-prompt-tokens-details")  # else its usage never reports cached_tokens (hit rate 0)
     return run_vllm(peers_args, folder, lambda url: measure(url, args, prompts), flags)
 
 

@@ -245,10 +245,13 @@ class VLLMEngine:
         except asyncio.CancelledError:
             sink(_final(rid, "abort", num_prompt, cached, emitted))
         except Exception as exc:
-            logger.exception("request %s failed in vLLM", rid)
-            sink(
-                _final(rid, "error", num_prompt, cached, emitted, f"{type(exc).__name__} in the vLLM engine")
+            dead = self._llm.errored  # the engine core died: the request did not fail, a router may resume it
+            logger.error("request %s failed in vLLM: %s: %s", rid, type(exc).__name__, exc, exc_info=not dead)
+            failed = _final(
+                rid, "error", num_prompt, cached, emitted, f"{type(exc).__name__} in the vLLM engine"
             )
+            failed.retryable = dead
+            sink(failed)
         finally:
             self._tasks.pop(rid, None)
             with self._lock:

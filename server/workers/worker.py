@@ -122,9 +122,9 @@ def run_worker(
         reason = serve_channel(channel, engine)
         logger.info("serving ended: %s", reason)
     finally:
-        engine.close()
-        stop.set()
+        stop.set()  # before the engine closes: a closed engine is not healthy, and that is no reason to exit
         beat.join()
+        engine.close()
         channel.close()
 
 
@@ -301,12 +301,16 @@ def start_heartbeat(
     parent_pid: int | None = None,
 ) -> threading.Thread:
     """Beat with the engine's pool stats until `stop`; with `parent_pid` (a spawned worker), exit the process
-    if the server that spawned it is gone."""
+    if the server that spawned it is gone. A worker whose engine died (its thread, or vLLM's engine core) exits
+    too: its server sees a dead worker and resumes its requests elsewhere, instead of routing to a corpse."""
 
     def beat() -> None:
         while not stop.wait(interval_s):
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("server process is gone; exiting")
+                os._exit(1)
+            if not engine.healthy and not stop.is_set():
+                logger.error("the engine is dead; worker exiting so that its requests move elsewhere")
                 os._exit(1)
             channel.send(Beat(engine.stats()))
 

@@ -151,7 +151,9 @@ def test_a_repeated_prefix_goes_to_the_vllm_worker_holding_it(client, server):
     assert sum(after.values()) > sum(before.values())  # the router saw the reuse in its index
 
 
-def test_a_killed_vllm_worker_is_routed_around_and_its_stream_migrates(client, server):
+def test_a_dead_vllm_engine_core_moves_its_stream_and_its_worker_leaves(client, server):
+    """vLLM's engine core (a child of the worker) is SIGKILLed mid-stream: the request ends retryable, the router
+    resumes it on the other worker (same greedy text), and the worker exits with its whole process group."""
     request = dict(
         model="smol_vllm",
         prompt="Write a long story about a lighthouse keeper:",
@@ -168,13 +170,22 @@ def test_a_killed_vllm_worker_is_routed_around_and_its_stream_migrates(client, s
     ]
     holder = re.search(r'worker="([^"]+)"', busy[0]).group(1)
     group = _process_group(int(pids[holder]))
-    os.kill(int(pids[holder]), signal.SIGKILL)
+    core = next(pid for pid in group if b"EngineCore" in open(f"/proc/{pid}/cmdline", "rb").read())
+    os.kill(core, signal.SIGKILL)
     chunks += list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 40
     assert text == reference
-    # the dead worker's vLLM engine core and its workers went with it (its process group was killed)
-    wait_for(lambda: not any(running(pid) for pid in group), 30, what="the dead worker's vLLM processes gone")
+    assert metric_lines(server, "strata_router_migrations_total") == {
+        f'strata_router_migrations_total{{worker="{holder}"}}': 1.0
+    }
+    wait_for(
+        lambda: not any(running(pid) for pid in group), 30, what="the dead engine's worker and group gone"
+    )
+    answer = client.completions.create(
+        model="smol_vllm", prompt="After the crash:", max_tokens=3, temperature=0
+    )
+    assert answer.usage.completion_tokens == 3
 
 
 def test_vllm_workers_exit_when_the_server_is_killed(server):
