@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -23,3 +25,13 @@ class ConfigError(ValueError):
         if self.line is not None:
             place += f":{self.line}" + (f":{self.column}" if self.column is not None else "")
         return f"{place}: {self.message}"
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in `path`; ConfigError with the line and column of a syntax error, or why it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(path, f"invalid JSON: {err.msg}", err.lineno, err.colno) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(path, f"cannot read: {getattr(err, 'strerror', None) or err}") from err

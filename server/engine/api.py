@@ -347,6 +347,22 @@ class LocalEngine(Engine, Protocol):
     def resources(self) -> EngineResources: ...
 
 
+def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int) -> None:
+    """What every engine checks at submit, in this order: a non-empty prompt of ids in the vocabulary, room for
+    output (`max_output_tokens`), the sampling fields, stop_token_ids in the vocabulary (out of range, one would
+    fail inside a batched step and take every request in it), and the cache salt. Raises RequestError."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise RequestError("prompt", "must contain at least one token")
+    limit = max_output_tokens(engine, len(prompt))
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        raise RequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    request.sampling.validate(limit)
+    if not all(0 <= t < vocab_size for t in request.sampling.stop_token_ids):
+        raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+    validate_cache_salt(request.cache_salt)
+
+
 def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
     """The largest max_tokens a request may ask for: the room the context leaves after its prompt, capped by the
     engine's max_tokens_limit (tokens). The one place this limit is decided: engines check requests against it at

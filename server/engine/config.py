@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from server.errors import ConfigError
+from server.errors import ConfigError, read_json
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo; aarch64 lists "bf16"
@@ -131,13 +130,7 @@ class EngineConfig:
     def from_json(cls, path: str | Path) -> EngineConfig:
         """Read a model.json; errors name the file and, for JSON syntax errors, the line."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(path, f"invalid JSON: {err.msg}", err.lineno, err.colno) from err
-        except OSError as err:
-            raise ConfigError(path, f"cannot read: {err.strerror}") from err
-        config = cls.from_dict(raw, source=str(path))
+        config = cls.from_dict(read_json(path), source=str(path))
         local = path.parent / config.model
         if "://" not in config.model and not Path(config.model).is_absolute() and local.exists():
             config.model = str(local)  # a model file or folder next to model.json

@@ -37,8 +37,7 @@ from server.engine.api import (
     PoolStats,
     RequestError,
     RequestId,
-    max_output_tokens,
-    validate_cache_salt,
+    validate_request,
 )
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
@@ -236,17 +235,8 @@ class LLMEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise RequestError("prompt", "must contain at least one token")
-        limit = max_output_tokens(self, len(prompt))
         vocab = self.model.shape.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        request.sampling.validate(limit)
-        if not all(0 <= t < vocab for t in request.sampling.stop_token_ids):
-            # out of range, an id would fail inside the sampler's step and take every request batched with it
-            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        validate_cache_salt(request.cache_salt)
+        validate_request(self, request, vocab)
         handoff = request.remote_prefill
         if handoff is not None and (
             len(handoff.token_ids) >= request.sampling.max_tokens

@@ -10,13 +10,12 @@ installed vLLM (`engine.py`), so an unknown or bad one fails the model's load wi
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.errors import ConfigError
+from server.errors import ConfigError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +55,7 @@ class VLLMConfig:
     def from_json(cls, path: str | Path) -> VLLMConfig:
         """Read a vLLM-backend model.json; errors name the file (and the line, for JSON syntax)."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(path, f"invalid JSON: {err.msg}", err.lineno, err.colno) from err
-        except OSError as err:
-            raise ConfigError(path, f"cannot read: {err.strerror}") from err
+        raw = read_json(path)
         if not isinstance(raw, dict):
             raise ConfigError(
                 path, f"expected a JSON object of vLLM engine arguments, got {type(raw).__name__}"

@@ -36,8 +36,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     SamplingParams,
-    max_output_tokens,
-    validate_cache_salt,
+    validate_request,
 )
 from server.vllm_engine.kv_events import KVEventRelay
 
@@ -192,17 +191,7 @@ class VLLMEngine:
             raise RequestError(
                 "remote_decode", "disaggregated serving is not available on the vLLM engine yet"
             )
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise RequestError("prompt", "must contain at least one token")
-        limit = max_output_tokens(self, len(prompt))
-        vocab = self._vocab
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        request.sampling.validate(limit)
-        if not all(0 <= t < vocab for t in request.sampling.stop_token_ids):
-            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        validate_cache_salt(request.cache_salt)
+        validate_request(self, request, self._vocab)
 
     def _start(self, request: GenerationRequest, sink: OutputSink) -> None:
         task = self._loop.create_task(self._generate(request, sink))
