@@ -56,9 +56,14 @@ def vllm_repository(root: Path, folder: Path, workers: int, args: argparse.Names
     return root / "repository"
 
 
+# SmolLM2-135M's KV bytes per token in fp32: 30 layers x (K, V) x 3 kv heads x 64 dims x 4 bytes
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+
+
 def strata_repository(root: Path, args: argparse.Namespace) -> Path:
+    """Strata's engine with the same KV bytes and block size as the vLLM engines."""
     options = argparse.Namespace(
-        block_tokens=args.block_tokens, kv_blocks=args.kv_bytes // (args.block_tokens * 30 * 2 * 3 * 64 * 4),
+        block_tokens=args.block_tokens, kv_blocks=args.kv_bytes // (args.block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN),
         threads_per_worker=1, model_cache=None, max_num_batched_tokens=2048,
     )  # fmt: skip
     repository = make_repository(root, options)

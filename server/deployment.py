@@ -132,9 +132,7 @@ class LLMDeployment:
         roles = self._roles(model)
         if roles is not None:
             return EnginePlan(model.name, version, config, len(roles), roles)
-        workers = self.serving.workers
-        if workers is None:
-            workers = model.config.instance_group[0].count if model.config.instance_group else 1
+        workers = self._workers(model)
         if self.serving.remote_workers is None:
             workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
         return EnginePlan(model.name, version, config, workers)
@@ -153,10 +151,13 @@ class LLMDeployment:
         config = VLLMConfig.from_json(model.path / str(version) / model.model_filename)
         config.model_name = model.name
         config.apply_overrides(self.serving.overrides)
-        workers = self.serving.workers
-        if workers is None:
-            workers = model.config.instance_group[0].count if model.config.instance_group else 1
-        return EnginePlan(model.name, version, config, max(workers, 1))
+        return EnginePlan(model.name, version, config, max(self._workers(model), 1))
+
+    def _workers(self, model: ModelSource) -> int:
+        """Engine processes for an aggregated model: --workers, else its instance_group count, else 1."""
+        if self.serving.workers is not None:
+            return self.serving.workers
+        return model.config.instance_group[0].count if model.config.instance_group else 1
 
     def _roles(self, model: ModelSource) -> list[str] | None:
         """Disaggregated roles of the model's worker processes, prefill first (None: aggregated). The flags win
