@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GIB = 1 << 30
@@ -74,6 +74,21 @@ class KVBMConfig:
         if not self.cache_id or "/" in self.cache_id:
             raise KVBMConfigError("cache_id", "must be a non-empty name without '/'")
         self.disk_path = Path(self.disk_path)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON values (the path as a string, the G4 key as hex) for a worker under another Python."""
+        values = asdict(self)
+        values["disk_path"] = str(self.disk_path)
+        values["g4_key"] = self.g4_key.hex() if self.g4_key is not None else None
+        return values
+
+    @classmethod
+    def from_json(cls, values: dict[str, object]) -> KVBMConfig:
+        """The inverse of `to_json`; validated."""
+        key = values.get("g4_key")
+        config = cls(**{**values, "g4_key": bytes.fromhex(key) if isinstance(key, str) else None})  # type: ignore[arg-type]
+        config.validate()
+        return config
 
     def capacity_blocks(self, size_gb: float, block_bytes: int) -> int:
         """How many whole blocks of `block_bytes` fit in `size_gb` GiB."""

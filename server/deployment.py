@@ -274,6 +274,7 @@ class LLMDeployment:
         engine = {
             "engine_args": config.engine_args, "source": config.source, "model_name": config.model_name,
             "max_queued_requests": config.max_queued_requests,
+            "kvbm": self.serving.kvbm.to_json() if self.serving.kvbm is not None else None,
         }  # fmt: skip
         return ExternalSpec("vllm", engine, self.serving.vllm_python, forward_events=forward_events)
 

@@ -20,10 +20,12 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvbm.block_hash import model_salt
+from kvbm.config import KVBMConfig
 from kvbm.events import EventSink
 from server.engine.api import (
     EngineOverloaded,
@@ -38,6 +40,7 @@ from server.engine.api import (
     SamplingParams,
     validate_request,
 )
+from server.vllm_engine.connector import G4_KEY_ENV, ConnectorSettings, engine_fingerprint
 from server.vllm_engine.kv_events import KVEventRelay
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class VLLMEngine:
         worker_id: str = "vllm-0",
         events: EventSink | None = None,
         max_queued_requests: int = 256,
+        kvbm: KVBMConfig | None = None,
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -66,7 +70,10 @@ class VLLMEngine:
             raise ValueError(
                 f"{source}: {unknown[0]!r} is not a vLLM engine argument (vLLM {_vllm_version()})"
             )
-        self._endpoint = f"ipc://{tempfile.gettempdir()}/strata-kv-{uuid.uuid4().hex[:12]}"
+        endpoint = f"ipc://{tempfile.gettempdir()}/strata-kv-{uuid.uuid4().hex[:12]}"
+        self._endpoint = endpoint  # vLLM's KV events
+        self._tier_endpoint = f"{endpoint}-tiers" if kvbm is not None and events is not None else None
+        self._connector = _connector_config(kvbm, worker_id, endpoint, self._tier_endpoint, engine_args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -91,10 +98,11 @@ class VLLMEngine:
         self._max_running = int(vllm_config.scheduler_config.max_num_seqs)
         self._max_requests = self._max_running + max_queued_requests
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        fingerprint = f"vllm|{Path(str(self._args.model)).name}|{dtype}|bs{cache.block_size}"
-        salt = model_salt(fingerprint)
+        salt = model_salt(engine_fingerprint(vllm_config))
         self.block_layout = KVBlockLayout(int(cache.block_size), salt)
-        self._relay = KVEventRelay(self._endpoint, worker_id, int(cache.block_size), salt, events)
+        self._relay = KVEventRelay(
+            self._endpoint, worker_id, int(cache.block_size), salt, events, self._tier_endpoint
+        )
         self._tokenizer = self._llm.get_tokenizer()
         self._kv_bytes = int(getattr(cache, "kv_cache_memory_bytes", None) or 0)
         logger.info(
@@ -111,6 +119,8 @@ class VLLMEngine:
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._endpoint, topic="kv"
         )
         raw["disable_log_stats"] = False
+        if self._connector is not None:
+            raw["kv_transfer_config"] = self._connector
         try:
             args = AsyncEngineArgs(**raw)
         except (TypeError, ValueError) as exc:
@@ -251,6 +261,30 @@ class VLLMEngine:
         self._thread.join(10)
 
 
+def _connector_config(
+    kvbm: KVBMConfig | None, worker_id: str, endpoint: str, tier_endpoint: str | None, args: Mapping[str, Any]
+) -> Any:
+    """vLLM's kv_transfer_config for StrataKVConnector (None: no KVBM, or the model.json names its own connector,
+    which then wins)."""
+    from vllm.config import KVTransferConfig
+
+    if kvbm is None:
+        return None
+    if "kv_transfer_config" in args:
+        logger.info("%s: model.json sets kv_transfer_config; Strata's KV tiers are not attached", worker_id)
+        return None
+    values = kvbm.to_json()
+    key = values.pop("g4_key")
+    if key:
+        os.environ[G4_KEY_ENV] = str(key)  # inherited by vLLM's engine core and worker processes
+    settings = ConnectorSettings(values, worker_id, f"{endpoint}-lookup", tier_endpoint)
+    return KVTransferConfig(
+        kv_connector="StrataKVConnector", kv_connector_module_path="server.vllm_engine.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"strata": msgspec.to_builtins(settings)},
+    )  # fmt: skip
+
+
 def _final(
     rid: RequestId, reason: str, num_prompt: int, cached: int, emitted: int, error: str | None = None
 ) -> GenerationOutput:
@@ -326,10 +360,12 @@ def build_vllm_engine(
     source: str,
     model_name: str | None,
     max_queued_requests: int = 256,
+    kvbm: dict[str, Any] | None = None,
     *,
     worker_id: str,
     events: EventSink | None,
 ) -> VLLMEngine:
-    """The worker's factory for `engine: "vllm"` (server/workers/external.py)."""
+    """The worker's factory for `engine: "vllm"` (server/workers/external.py); `kvbm` is KVBMConfig.to_json()."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; nothing is downloaded
-    return VLLMEngine(engine_args, source, model_name, worker_id, events, max_queued_requests)
+    config = KVBMConfig.from_json(kvbm) if kvbm is not None else None
+    return VLLMEngine(engine_args, source, model_name, worker_id, events, max_queued_requests, config)

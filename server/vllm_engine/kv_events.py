@@ -118,10 +118,17 @@ class KVEventTranslator:
 
 class KVEventRelay:
     """Subscribes to a vLLM engine's KV event socket and publishes its translated events to `sink` (the worker's
-    link to the server's index; None: counted, not sent) from a thread of its own."""
+    link to the server's index; None: counted, not sent) from a thread of its own. With `tier_endpoint` it also
+    binds the socket StrataKVConnector pushes its tier events (G2/G3/G4, msgpack TierEvents) to, and relays them."""
 
     def __init__(
-        self, endpoint: str, worker_id: str, block_size: int, salt: BlockHash, sink: EventSink | None
+        self,
+        endpoint: str,
+        worker_id: str,
+        block_size: int,
+        salt: BlockHash,
+        sink: EventSink | None,
+        tier_endpoint: str | None = None,
     ):
         self.translator = KVEventTranslator(worker_id, block_size, salt)
         self._sink = sink
@@ -133,6 +140,11 @@ class KVEventRelay:
         self._stop = self._context.socket(zmq.PAIR)
         self._stop.bind(self._stop_address)
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._tiers: zmq.Socket | None = None
+        if tier_endpoint is not None:
+            self._tiers = self._context.socket(zmq.PULL)
+            self._tiers.bind(tier_endpoint)
+        self._tier_decoder = msgspec.msgpack.Decoder(TierEvent)
         self._last_seq = -1
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
         self._thread.start()
@@ -152,14 +164,30 @@ class KVEventRelay:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._stop, zmq.POLLIN)
+        if self._tiers is not None:
+            poller.register(self._tiers, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
                 if self._stop in ready:
                     return
-                self._receive(self._sub.recv_multipart())
+                if self._sub in ready:
+                    self._receive(self._sub.recv_multipart())
+                if self._tiers is not None and self._tiers in ready:
+                    self._relay_tier_event(self._tiers.recv())
         finally:
             self._sub.close(0)
+            if self._tiers is not None:
+                self._tiers.close(0)
+
+    def _relay_tier_event(self, payload: bytes) -> None:
+        try:
+            event = self._tier_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            logger.warning("tier event from the KV connector not understood (%s); ignored", exc)
+            return
+        if self._sink is not None:
+            self._sink.publish(event)
 
     def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 3:

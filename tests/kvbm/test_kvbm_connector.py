@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -271,3 +272,18 @@ def test_workers_sharing_a_g2_segment_are_all_credited(cache_id: str, layout) ->
     assert report.workers["writer"].g2 == report.workers["reader"].g2 == 4
     writer.close()
     reader.close()
+
+
+def test_config_travels_as_json_to_a_worker_under_another_python(tmp_path):
+    """KVBMConfig.to_json/from_json: what a vLLM worker's StrataKVConnector is built from."""
+    config = KVBMConfig(
+        host_cache_gb=0.5, disk_cache_gb=1.0, disk_path=tmp_path / "kv", redis_url="redis://127.0.0.1:1",
+        g4_key=G4_KEY, cache_id="node-a", write_through=True,
+    )  # fmt: skip
+    again = KVBMConfig.from_json(json.loads(json.dumps(config.to_json())))
+    assert again == config
+    assert KVBMConfig.from_json({**config.to_json(), "redis_url": None, "g4_key": None}).g4_key is None
+    with pytest.raises(
+        ValueError, match="redis_url"
+    ):  # G4 without its key is refused, as on the command line
+        KVBMConfig.from_json({**config.to_json(), "g4_key": None})

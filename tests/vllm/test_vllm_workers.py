@@ -12,10 +12,12 @@ import re
 import signal
 import subprocess
 import urllib.request
+import uuid
 
 import openai
 import pytest
 
+from kvbm.host_pool import remove_segments
 from server.engine.config import DEFAULT_MODEL
 from server.engine.loader import prepare_model
 from tests.conftest import copy_models, start_strata, wait_for
@@ -67,9 +69,14 @@ def server(tmp_path_factory, vllm_python):
             TRITON_CONFIG.replace("count: 2", "count: 1") if extra else TRITON_CONFIG
         )
         (repo / name / "1" / "model.json").write_text(json.dumps({**model_json, **extra}, indent=2))
-    process = start_strata(repo, tmp, "--vllm-python", vllm_python, "--no-kvbm", ready_timeout_s=400)
+    cache_id = f"test-{uuid.uuid4().hex[:8]}"  # the node's G2 segment the workers' StrataKVConnectors share
+    process = start_strata(
+        repo, tmp, "--vllm-python", vllm_python, "--kvbm-host-cache-gb", "0.25", "--kvbm-cache-id", cache_id,
+        ready_timeout_s=400,
+    )  # fmt: skip
     yield process
     process.stop()
+    remove_segments(cache_id)  # the last test kills the server, which leaves the segment (by design)
 
 
 @pytest.fixture

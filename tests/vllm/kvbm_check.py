@@ -1,0 +1,77 @@
+"""Run under the vLLM venv by test_vllm_kvbm.py: one VLLMEngine with Strata's KV tiers (G2 only), a G1 pool of a
+few blocks, and the tier events it publishes kept in a list. Prints one JSON line of what happened."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+from kvbm.block_hash import block_hashes, request_salt
+from kvbm.config import KVBMConfig
+from kvbm.events import G1, G2
+from server.engine.api import GenerationOutput, GenerationRequest, SamplingParams
+from server.vllm_engine.engine import VLLMEngine
+
+DOCUMENTS = [f"Document {i}: " + f"Topic {i} is about serving systems and KV caches. " * 55 for i in range(5)]
+
+
+class EventList:
+    def __init__(self) -> None:
+        self.events = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def hashes(self, tier: int, kind: str) -> set[int]:
+        return {h for e in self.events if e.tier == tier and e.kind == kind for h in e.block_hashes}
+
+
+def generate(
+    engine: VLLMEngine, request_id: str, prompt_ids: list[int], cache_salt: str | None = None
+) -> dict:
+    done, result = threading.Event(), {"token_ids": []}
+
+    def sink(output: GenerationOutput) -> None:
+        result["token_ids"] += output.new_token_ids
+        result["cached_tokens"] = output.num_cached_tokens
+        if output.finished:
+            result["error"] = output.error
+            done.set()
+
+    sampling = SamplingParams(max_tokens=8, temperature=0)
+    engine.submit(GenerationRequest(request_id, prompt_ids, sampling, cache_salt=cache_salt), sink)
+    assert done.wait(300), f"{request_id} did not finish"
+    return result
+
+
+def main() -> None:
+    model_folder, cache_id = sys.argv[1], sys.argv[2]
+    events = EventList()
+    args = {
+        "model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
+        "kv_cache_memory_bytes": 80 << 20,  # 14 blocks of 128 tokens: five 720-token prompts do not fit
+    }  # fmt: skip
+    kvbm = KVBMConfig(host_cache_gb=0.25, cache_id=cache_id, flush_budget_s=0)
+    engine = VLLMEngine(args, worker_id="check-w0", events=events, kvbm=kvbm)
+    try:
+        prompts = [engine.encode(text) for text in DOCUMENTS]
+        layout = engine.block_layout
+        hashes = block_hashes(prompts[0], layout.block_size, layout.salt)
+        report = {"prompt_tokens": len(prompts[0]), "first": generate(engine, "a-1", prompts[0])}
+        for i, prompt in enumerate(prompts[1:]):
+            generate(engine, f"fill-{i}", prompt)
+        report["evicted_from_g1"] = hashes[0] in events.hashes(G1, "removed")
+        report["in_g2"] = len(set(hashes) & events.hashes(G2, "stored"))
+        report["again"] = generate(engine, "a-2", prompts[0])
+        report["salted"] = generate(engine, "a-3", prompts[0], cache_salt="tenant-1")
+        salted = block_hashes(prompts[0], layout.block_size, request_salt(layout.salt, "tenant-1"))
+        report["salted_in_g2"] = len(set(salted) & events.hashes(G2, "stored"))
+        report["g2_blocks_stored"] = len(events.hashes(G2, "stored"))
+    finally:
+        engine.close()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
