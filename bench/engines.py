@@ -4,6 +4,8 @@
     (b) strata-vllm-1   `strata serve` with a backend "vllm" model on one vLLM worker
     (c) strata-vllm-2   the same on two vLLM workers, KV-aware routing from vLLM's KV events
     (d) strata-2        `strata serve --workers 2` on Strata's own engine
+    a name ending in -kvbm (strata-vllm-2-kvbm): the same with the node's G2 (--g2-gib) below every worker, else
+                        Strata runs with --no-kvbm
 
     .venv/bin/python bench/engines.py --vllm-python .venv-vllm/bin/python [--reps 1] [--duration-s 90]
 
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers import Workload, run_vllm  # noqa: E402
 from bench.routing import trace_prompts  # noqa: E402
 from bench.serve_replay import drive, make_repository, summarize  # noqa: E402
+from kvbm.host_pool import remove_segments  # noqa: E402
 from server.engine.config import DEFAULT_MODEL  # noqa: E402
 from server.engine.loader import prepare_model  # noqa: E402
 from tests.conftest import start_strata  # noqa: E402
@@ -105,6 +108,9 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
     with tempfile.TemporaryDirectory(prefix=f"strata-engines-{name}-") as tmp:
         root = Path(tmp)
         flags = ["--no-kvbm"]
+        if name.endswith("-kvbm"):  # the node's G2 under every worker (StrataKVConnector for vLLM)
+            name = name.removesuffix("-kvbm")
+            flags = ["--kvbm-host-cache-gb", str(args.g2_gib), "--kvbm-cache-id", root.name]
         if name == "strata-2":
             repository, env = strata_repository(root, args), {}
             flags += ["--workers", "2"]
@@ -121,6 +127,7 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
             return measure(f"http://127.0.0.1:{server.openai_port}", args, prompts)
         finally:
             server.stop()
+            remove_segments(root.name)
 
 
 def run_vllm_server(args: argparse.Namespace, folder: Path, prompts: list) -> dict[str, Any]:
@@ -177,6 +184,7 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--max-blocks", type=int, default=24, help="prompt blocks kept (a prefix of the ids)")
     parser.add_argument("--duration-s", type=float, default=90.0)
+    parser.add_argument("--g2-gib", type=float, default=1.0, help="G2 of the *-kvbm configurations")
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or STRATA_VLLM_PYTHON): the Python of a venv with vLLM (make vllm)")

@@ -121,6 +121,11 @@ class StrataKVConnector(KVConnectorBase_V1):
         else:
             self._worker = _WorkerHalf(vllm_config, kv_cache_config, settings)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save a preemption cuts short is a future miss, not a lost hand-off."""
+        return False
+
     # ---- scheduler side ----
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
