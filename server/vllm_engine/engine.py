@@ -7,7 +7,8 @@ deltas (`RequestOutputKind.DELTA`): the tokens and text one step added, with vLL
 
 Strata sets two things on every engine: KV cache events on a ZMQ socket of its own (`kv_events.py` turns them into
 tier events with Strata's block hashes, for the router's index) and a stat logger whose scheduler stats become
-`stats()`. Everything else is the model.json's engine arguments, checked here against the installed vLLM.
+`stats()`; with KVBM tiers, also `kv_transfer_config` for `connector.py`'s StrataKVConnector, whose tier events the
+same relay forwards. Everything else is the model.json's engine arguments, checked here against the installed vLLM.
 """
 
 from __future__ import annotations
