@@ -300,31 +300,35 @@ class _WorkerHalf:
             return self.agent.lookup(block_hashes)
 
     def load(self, transfers: list[BlockTransfer]) -> None:
-        """Onboard each planned block into vLLM's rows; blocks past the first miss are load errors."""
-        for hashes, block_ids in self._batches(transfers):
-            with self._lock:
-                assert self.agent is not None
-                valid = self.agent.onboard(hashes, range(len(hashes)))
-            for row, block_id in enumerate(block_ids[:valid]):
-                for layer, kv in enumerate(self._layers):
-                    kv[block_id].copy_(self.staging[row, layer].view(kv.shape[1:]))
-            self._load_errors.update(block_ids[valid:])
+        """Onboard each request's planned blocks into vLLM's rows; a request's blocks from its first miss on are
+        load errors (vLLM recomputes from there, so nothing after it is fetched)."""
+        for transfer in transfers:
+            for start, hashes, block_ids in self._batches(transfer):
+                with self._lock:
+                    assert self.agent is not None
+                    valid = self.agent.onboard(hashes, range(len(hashes)))
+                for row, block_id in enumerate(block_ids[:valid]):
+                    for layer, kv in enumerate(self._layers):
+                        kv[block_id].copy_(self.staging[row, layer].view(kv.shape[1:]))
+                if valid < len(hashes):
+                    self._load_errors.update(transfer.block_ids[start + valid :])
+                    break
 
     def save(self, transfers: list[BlockTransfer]) -> None:
-        for hashes, block_ids in self._batches(transfers):
-            for row, block_id in enumerate(block_ids):
-                for layer, kv in enumerate(self._layers):
-                    self.staging[row, layer].view(kv.shape[1:]).copy_(kv[block_id])
-            with self._lock:
-                assert self.agent is not None
-                self.agent.offload(hashes, range(len(hashes)))
-
-    def _batches(self, transfers: list[BlockTransfer]):
-        """(hashes, block ids) in runs of at most `staging_blocks`."""
-        size = self.settings.staging_blocks
         for transfer in transfers:
-            for start in range(0, len(transfer.block_ids), size):
-                yield transfer.block_hashes[start : start + size], transfer.block_ids[start : start + size]
+            for _, hashes, block_ids in self._batches(transfer):
+                for row, block_id in enumerate(block_ids):
+                    for layer, kv in enumerate(self._layers):
+                        self.staging[row, layer].view(kv.shape[1:]).copy_(kv[block_id])
+                with self._lock:
+                    assert self.agent is not None
+                    self.agent.offload(hashes, range(len(hashes)))
+
+    def _batches(self, transfer: BlockTransfer):
+        """(offset, hashes, block ids) of `transfer` in runs of at most `staging_blocks`."""
+        size = self.settings.staging_blocks
+        for start in range(0, len(transfer.block_ids), size):
+            yield start, transfer.block_hashes[start : start + size], transfer.block_ids[start : start + size]
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
