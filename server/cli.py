@@ -397,6 +397,12 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
         help="the servers query a standalone `strata kvbm`: publish block events to Redis for it "
         "(default: send them to the attached server's index)",
     )
+    p.add_argument(
+        "--vllm-python",
+        default=settings.vllm_python(),
+        help="the Python of a venv with vLLM (make vllm builds .venv-vllm): for a model with backend vllm the "
+        "worker continues under it, same process (default: STRATA_VLLM_PYTHON)",
+    )
     _engine_flags(p.add_argument_group("engine overrides"))
     _kvbm_flags(p.add_argument_group("KV Block Manager (tiers below the engine's own pool)"))
     _cluster_flag(p)

@@ -9,8 +9,9 @@ decides (model.json, instance_group) and `start` builds it:
     P prefill + D decode workers    disaggregated: the same, with a second router over the prefill workers and the
                                     conditional rule (server/router/disagg.py); from --prefill-workers and
                                     --decode-workers, or config.pbtxt parameters `prefill_workers`/`decode_workers`
-    backend "vllm"                  N >= 1 worker processes under --vllm-python, each running vLLM (server/vllm_engine),
-                                    behind the same RoutedEngine; their vLLM KV events feed the same index
+    backend "vllm"                  N worker processes under --vllm-python, each running vLLM (server/vllm_engine),
+                                    behind the same RoutedEngine; their vLLM KV events feed the same index (N = 0
+                                    with remote workers: `strata worker --vllm-python` on other hosts)
     remote workers accepted         every model routed (N >= 0 processes here) and a Discovery thread adding the
                                     `strata worker` processes that register for the model in Redis
 
@@ -24,7 +25,6 @@ which copies its G2 blocks to its G3, and the last process mapping the node's G2
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +57,6 @@ from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.transport import link_keys
 from server.workers.worker import WorkerSpec, build_llm_engine
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -140,18 +138,26 @@ class LLMDeployment:
     def _plan_vllm(self, model: ModelSource, version: int) -> EnginePlan:
         """A Triton vLLM-backend model: vLLM in worker processes of the vLLM venv (never in this process)."""
         pbtxt = model.path / "config.pbtxt"
-        if self.serving.vllm_python is None:
+        roles = self._roles(model)
+        workers = len(roles) if roles is not None else self._workers(model)
+        if self.serving.remote_workers is None:
+            workers = max(workers, 1)
+        if workers > 0 and self.serving.vllm_python is None:
             raise ConfigError(
                 pbtxt,
                 'backend "vllm" runs vLLM in worker processes of a vLLM venv: start strata serve with '
                 "--vllm-python (or STRATA_VLLM_PYTHON); `make vllm` builds .venv-vllm",
             )
-        if self._roles(model) is not None:
-            raise ConfigError(pbtxt, 'disaggregated serving is not available for backend "vllm" yet')
+        if roles is not None and self.serving.kvbm is None:
+            raise ConfigError(
+                pbtxt,
+                'disaggregated serving on backend "vllm" hands the prompt\'s KV over through the KVBM tiers '
+                "(StrataKVConnector); drop --no-kvbm",
+            )
         config = VLLMConfig.from_json(model.path / str(version) / model.model_filename)
         config.model_name = model.name
         config.apply_overrides(self.serving.overrides)
-        return EnginePlan(model.name, version, config, max(self._workers(model), 1))
+        return EnginePlan(model.name, version, config, workers, roles)
 
     def _workers(self, model: ModelSource) -> int:
         """Engine processes for an aggregated model: --workers, else its instance_group count, else 1."""
@@ -226,18 +232,22 @@ class LLMDeployment:
             plan.roles is not None and self.serving.remote_workers is not None
         ):  # decode workers on other hosts
             transfer = KVTransferConfig(self.serving.cluster_secret)
-        spec: WorkerSpec | ExternalSpec
-        if isinstance(plan.config, VLLMConfig):
-            spec = self._vllm_spec(plan.config, forward_events=not standalone)
-        else:
-            spec = WorkerSpec(
-                build_llm_engine, (plan.config, self.serving.kvbm, transfer), forward_events=not standalone
-            )
         if plan.roles is None:
             worker_ids = [WorkerId(f"{plan.name}-w{i}") for i in range(plan.workers)]
         else:
             worker_ids = [WorkerId(f"{plan.name}-{role[0]}{i}") for i, role in enumerate(plan.roles)]
-        remotes = spawn_workers(worker_ids, spec, plan.roles, event_sink=event_sink) if worker_ids else []
+        remotes: list[RemoteEngine] = []
+        if worker_ids:
+            spec: WorkerSpec | ExternalSpec
+            if isinstance(plan.config, VLLMConfig):
+                spec = self._vllm_spec(plan.config, forward_events=not standalone)
+            else:
+                spec = WorkerSpec(
+                    build_llm_engine,
+                    (plan.config, self.serving.kvbm, transfer),
+                    forward_events=not standalone,
+                )
+            remotes = spawn_workers(worker_ids, spec, plan.roles, event_sink=event_sink)
         lookup = self._index
         if standalone:
             lookup = KVIndexClient(
@@ -264,19 +274,13 @@ class LLMDeployment:
         return routed
 
     def _vllm_spec(self, config: VLLMConfig, forward_events: bool) -> ExternalSpec:
-        if not forward_events:
-            log.warning(
-                "%s: vLLM workers forward their KV events to this server's index only; with --kvbm-service "
-                "the router does not see their blocks",
-                config.model_name,
-            )
         assert self.serving.vllm_python is not None
-        engine = {
-            "engine_args": config.engine_args, "source": config.source, "model_name": config.model_name,
-            "max_queued_requests": config.max_queued_requests,
-            "kvbm": self.serving.kvbm.to_json() if self.serving.kvbm is not None else None,
-        }  # fmt: skip
-        return ExternalSpec("vllm", engine, self.serving.vllm_python, forward_events=forward_events)
+        return ExternalSpec(
+            "vllm",
+            config.worker_args(self.serving.kvbm),
+            self.serving.vllm_python,
+            forward_events=forward_events,
+        )
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:
         """Follow `name`'s registrations in Redis; remote workers' forwarded block events go to `event_sink`."""

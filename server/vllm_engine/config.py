@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbm.config import KVBMConfig
 from server.errors import ConfigError, read_json
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,14 @@ class VLLMConfig:
         if not Path(model).is_absolute() and local.exists():
             raw["model"] = str(local.resolve())  # a folder next to model.json, as for Strata's engine
         return cls(raw, str(path))
+
+    def worker_args(self, kvbm: KVBMConfig | None) -> dict[str, Any]:
+        """The keyword arguments of `engine.build_vllm_engine` in a worker (JSON values), with `kvbm`'s tiers."""
+        return {
+            "engine_args": self.engine_args, "source": self.source, "model_name": self.model_name,
+            "max_queued_requests": self.max_queued_requests,
+            "kvbm": kvbm.to_json() if kvbm is not None else None,
+        }  # fmt: skip
 
     def apply_overrides(self, overrides: dict[str, Any]) -> None:
         """`strata serve` flags that set engine fields: those vLLM has take the place of model.json's values."""

@@ -52,6 +52,7 @@ from kvbm.block_hash import BlockHash, hash_block, model_salt, request_salt
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.events import TierEvent
+from server.vllm_engine.kv_events import ANNOUNCE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -288,7 +289,7 @@ class _WorkerHalf:
         sink = _EventPush(self.settings.events) if self.settings.events else None
         self.agent = build_connector(self.settings.kvbm_config(), self.settings.worker_id, index=sink)
         self.agent.bind(self.staging, layout)
-        self._lookup = _LookupServer(self.settings.lookup, self._count_held)
+        self._lookup = _LookupServer(self.settings.lookup, self._count_held, self._announce)
         logger.info(
             "StrataKVConnector %s: %d layers, %d-byte blocks, tiers %s",
             self.settings.worker_id, len(self._layers), layout.block_bytes, [t.name for t in self.agent.tiers],
@@ -298,6 +299,11 @@ class _WorkerHalf:
         assert self.agent is not None
         with self._lock:
             return self.agent.lookup(block_hashes)
+
+    def _announce(self) -> None:
+        assert self.agent is not None
+        with self._lock:
+            self.agent.announce()
 
     def load(self, transfers: list[BlockTransfer]) -> None:
         """Onboard each request's planned blocks into vLLM's rows; a request's blocks from its first miss on are
@@ -375,16 +381,18 @@ class _EventPush:
 
 class _LookupServer:
     """Answers the scheduler half's lookups (a msgpack list of u64 hashes -> the count of leading blocks held)
-    from a thread of the worker process."""
+    from a thread of the worker process; `ANNOUNCE` (from the Strata worker's relay) announces the tiers' blocks
+    and is answered with 0."""
 
-    def __init__(self, endpoint: str, count_held) -> None:
+    def __init__(self, endpoint: str, count_held, announce) -> None:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.REP)
         self._socket.bind(endpoint)
         self._endpoint = endpoint
         self._count_held = count_held
+        self._announce = announce
         self._stop = threading.Event()
-        self._decoder = msgspec.msgpack.Decoder(list[int])
+        self._decoder = msgspec.msgpack.Decoder(list[int] | str)
         self._thread = threading.Thread(target=self._run, name="strata-kv-lookup", daemon=True)
         self._thread.start()
 
@@ -395,8 +403,14 @@ class _LookupServer:
             if not poller.poll(200):
                 continue
             try:
-                hashes = self._decoder.decode(self._socket.recv())
-                held = self._count_held([BlockHash(h) for h in hashes])
+                request = self._decoder.decode(self._socket.recv())
+                if isinstance(request, str):
+                    if request != ANNOUNCE:
+                        raise ValueError(f"unknown request {request!r}")
+                    self._announce()
+                    held = 0
+                else:
+                    held = self._count_held([BlockHash(h) for h in request])
             except Exception:  # the thread must answer every request, or the scheduler waits out each lookup
                 logger.exception("StrataKVConnector lookup failed; answered as a miss")
                 held = 0

@@ -8,7 +8,15 @@ deltas (`RequestOutputKind.DELTA`): the tokens and text one step added, with vLL
 Strata sets two things on every engine: KV cache events on a ZMQ socket of its own (`kv_events.py` turns them into
 tier events with Strata's block hashes, for the router's index) and a stat logger whose scheduler stats become
 `stats()`; with KVBM tiers, also `kv_transfer_config` for `connector.py`'s StrataKVConnector, whose tier events the
-same relay forwards. Everything else is the model.json's engine arguments, checked here against the installed vLLM.
+same relay forwards. The relay publishes to `events` (the link to the server's index) or, given none and a Redis URL
+in the KVBM config, to the standalone KVBM service's stream under this worker's lease, as Strata's engine does.
+Everything else is the model.json's engine arguments, checked here against the installed vLLM.
+
+Disaggregated serving hands KV over through the KVBM tiers: a request with `remote_decode` runs for one token and
+finishes with a `KVHandoff` (transport "kvbm") naming its prompt's full blocks, which StrataKVConnector wrote through
+to the tiers in the steps that computed them; a request with `remote_prefill` runs its prompt plus the prefill's
+token, and the decode worker's connector loads those blocks (from the node's G2, or G4) where vLLM would prefill
+them. Unlike Strata's engine, a seeded sampler restarts on the decode worker (vLLM takes no generator state).
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ from typing import Any
 
 import msgspec
 
-from kvbm.block_hash import model_salt
+from kvbm.block_hash import block_hashes, model_salt, request_salt
+from kvbm.channel import RedisWorkerChannel
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink
+from kvbm.redis_link import RedisLink
 from server.engine.api import (
     EngineOverloaded,
     EngineResources,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
+    KVHandoff,
     OutputSink,
     PoolStats,
     RequestError,
@@ -71,6 +82,10 @@ class VLLMEngine:
             raise ValueError(
                 f"{source}: {unknown[0]!r} is not a vLLM engine argument (vLLM {_vllm_version()})"
             )
+        self._redis_events: RedisWorkerChannel | None = None
+        if events is None and kvbm is not None and kvbm.redis_url:  # the standalone KVBM service's stream
+            self._redis_events = RedisWorkerChannel(RedisLink(kvbm.redis_url), worker_id)
+            events = self._redis_events
         endpoint = f"ipc://{tempfile.gettempdir()}/strata-kv-{uuid.uuid4().hex[:12]}"
         self._endpoint = endpoint  # vLLM's KV events
         self._tier_endpoint = f"{endpoint}-tiers" if kvbm is not None and events is not None else None
@@ -88,6 +103,8 @@ class VLLMEngine:
             self._llm, self._args = future.result(_START_TIMEOUT_S)
         except BaseException:
             self._stop_loop()
+            if self._redis_events is not None:
+                self._redis_events.close()
             raise
         vllm_config = self._llm.vllm_config
         cache = vllm_config.cache_config
@@ -101,11 +118,20 @@ class VLLMEngine:
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         salt = model_salt(engine_fingerprint(vllm_config))
         self.block_layout = KVBlockLayout(int(cache.block_size), salt)
+        lookup = f"{endpoint}-lookup" if self._tier_endpoint is not None else None
         self._relay = KVEventRelay(
-            self._endpoint, worker_id, int(cache.block_size), salt, events, self._tier_endpoint
+            self._endpoint, worker_id, int(cache.block_size), salt, events, self._tier_endpoint, lookup
         )
+        if self._redis_events is not None:
+            self._redis_events.on_resync = self.announce  # the service restarted or Redis came back
         self._tokenizer = self._llm.get_tokenizer()
         self._kv_bytes = int(getattr(cache, "kv_cache_memory_bytes", None) or 0)
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        self._block_bytes = (  # K and V of every layer, one block (what a handoff names; vLLM's own layout)
+            2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+            * int(cache.block_size) * model.dtype.itemsize
+        )  # fmt: skip
         logger.info(
             "vLLM %s engine up: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
             _vllm_version(), self._args.model, dtype, self._num_blocks, cache.block_size, self.max_model_len,
@@ -193,16 +219,25 @@ class VLLMEngine:
         asyncio.run_coroutine_threadsafe(self._abort_all(), self._loop).result(30)
         self._llm.shutdown()
         self._relay.close()
+        if self._redis_events is not None:
+            self._redis_events.close()
         self._stop_loop()
+
+    def announce(self) -> None:
+        """Thread-safe: publish every block this engine holds (G1 and its KV tiers) again, for an index that
+        missed them (a server that just attached this worker, a KVBM service that restarted)."""
+        self._relay.announce()
 
     # ---- on the loop ----
 
     def _validate(self, request: GenerationRequest) -> None:
-        if request.remote_decode is not None or request.remote_prefill is not None:
-            raise RequestError(
-                "remote_decode", "disaggregated serving is not available on the vLLM engine yet"
-            )
         validate_request(self, request, self._vocab)
+        handoff = request.remote_prefill
+        if handoff is not None and (
+            len(handoff.token_ids) >= request.sampling.max_tokens
+            or not all(0 <= t < self._vocab for t in handoff.token_ids)
+        ):
+            raise RequestError("remote_prefill", "token_ids must be fewer than max_tokens, in the vocabulary")
 
     def _start(self, request: GenerationRequest, sink: OutputSink) -> None:
         task = self._loop.create_task(self._generate(request, sink))
@@ -222,24 +257,45 @@ class VLLMEngine:
     async def _generate(self, request: GenerationRequest, sink: OutputSink) -> None:
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
-        emitted = 0
+        sampling = request.sampling
+        handoff = request.remote_prefill
+        resumed = handoff.token_ids if handoff is not None else []  # decode side: the prefill's first token
+        emitted = len(resumed)
         cached = 0
-        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+        prefill_only = request.remote_decode is not None and sampling.max_tokens > 1
+        if prefill_only:
+            sampling = msgspec.structs.replace(sampling, max_tokens=1)
+        elif resumed:
+            sampling = msgspec.structs.replace(
+                sampling,
+                max_tokens=sampling.max_tokens - len(resumed),
+                min_tokens=max(0, sampling.min_tokens - len(resumed)),
+            )
+        first = True
+        prompt: dict[str, Any] = {"prompt_token_ids": [*request.prompt_token_ids, *resumed]}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         try:
-            async for out in self._llm.generate(prompt, _sampling(request.sampling), rid):
+            async for out in self._llm.generate(prompt, _sampling(sampling), rid):
                 completion = out.outputs[0]
                 emitted += len(completion.token_ids)
-                cached = out.num_cached_tokens or 0
+                cached = handoff.num_cached_tokens if handoff is not None else out.num_cached_tokens or 0
                 reason = completion.finish_reason if out.finished else None
-                sink(
-                    GenerationOutput(
-                        rid, list(completion.token_ids), completion.text, finished=out.finished,
-                        finish_reason=_FINISH_REASONS.get(reason, "stop") if out.finished else None,  # type: ignore[arg-type]
-                        num_prompt_tokens=num_prompt, num_cached_tokens=cached, num_output_tokens=emitted,
-                    )
+                output = GenerationOutput(
+                    rid, list(completion.token_ids), completion.text, finished=out.finished,
+                    finish_reason=_FINISH_REASONS.get(reason, "stop") if out.finished else None,  # type: ignore[arg-type]
+                    num_prompt_tokens=num_prompt, num_cached_tokens=cached, num_output_tokens=emitted,
                 )  # fmt: skip
+                if prefill_only and out.finished and reason == "length":  # not a stop: decode continues it
+                    output.finish_reason = None
+                    output.kv_handoff = self._handoff(request, list(completion.token_ids), cached)
+                    if output.kv_handoff.transport == "kvbm":  # written through while computed: no send time
+                        output.kv_transfer_bytes = len(output.kv_handoff.block_hashes) * self._block_bytes
+                elif resumed and first:  # the prompt blocks this worker did not compute (its G1, the tiers)
+                    reused = (out.num_cached_tokens or 0) // self.block_layout.block_size
+                    output.kv_transfer_bytes = reused * self._block_bytes
+                first = False
+                sink(output)
                 if out.finished:
                     break
         except asyncio.CancelledError:
@@ -256,6 +312,17 @@ class VLLMEngine:
             self._tasks.pop(rid, None)
             with self._lock:
                 self._num_active -= 1
+
+    def _handoff(self, request: GenerationRequest, token_ids: list[int], cached: int) -> KVHandoff:
+        """The prompt's full blocks are in this worker's KV tiers already (StrataKVConnector writes each block
+        through in the step that computes it, before that step's output exists): the decode worker's connector
+        finds them there (G2 on this node, G4 across nodes). Without tiers it recomputes the prompt."""
+        layout = self.block_layout
+        hashes = block_hashes(
+            request.prompt_token_ids, layout.block_size, request_salt(layout.salt, request.cache_salt)
+        )
+        transport = "kvbm" if self._connector is not None and hashes else "none"
+        return KVHandoff(transport, "", list(hashes), self._block_bytes, token_ids, cached)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

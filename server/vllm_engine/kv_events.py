@@ -17,6 +17,10 @@ the router only underestimates what that worker holds.
 
 The payload is decoded by msgspec into the Structs below (the fields Strata reads, as vLLM 0.32 declares them; the
 rest are ignored), never unpickled.
+
+`announce` publishes everything the worker holds again, for an index that missed it (a server that just attached a
+remote worker, a KVBM service that restarted): the G1 blocks from the relay's map, then the tiers' blocks, which
+StrataKVConnector's worker half announces when asked on its lookup socket (`ANNOUNCE`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from kvbm.events import G1, EventSink, TierEvent
 logger = logging.getLogger(__name__)
 
 VLLMHash = int | bytes
+ANNOUNCE = "announce"  # asked on StrataKVConnector's lookup socket (whose lookups are lists of hashes)
+ANNOUNCE_TIMEOUT_MS = 5000
 
 
 class BlockStored(msgspec.Struct, tag=True):
@@ -74,6 +80,10 @@ class KVEventTranslator:
     @property
     def num_blocks(self) -> int:
         return len(self._strata)
+
+    def held(self) -> list[BlockHash]:
+        """Strata's hashes of the blocks vLLM holds (for an announce)."""
+        return list(self._strata.values())
 
     def translate(self, batch: KVEventBatch) -> list[TierEvent]:
         out: list[TierEvent] = []
@@ -119,7 +129,8 @@ class KVEventTranslator:
 class KVEventRelay:
     """Subscribes to a vLLM engine's KV event socket and publishes its translated events to `sink` (the worker's
     link to the server's index; None: counted, not sent) from a thread of its own. With `tier_endpoint` it also
-    binds the socket StrataKVConnector pushes its tier events (G2/G3/G4, msgpack TierEvents) to, and relays them."""
+    binds the socket StrataKVConnector pushes its tier events (G2/G3/G4, msgpack TierEvents) to, and relays them;
+    `lookup_endpoint` is the connector's lookup socket, where `announce` asks it to announce its tiers."""
 
     def __init__(
         self,
@@ -129,16 +140,18 @@ class KVEventRelay:
         salt: BlockHash,
         sink: EventSink | None,
         tier_endpoint: str | None = None,
+        lookup_endpoint: str | None = None,
     ):
         self.translator = KVEventTranslator(worker_id, block_size, salt)
         self._sink = sink
+        self._lookup_endpoint = lookup_endpoint
         self._context = zmq.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
-        self._stop_address = f"inproc://strata-kv-stop-{id(self)}"
-        self._stop = self._context.socket(zmq.PAIR)
-        self._stop.bind(self._stop_address)
+        self._control_address = f"inproc://strata-kv-control-{id(self)}"
+        self._control = self._context.socket(zmq.PULL)  # b"stop" or b"announce", from other threads
+        self._control.bind(self._control_address)
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._tiers: zmq.Socket | None = None
         if tier_endpoint is not None:
@@ -153,24 +166,33 @@ class KVEventRelay:
     def num_cached_blocks(self) -> int:
         return self.translator.num_blocks
 
+    def announce(self) -> None:
+        """Thread-safe: publish everything the worker holds again, from the relay's thread."""
+        self._tell(b"announce")
+
     def close(self) -> None:
-        with self._context.socket(zmq.PAIR) as wake:
-            wake.connect(self._stop_address)
-            wake.send(b"")
+        self._tell(b"stop")
         self._thread.join(5)
-        self._stop.close(0)
+        self._control.close(0)
+
+    def _tell(self, command: bytes) -> None:
+        with self._context.socket(zmq.PUSH) as push:
+            push.connect(self._control_address)
+            push.send(command)
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._stop, zmq.POLLIN)
+        poller.register(self._control, zmq.POLLIN)
         if self._tiers is not None:
             poller.register(self._tiers, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
-                if self._stop in ready:
-                    return
+                if self._control in ready:
+                    if self._control.recv() == b"stop":
+                        return
+                    self._announce()
                 if self._sub in ready:
                     self._receive(self._sub.recv_multipart())
                 if self._tiers is not None and self._tiers in ready:
@@ -179,6 +201,27 @@ class KVEventRelay:
             self._sub.close(0)
             if self._tiers is not None:
                 self._tiers.close(0)
+
+    def _announce(self) -> None:
+        """G1 (even when empty: it registers the worker with the index), then the connector's tiers."""
+        if self._sink is None:
+            return
+        held = self.translator.held()
+        self._sink.publish(TierEvent(self.translator.worker_id, "stored", G1, tuple(held)))
+        if self._lookup_endpoint is None:
+            return
+        with self._context.socket(zmq.REQ) as ask:
+            ask.setsockopt(zmq.RCVTIMEO, ANNOUNCE_TIMEOUT_MS)
+            ask.setsockopt(zmq.LINGER, 0)
+            ask.connect(self._lookup_endpoint)
+            ask.send(msgspec.msgpack.encode(ANNOUNCE))
+            try:
+                ask.recv()  # its events are on the tier socket by then
+            except zmq.Again:
+                logger.warning(
+                    "StrataKVConnector did not answer an announce in %d ms; the index may miss tier blocks",
+                    ANNOUNCE_TIMEOUT_MS,
+                )
 
     def _relay_tier_event(self, payload: bytes) -> None:
         try:

@@ -20,16 +20,19 @@ Its ports are open to anyone who can reach them, so a frame that is not a messag
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import redis
 import zmq
 
@@ -39,9 +42,8 @@ from kvbm.curve import CurveKeys
 from kvbm.transfer import KVTransferConfig
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
-from server.engine.llm_engine import LLMEngine
-from server.repository.model_config import LLM, VLLM
-from server.repository.scan import BrokenModel, read_model
+from server.vllm_engine.config import VLLMConfig
+from server.workers.external import SOURCE_ROOT
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
 from server.workers.transport import Channel, ChannelAddress, link_keys
@@ -53,6 +55,9 @@ from server.workers.worker import (
     serve_channel,
     start_heartbeat,
 )
+
+if TYPE_CHECKING:  # the vLLM venv runs this module too, and has no tritonclient (model_config's protobufs)
+    from server.repository.model_config import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +182,12 @@ def run_worker(
 ) -> int:
     """`strata worker` (the CLI parses the flags into `args`, the engine `overrides`, the `kvbm` tiers and the
     cluster secret): build the model's engine as `strata serve` would, calibrate, register, serve until
-    SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it)."""
+    SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it). A model with backend vllm runs
+    under --vllm-python: this process re-executes itself there (`_vllm_worker`)."""
+    from server.repository.model_config import VLLM
+
     try:
-        config = model_engine_config(args.model_repository, args.model, overrides)
+        source = _llm_model(args.model_repository, args.model)
         redis.Redis.from_url(args.redis_url, socket_connect_timeout=2).ping()
     except ValueError as exc:
         log.error("%s", exc)
@@ -188,17 +196,7 @@ def run_worker(
         log.error("--redis-url %s: cannot reach Redis: %s", args.redis_url, exc)
         return 2
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    forward = args.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
-    events = ChannelEvents(None) if forward else None
     advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
-    try:  # disaggregated handoffs: shared memory with workers of this host, a CURVE-authenticated pull across
-        transfer = KVTransferConfig(cluster_secret, args.host, advertise, args.kv_transfer_port).build()
-    except OSError as exc:
-        log.error("--kv-transfer-port %d: %s", args.kv_transfer_port, exc)
-        return 2
-    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
-    engine = LLMEngine(config, connector, transfer)
-    info = describe(engine, calibrate_logged(engine), args.role)
     options = RemoteWorkerOptions(
         worker_id,
         args.redis_url,
@@ -209,26 +207,160 @@ def run_worker(
         exit_timeout_s=args.exit_timeout_secs,
         curve=link_keys(cluster_secret),
     )
+    forward = args.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
+    if source.backend == VLLM:
+        return _vllm_worker(args, source, overrides, kvbm, cluster_secret, options, forward)
     try:
-        worker = RemoteWorker(engine, info, options, events, connector.request_announce if forward else None)
+        config = _engine_config(source, args.model, overrides)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    try:  # disaggregated handoffs: shared memory with workers of this host, a CURVE-authenticated pull across
+        transfer = KVTransferConfig(cluster_secret, args.host, advertise, args.kv_transfer_port).build()
+    except OSError as exc:
+        log.error("--kv-transfer-port %d: %s", args.kv_transfer_port, exc)
+        return 2
+    from server.engine.llm_engine import LLMEngine
+
+    events = ChannelEvents(None) if forward else None
+    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
+    engine = LLMEngine(config, connector, transfer)
+    return serve_engine(engine, args.role, options, events, connector.request_announce if forward else None)
+
+
+def serve_engine(
+    engine: LocalEngine,
+    role: str,
+    options: RemoteWorkerOptions,
+    events: ChannelEvents | None,
+    on_attach: Callable[[], None] | None,
+) -> int:
+    """Calibrate `engine`, register it and serve one server after another until SIGTERM/SIGINT; close it."""
+    info = describe(engine, calibrate_logged(engine), role)
+    try:
+        worker = RemoteWorker(engine, info, options, events, on_attach)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: worker.stop.set())
         worker.run()
     except zmq.ZMQError as exc:
-        log.error("--host %s --port %d: cannot bind the worker's ports: %s", args.host, args.port, exc)
+        log.error("--host %s --port %d: cannot bind the worker's ports: %s", options.host, options.port, exc)
         return 2
     except (redis.RedisError, WorkerIdTaken) as exc:
-        log.error("--redis-url %s: %s", args.redis_url, exc)
+        log.error("--redis-url %s: %s", options.redis_url, exc)
         return 2
     finally:
         engine.close()  # and its KVBM connector
-    log.info("worker %s stopped", worker_id)
+    log.info("worker %s stopped", options.worker_id)
     return 0
 
 
-def model_engine_config(repository: Path, model: str, overrides: dict[str, Any]) -> EngineConfig:
-    """The engine config `strata serve` would build for `model` (its latest version's model.json plus the
-    command-line overrides); ValueError naming the flag, the file or the field otherwise."""
+# ---- backend vllm: the worker runs under the vLLM venv's Python ----
+
+
+class VLLMLaunch(msgspec.Struct, frozen=True):
+    """What `strata worker` hands to itself re-executed under --vllm-python, on a pipe (never argv: it holds the
+    cluster secret): the engine's factory arguments (VLLMConfig.worker_args) and the worker's options."""
+
+    engine: dict[str, Any]
+    worker_id: str
+    redis_url: str
+    host: str
+    advertise_host: str
+    port: int
+    lease_s: float
+    exit_timeout_s: float
+    forward_events: bool
+    role: str
+    cluster_secret: str  # hex
+
+
+def _vllm_worker(
+    args: argparse.Namespace,
+    source: ModelSource,
+    overrides: dict[str, Any],
+    kvbm: KVBMConfig | None,
+    cluster_secret: bytes,
+    options: RemoteWorkerOptions,
+    forward: bool,
+) -> int:
+    """A vLLM-backend model: its engine arguments checked here, vLLM run here if this Python has it, else this
+    process becomes `--vllm-python -m server.workers.remote_worker` (same pid: signals reach it unchanged)."""
+    if args.role != "both" and kvbm is None:
+        log.error("--role %s: backend vllm hands KV over through the KVBM tiers; drop --no-kvbm", args.role)
+        return 2
+    try:
+        config = VLLMConfig.from_json(source.path / str(source.versions[-1]) / source.model_filename)
+    except ValueError as exc:
+        log.error("--model %s: %s", args.model, exc)
+        return 2
+    config.model_name = args.model
+    config.apply_overrides(overrides)
+    launch = VLLMLaunch(
+        config.worker_args(kvbm), options.worker_id, options.redis_url, options.host, options.advertise_host,
+        options.port, options.lease_s, options.exit_timeout_s, forward, args.role, cluster_secret.hex(),
+    )  # fmt: skip
+    if importlib.util.find_spec("vllm") is not None:
+        return _serve_vllm(launch)
+    if not args.vllm_python:
+        log.error(
+            "--model %s: backend vllm needs a venv with vLLM: give --vllm-python (or STRATA_VLLM_PYTHON); "
+            "`make vllm` builds .venv-vllm",
+            args.model,
+        )
+        return 2
+    read, write = os.pipe()
+    os.write(write, msgspec.json.encode(launch))  # a few KiB: within the pipe's buffer, so this cannot block
+    os.close(write)
+    os.set_inheritable(read, True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    command = [args.vllm_python, "-m", "server.workers.remote_worker", "--launch-fd", str(read)]
+    log.info("backend vllm: continuing under %s", args.vllm_python)
+    try:
+        os.execve(args.vllm_python, command, env)
+    except OSError as exc:
+        log.error("--vllm-python %s: %s", args.vllm_python, exc)
+        return 2
+
+
+def _serve_vllm(launch: VLLMLaunch) -> int:
+    from server.vllm_engine.engine import build_vllm_engine
+
+    secret = bytes.fromhex(launch.cluster_secret)
+    options = RemoteWorkerOptions(
+        launch.worker_id, launch.redis_url, launch.host, launch.advertise_host, launch.port, launch.lease_s,
+        exit_timeout_s=launch.exit_timeout_s, curve=link_keys(secret),
+    )  # fmt: skip
+    events = ChannelEvents(None) if launch.forward_events else None
+    try:
+        engine = build_vllm_engine(**launch.engine, worker_id=launch.worker_id, events=events)
+    except ValueError as exc:  # an engine argument vLLM refuses (named with its model.json)
+        log.error("%s", exc)
+        return 2
+    announce = engine.announce if launch.forward_events else None
+    return serve_engine(engine, launch.role, options, events, announce)
+
+
+def main() -> None:
+    """`<vllm python> -m server.workers.remote_worker --launch-fd N`: `strata worker` re-executed for vLLM."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--launch-fd", type=int, required=True)
+    fd = parser.parse_args().launch_fd
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with os.fdopen(fd, "rb") as pipe:
+        launch = msgspec.json.decode(pipe.read(), type=VLLMLaunch)
+    sys.exit(_serve_vllm(launch))
+
+
+# ---- reading the model ----
+
+
+def _llm_model(repository: Path, model: str) -> ModelSource:
+    """`model`'s folder in `repository`, read as `strata serve` reads it; ValueError naming the flag or file unless
+    it is an LLM (backend strata_llm or vllm)."""
+    from server.repository.model_config import LLM, VLLM
+    from server.repository.scan import BrokenModel, read_model
+
     folder = repository / model
     if not repository.is_dir():
         raise ValueError(f"--model-repository {repository}: not a folder")
@@ -240,19 +372,33 @@ def model_engine_config(repository: Path, model: str, overrides: dict[str, Any])
     source = read_model(folder)
     if isinstance(source, BrokenModel):
         raise ValueError(f"--model {model}: {source.error}")
-    if source.backend == VLLM:
+    if source.backend not in (LLM, VLLM):
         raise ValueError(
-            f"--model {model}: backend vllm runs in the workers `strata serve --vllm-python` starts; "
-            "`strata worker` serves Strata's engine only (vLLM on other hosts: not yet)"
+            f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r} or {VLLM!r}); only LLM "
+            "models have workers"
         )
-    if source.backend != LLM:
-        raise ValueError(
-            f"--model {model}: backend {source.backend!r} is not an LLM ({LLM!r}); only LLM models "
-            "have workers"
-        )
-    config = EngineConfig.from_json(folder / str(source.versions[-1]) / source.model_filename)
+    return source
+
+
+def _engine_config(source: ModelSource, model: str, overrides: dict[str, Any]) -> EngineConfig:
+    config = EngineConfig.from_json(source.path / str(source.versions[-1]) / source.model_filename)
     config.model_name = model
     for key, value in overrides.items():
         setattr(config, key, value)
     config.validate(f"{model} (model.json with command-line overrides)")
     return config
+
+
+def model_engine_config(repository: Path, model: str, overrides: dict[str, Any]) -> EngineConfig:
+    """The engine config `strata serve` would build for a backend strata_llm `model` (its latest version's
+    model.json plus the command-line overrides); ValueError naming the flag, the file or the field otherwise."""
+    from server.repository.model_config import VLLM
+
+    source = _llm_model(repository, model)
+    if source.backend == VLLM:
+        raise ValueError(f"--model {model}: backend vllm; this needs a model served by Strata's engine")
+    return _engine_config(source, model, overrides)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,16 @@
 """Run under the vLLM venv by test_vllm_kvbm.py: one VLLMEngine with Strata's KV tiers (G2 only), a G1 pool of a
-few blocks, and the tier events it publishes kept in a list. Prints one JSON line of what happened."""
+few blocks, and the tier events it publishes kept in a list. Prints one JSON line of what happened.
+
+With a Redis URL as third argument: the engine has no event list but that Redis (the standalone KVBM service's
+mode), a `KVBMService` follows it here, and the service is then restarted on an emptied Redis; the line says what
+the service's index held for the worker before and after (the worker announces again on the new epoch)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import threading
+import time
 
 from kvbm.block_hash import block_hashes, request_salt
 from kvbm.config import KVBMConfig
@@ -45,6 +50,20 @@ def generate(
     return result
 
 
+def announce(engine: VLLMEngine, events: EventList) -> dict:
+    """What `engine.announce()` publishes again, against what the events said before it."""
+    g1_stored, g2_stored = events.hashes(G1, "stored"), events.hashes(G2, "stored")
+    before = len(events.events)
+    engine.announce()
+    deadline = time.monotonic() + 10
+    while not any(e.tier == G2 for e in events.events[before:]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    announced = events.events[before:]
+    g1 = {h for e in announced if e.tier == G1 and e.kind == "stored" for h in e.block_hashes}
+    g2 = {h for e in announced if e.tier == G2 and e.kind == "stored" for h in e.block_hashes}
+    return {"g1": len(g1), "g1_known": g1 <= g1_stored, "g2": len(g2), "g2_all": g2 == g2_stored}
+
+
 def main() -> None:
     model_folder, cache_id = sys.argv[1], sys.argv[2]
     events = EventList()
@@ -68,10 +87,55 @@ def main() -> None:
         salted = block_hashes(prompts[0], layout.block_size, request_salt(layout.salt, "tenant-1"))
         report["salted_in_g2"] = len(set(salted) & events.hashes(G2, "stored"))
         report["g2_blocks_stored"] = len(events.hashes(G2, "stored"))
+        report["announce"] = announce(engine, events)
     finally:
         engine.close()
     print(json.dumps(report))
 
 
+def service_main() -> None:
+    model_folder, cache_id, redis_url = sys.argv[1:4]
+    import redis
+
+    from kvbm.auth import derive_key
+    from kvbm.service import KVBMService
+
+    args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 80 << 20}  # fmt: skip
+    g4_key = derive_key(
+        b"kvbm-check cluster secret, 32 by", "g4-mac"
+    )  # Redis is G4 too: its blocks are signed
+    kvbm = KVBMConfig(
+        host_cache_gb=0.25, cache_id=cache_id, redis_url=redis_url, flush_budget_s=0, g4_key=g4_key
+    )
+    service = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
+    engine = VLLMEngine(args, worker_id="svc-w0", events=None, kvbm=kvbm)
+    report = {}
+    try:
+        prompt = engine.encode(DOCUMENTS[0])
+        hashes = block_hashes(prompt, engine.block_layout.block_size, engine.block_layout.salt)
+        generate(engine, "s-1", prompt)
+
+        def held(service: KVBMService) -> list[int]:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                prefix = service.index.query(hashes).workers.get("svc-w0")
+                if prefix is not None and prefix.g2 == len(hashes):
+                    break
+                time.sleep(0.05)
+            return [prefix.g1, prefix.g2] if prefix is not None else []
+
+        report["full_blocks"] = len(hashes)
+        report["before"] = held(service)
+        service.stop()
+        redis.Redis.from_url(redis_url).flushall()  # the stream is gone: only an announcement can rebuild it
+        service = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
+        report["after_restart"] = held(service)
+    finally:
+        engine.close()
+        service.stop()
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
-    main()
+    service_main() if len(sys.argv) > 3 else main()

@@ -51,3 +51,32 @@ def test_a_cache_salt_keeps_tenants_apart(report):
     assert report["salted"]["cached_tokens"] == 0
     assert report["salted"]["token_ids"] == report["first"]["token_ids"]
     assert report["salted_in_g2"] == report["prompt_tokens"] // 128
+
+
+def test_announce_publishes_what_the_engine_holds_again(report):
+    """For a server that attaches the worker later, or a KVBM service that restarted: the G1 blocks vLLM holds
+    (from the relay's map) and every block the connector's G2 holds."""
+    announced = report["announce"]
+    assert announced["g1"] > 0 and announced["g1_known"]
+    assert announced["g2"] == report["g2_blocks_stored"] and announced["g2_all"]
+
+
+def test_with_the_kvbm_service_its_index_sees_the_vllm_worker_and_gets_it_back_after_a_restart(redis_url):
+    """`--kvbm-service`: no server index to forward to; vLLM's G1 events and the connector's G2 events go to Redis
+    under the worker's lease, and a service restarted on an empty Redis gets them again from the announcement."""
+    python = os.environ.get("STRATA_VLLM_PYTHON")
+    if not python:
+        pytest.skip("STRATA_VLLM_PYTHON is not set (make test sets it to the venv `make vllm` builds)")
+    cache_id = f"test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT), "HF_HUB_OFFLINE": "1"}
+    script = Path(__file__).with_name("kvbm_check.py")
+    folder = prepare_model(DEFAULT_MODEL).folder
+    done = subprocess.run(
+        [python, str(script), str(folder), cache_id, redis_url],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    full = report["full_blocks"]
+    assert report["before"] == [full, full]  # G1 from vLLM's events, G2 from StrataKVConnector's
+    assert report["after_restart"] == [full, full]

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import urllib.request
 import uuid
 
@@ -42,16 +41,6 @@ instance_group [
 PREFIXES = [
     f"Document {i}: " + "Serving systems keep the KV cache of shared prompts warm. " * 30 for i in range(3)
 ]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    python = os.environ.get("STRATA_VLLM_PYTHON")
-    if not python:
-        pytest.skip("STRATA_VLLM_PYTHON is not set (make test sets it to the venv `make vllm` builds)")
-    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, f"STRATA_VLLM_PYTHON={python} cannot import vllm:\n{probe.stderr[-2000:]}"
-    return python
 
 
 @pytest.fixture(scope="module")
