@@ -11,7 +11,8 @@ decides (model.json, instance_group) and `start` builds it:
                                     --decode-workers, or config.pbtxt parameters `prefill_workers`/`decode_workers`
     backend "vllm"                  N worker processes under --vllm-python, each running vLLM (server/vllm_engine),
                                     behind the same RoutedEngine; their vLLM KV events feed the same index (N = 0
-                                    with remote workers: `strata worker --vllm-python` on other hosts)
+                                    with remote workers: `strata worker --vllm-python` on other hosts); prefill and
+                                    decode roles too, their KV handed over through the KVBM tiers
     remote workers accepted         every model routed (N >= 0 processes here) and a Discovery thread adding the
                                     `strata worker` processes that register for the model in Redis
 
