@@ -16,6 +16,10 @@ thread per worker (bench/serve_replay.make_repository), G1-only prefix caching (
                     the prefill worker, its KV handed to the decode worker, unless Q remote prefills are in
                     flight (then the decode worker prefills it itself, as it does every shorter prompt)
 Both use two worker processes of one torch thread each: the same two cores, split two ways.
+With --vllm-python, the same two on backend vllm (a Triton vLLM-backend model, fp32, blocks of 64, 256 MiB of KV
+per worker, one OpenMP thread each) with the node's G2 (1 GiB) below both, since vLLM's handoff goes through it:
+    vllm-aggregated      --workers 2
+    vllm-disaggregated   --prefill-workers 1 --decode-workers 1 (thresholds as above)
 
 Workload (seeded by --seed; the same requests at the same relative times for both configurations and, scaled,
 for every rate): arrivals form a Poisson process at the rate; each arrival is a long prompt with probability
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import re
 import sys
@@ -68,9 +73,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
 from bench.serve_replay import StreamTiming, drive, make_repository, summarize  # noqa: E402
+from kvbm.host_pool import remove_segments  # noqa: E402
 from tests.conftest import start_strata  # noqa: E402
 
 CONFIGS = ("aggregated", "disaggregated")
+VLLM_CONFIGS = ("vllm-aggregated", "vllm-disaggregated")
 ITL_GOAL, TTFT_GOAL, THROUGHPUT_GOAL = 0.5, 1.3, 0.9  # disaggregated / aggregated
 _SAMPLE = re.compile(r"^(strata_disagg_\w+?)(?:\{([^}]*)\})? (\S+)$", re.M)
 
@@ -121,16 +128,36 @@ def build_workload(args: argparse.Namespace, count: int) -> list[Request]:
     ]
 
 
-def server_flags(config: str, args: argparse.Namespace) -> list[str]:
+def server_flags(config: str, args: argparse.Namespace, cache_id: str) -> list[str]:
+    tiers = ["--no-kvbm"]
+    if config.startswith("vllm-"):
+        config = config.removeprefix("vllm-")
+        tiers = ["--vllm-python", args.vllm_python, "--kvbm-host-cache-gb", "1", "--kvbm-cache-id", cache_id]
     if config == "aggregated":
-        return ["--workers", "2", "--no-kvbm"]
+        return ["--workers", "2", *tiers]
     return [
         "--prefill-workers", "1",
         "--decode-workers", "1",
         "--max-local-prefill-length", str(args.max_local_prefill_length),
         "--max-prefill-queue-size", str(args.max_prefill_queue_size),
-        "--no-kvbm",
+        *tiers,
     ]  # fmt: skip
+
+
+def vllm_repository(root: Path) -> Path:
+    """One Triton vLLM-backend model named smollm2 (what the client asks for); the flags say its workers."""
+    from server.engine.config import DEFAULT_MODEL
+    from server.engine.loader import prepare_model
+
+    model = root / "repository" / "smollm2"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('backend: "vllm"\n')
+    engine_args = {
+        "model": str(prepare_model(DEFAULT_MODEL).folder), "dtype": "float32", "max_model_len": 4096,
+        "block_size": 64, "kv_cache_memory_bytes": 256 << 20, "max_num_batched_tokens": 1024,
+    }  # fmt: skip
+    (model / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
+    return root / "repository"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -195,7 +222,17 @@ def run_one(config: str, rate: float, requests: list[Request], args: argparse.Na
     schedule = [(r.arrival_s / rate, r.prompt, r.max_tokens) for r in requests]
     with tempfile.TemporaryDirectory(prefix="strata-disagg-") as tmp:
         root = Path(tmp)
-        server = start_strata(make_repository(root, args), root, *server_flags(config, args))
+        flags = server_flags(config, args, root.name)
+        if config.startswith("vllm-"):  # one unbound OpenMP thread per vLLM worker, as Strata's workers
+            saved = {key: os.environ.get(key) for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+            os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+            try:
+                server = start_strata(vllm_repository(root), root, *flags, ready_timeout_s=900)
+            finally:
+                for key, value in saved.items():
+                    os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        else:
+            server = start_strata(make_repository(root, args), root, *flags)
         url = f"http://127.0.0.1:{server.openai_port}"
         try:
             timings = drive(url, schedule, duration_s=schedule[-1][0])  # already at its rate: no compression
@@ -206,6 +243,7 @@ def run_one(config: str, rate: float, requests: list[Request], args: argparse.Na
             raise
         finally:
             server.stop()
+            remove_segments(root.name)
         if args.keep_logs:
             Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
             (Path(args.keep_logs) / f"{config}-{rate:g}.log").write_text(server.log())
@@ -252,6 +290,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"rate {rate:g} {config}: {row[config]}", file=sys.stderr, flush=True)
         if set(CONFIGS) <= set(configs):
             row["comparison"] = compare(row["aggregated"], row["disaggregated"])
+        if set(VLLM_CONFIGS) <= set(configs):
+            row["vllm_comparison"] = compare(row["vllm-aggregated"], row["vllm-disaggregated"])
         runs.append(row)
     paying = [row["rate"] for row in runs if row.get("comparison", {}).get("pays_off")]
     return {
@@ -287,6 +327,12 @@ def scale_note(args: argparse.Namespace) -> str:
         f"{args.short_min_output}-{args.short_max_output} output tokens); seed {args.seed}; disaggregated: "
         f"--max-local-prefill-length {args.max_local_prefill_length} "
         f"--max-prefill-queue-size {args.max_prefill_queue_size}"
+        + (
+            "; vllm-*: vLLM's engine, 2 workers x 1 OpenMP thread, 256 MiB of KV each in blocks of 64 tokens, "
+            "step budget 1024 tokens, the node's G2 of 1 GiB below both (the handoff's path)"
+            if any(c.startswith("vllm-") for c in args.configs.split(","))
+            else ""
+        )
     )
 
 
@@ -307,7 +353,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("errors", "errors"),
     )
     for run in report["runs"]:
-        configs = [c for c in CONFIGS if c in run]
+        configs = [c for c in (*CONFIGS, *VLLM_CONFIGS) if c in run]
         print(
             f"\n### rate {run['rate']:g} req/s: {run['requests']} requests ({run['long_requests']} long) "
             f"over {run['arrival_span_s']:g} s"
@@ -316,13 +362,16 @@ def print_report(report: dict[str, Any]) -> None:
         print("|---" * (len(configs) + 1) + "|")
         for label, key in rows:
             print(f"| {label} | " + " | ".join(f"{run[c][key]:g}" for c in configs) + " |")
-        if "disaggregated" in run:
-            print_disagg_rows(run["disaggregated"], configs)
-        if "comparison" in run:
-            comparison = run["comparison"]
+        for name in ("disaggregated", "vllm-disaggregated"):
+            if name in run:
+                print_disagg_rows(run[name], configs, name)
+        for key, label in (("comparison", "disagg/agg"), ("vllm_comparison", "vLLM disagg/agg")):
+            if key not in run:
+                continue
+            comparison = run[key]
             ratios, goals = comparison["ratios"], comparison["goals_met"]
             print(
-                f"disagg/agg: ITL p90 {ratios['itl_p90']:.2f}x (goal <= {ITL_GOAL}: "
+                f"{label}: ITL p90 {ratios['itl_p90']:.2f}x (goal <= {ITL_GOAL}: "
                 f"{'met' if goals['itl_p90'] else 'missed'}), TTFT p50 {ratios['ttft_p50']:.2f}x (goal <= "
                 f"{TTFT_GOAL}: {'met' if goals['ttft_p50'] else 'missed'}), throughput {ratios['throughput']:.2f}x "
                 f"(goal >= {THROUGHPUT_GOAL}: {'met' if goals['throughput'] else 'missed'}); "
@@ -345,7 +394,7 @@ def print_report(report: dict[str, Any]) -> None:
     )
 
 
-def print_disagg_rows(result: dict[str, Any], configs: list[str]) -> None:
+def print_disagg_rows(result: dict[str, Any], configs: list[str], column: str) -> None:
     """The rule's decisions and the transfer rate, in the disaggregated column ("-" in the others)."""
     prefills = ", ".join(f"{k} {v}" for k, v in sorted(result["prefills"].items())) or "none"
     gb_s = ", ".join(f"{side} {v:g}" for side, v in sorted(result["transfer_gb_s"].items())) or "none"
@@ -353,7 +402,7 @@ def print_disagg_rows(result: dict[str, Any], configs: list[str]) -> None:
         ("prefills (where/reason)", prefills),
         ("KV transfer GB/s", f"{gb_s} ({result['transfer_gb']:g} GB)"),
     ):
-        cells = [value if config == "disaggregated" else "-" for config in configs]
+        cells = [value if config == column else "-" for config in configs]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
@@ -394,7 +443,14 @@ def parse_args() -> argparse.Namespace:
         "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: one rate (0.5 req/s), 40 s")
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("STRATA_VLLM_PYTHON"),
+        help="a venv with vLLM (make vllm): allows the vllm-* configurations",
+    )
     args = parser.parse_args()
+    if any(c.startswith("vllm-") for c in args.configs.split(",")) and not args.vllm_python:
+        parser.error("the vllm-* configurations need --vllm-python (or STRATA_VLLM_PYTHON)")
     args.block_tokens, args.threads_per_worker = 16, 1  # make_repository's fields: one block = one hash id
     if args.quick:
         args.rates, args.duration_s = "0.5", 40.0  # 20 requests, 3 of them long (seed 0)
