@@ -1,7 +1,8 @@
 """Run under the vLLM venv by test_vllm_kvbm.py: one VLLMEngine with Strata's KV tiers (G2 only), a G1 pool of a
 few blocks, and the tier events it publishes kept in a list. Prints one JSON line of what happened.
 
-With a Redis URL as third argument: the engine has no event list but that Redis (the standalone KVBM service's
+With a folder as third argument: G3 only in that folder, and one block of the prompt corrupted on disk before it
+is asked again (the load stops at it; vLLM recomputes). With a Redis URL as third argument: the engine has no event list but that Redis (the standalone KVBM service's
 mode), a `KVBMService` follows it here, and the service is then restarted on an emptied Redis; the line says what
 the service's index held for the worker before and after (the worker announces again on the new epoch)."""
 
@@ -11,10 +12,11 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 from kvbm.block_hash import block_hashes, request_salt
 from kvbm.config import KVBMConfig
-from kvbm.events import G1, G2
+from kvbm.events import G1, G2, G3
 from server.engine.api import GenerationOutput, GenerationRequest, SamplingParams
 from server.vllm_engine.engine import VLLMEngine
 
@@ -137,5 +139,45 @@ def service_main() -> None:
     print(json.dumps(report))
 
 
+def corrupt_main() -> None:
+    """G3 only; after the prompt left vLLM's pool, its third block's bytes on disk are overwritten: the load
+    stops there (checksum), vLLM recomputes from that block on, and the answer is unchanged."""
+    model_folder, disk_path = sys.argv[1], Path(sys.argv[3])
+    import numpy as np
+
+    from kvbm.disk_pool import PAGE, RECORD
+
+    events = EventList()
+    args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 80 << 20}  # fmt: skip
+    kvbm = KVBMConfig(host_cache_gb=0, disk_cache_gb=0.25, disk_path=str(disk_path), flush_budget_s=0)
+    engine = VLLMEngine(args, worker_id="g3-w0", events=events, kvbm=kvbm)
+    try:
+        prompts = [engine.encode(text) for text in DOCUMENTS]
+        layout = engine.block_layout
+        hashes = block_hashes(prompts[0], layout.block_size, layout.salt)
+        report = {"prompt_tokens": len(prompts[0]), "first": generate(engine, "c-1", prompts[0])}
+        for i, prompt in enumerate(prompts[1:]):
+            generate(engine, f"fill-{i}", prompt)
+        report["evicted_from_g1"] = hashes[0] in events.hashes(G1, "removed")
+        report["in_g3"] = len(set(hashes) & events.hashes(G3, "stored"))
+        folder = next(disk_path.rglob("index.dat")).parent
+        records = np.fromfile(folder / "index.dat", dtype=RECORD, offset=PAGE)
+        slot = int(np.flatnonzero(records["hash"] == np.uint64(hashes[2]))[0])
+        stride = -(-int(records["length"][slot]) // PAGE) * PAGE
+        with open(folder / "blocks.dat", "r+b") as blocks:
+            blocks.seek(slot * stride)
+            blocks.write(b"\x5a" * PAGE)  # one page of the block: its checksum no longer matches
+        report["again"] = generate(engine, "c-2", prompts[0])
+    finally:
+        engine.close()
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
-    service_main() if len(sys.argv) > 3 else main()
+    if len(sys.argv) == 3:
+        main()
+    elif sys.argv[3].startswith("redis"):
+        service_main()
+    else:
+        corrupt_main()
