@@ -6,8 +6,8 @@ Each configuration runs in a child process of the vLLM venv (`make vllm`): one V
 a G1 pool of --g1-mib (about two documents):
 
     baseline   vLLM's own prefix cache only (no connector)
-    null       a KV connector that moves nothing (bench/null_connector.py): vLLM's CPU runner prefills faster
-               with any connector attached, so this is the control for what StrataKVConnector's copies cost
+    null       a KV connector that moves nothing (bench/null_connector.py): the control for what
+               StrataKVConnector's copies cost
     kvbm-g2    StrataKVConnector with a G2 host tier of --g2-gib
 
 Pass 1 prefills each document once (cold: the connector's write-through is the only difference). Pass 2 asks
@@ -114,7 +114,14 @@ def child(config: str, args: argparse.Namespace, folder: str) -> dict:
     command = [args.vllm_python, __file__, "--child", config, folder, "--docs", str(args.docs)]
     command += ["--doc-tokens", str(args.doc_tokens), "--reps", str(args.reps), "--g1-mib", str(args.g1_mib)]
     command += ["--g2-gib", str(args.g2_gib)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    # every configuration on the same cores: vLLM's CPU auto-binding reserves one more core when any connector
+    # is attached (server/vllm_engine/engine.py, _keep_cpu_layout), which once made the connectors look faster
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": args.bind,
+    }
     done = subprocess.run(command, stdout=subprocess.PIPE, env=env, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -130,6 +137,9 @@ def main() -> None:
         "--g1-mib", type=int, default=200, help="vLLM's KV pool (fp32 SmolLM2: 5.6 MiB a block)"
     )
     parser.add_argument("--g2-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--bind", default=f"0-{os.cpu_count() - 1}", help="VLLM_CPU_OMP_THREADS_BIND of every configuration"
+    )
     parser.add_argument(
         "--vllm-python", help="the vLLM venv's interpreter (make vllm: .venv-vllm/bin/python)"
     )

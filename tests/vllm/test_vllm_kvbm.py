@@ -85,3 +85,11 @@ def test_a_block_that_fails_to_load_is_recomputed_and_the_answer_is_unchanged(vl
     assert "G3 checksum mismatch" in report["log"]
     # blocks 2..4 (of 5) were not delivered; vLLM still counts them in cached_tokens, set before the load ran
     assert "StrataKVConnector: 3 blocks failed to load; vLLM recomputes them" in report["log"]
+
+
+def test_the_connector_leaves_vllms_cpu_thread_reservation_as_without_one(report):
+    """vLLM reserves one more core whenever a connector is attached (for NIXL); Strata's keeps the one core per
+    rank vLLM reserves for its scheduler without a connector (engine._keep_cpu_layout)."""
+    if {"VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"} & set(os.environ):
+        pytest.skip("the operator's own CPU binding is in force")
+    assert "reserve_cpu_num=1" in report["log"]
