@@ -28,7 +28,10 @@ def run_check(vllm_python: str, *args: str) -> dict:
         [vllm_python, str(script), str(folder), *args], capture_output=True, text=True, timeout=600, env=env
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
+    return {
+        **json.loads(done.stdout.strip().splitlines()[-1]),
+        "log": done.stderr + done.stdout,
+    }  # vLLM logs to stdout
 
 
 @pytest.fixture(scope="module")
