@@ -20,6 +20,7 @@ Its ports are open to anyone who can reach them, so a frame that is not a messag
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import logging
 import os
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # the vLLM venv runs this module too, and has no tritonclient
 
 log = logging.getLogger(__name__)
 
+_PIPE_BYTES = 65536  # Linux's default pipe capacity
 _ATTACH_TICK_S = 0.2  # how often a free worker looks at its stop flag while waiting for a server
 
 
@@ -308,8 +310,11 @@ def _vllm_worker(
             args.model,
         )
         return 2
+    payload = msgspec.json.encode(launch)
     read, write = os.pipe()
-    os.write(write, msgspec.json.encode(launch))  # a few KiB: within the pipe's buffer, so this cannot block
+    if len(payload) > _PIPE_BYTES:  # written whole before the reader exists: the pipe must hold all of it
+        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, len(payload))
+    os.write(write, payload)
     os.close(write)
     os.set_inheritable(read, True)
     env = dict(os.environ)
