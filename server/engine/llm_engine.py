@@ -1,7 +1,8 @@
 """The in-process engine: a background thread runs scheduler steps while there is work and sleeps otherwise.
 
 Threads: callers use `submit` / `abort` (any thread); they only touch the inbox under `_cond`. Everything else
-(scheduler, block manager, pool, sinks) belongs to the engine thread, which drains the inbox between steps.
+(scheduler, block manager, pool, sinks) belongs to the engine thread, which loads the model, then drains the inbox
+between steps.
 
 Disaggregated serving (the router decides, server/router/disagg.py): a request with `remote_decode` stops after
 its first token and hands its prompt's full KV blocks off (`KVTransfer.send`, on the engine thread: one gather
@@ -60,9 +61,49 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, connector: KVConnector | None = None, transfer: KVTransfer | None = None
     ) -> None:
-        """`transfer`: how prefill handoffs move (default: shared memory on this host)."""
+        """`transfer`: how prefill handoffs move (default: shared memory on this host).
+
+        The model is loaded on the engine thread, which then runs every step: see `_run`."""
         self.config = config
         self._num_threads = config.num_threads or torch.get_num_threads()
+        self._cond = threading.Condition()
+        self._inbox: list[Seq] = []
+        self._abort_ids: list[RequestId] = []
+        self._active: dict[RequestId, Seq] = {}  # guarded by _cond: ids submitted and not yet finished
+        self._stopping = False
+        self.num_rejected = 0  # submits refused because the wait queue was full
+        # fetches handoffs off the caller's and the engine's threads (started with the first one)
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(connector, transfer), name="strata-engine", daemon=True
+        )
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
+
+    def _run(self, connector: KVConnector | None, transfer: KVTransfer | None) -> None:
+        """The engine thread: load, then step until closed.
+
+        Every multi-threaded torch op of the engine runs on this one thread. libgomp keeps a team of OpenMP workers
+        per host thread that ever ran a parallel region, and once its workers outnumber the cores it stops
+        spinning at barriers (`gomp_throttled_spin_count_var`) and sleeps on a futex at each of the thousands of
+        barriers a step has. Measured here (2 cores, SmolLM2 bf16): loading on the caller's thread and stepping
+        on this one made a batch-1 decode step 47 ms, against 26 ms with both on this thread."""
+        torch.set_num_threads(self._num_threads)  # OpenMP thread counts are per calling thread
+        try:
+            self._load(self.config, connector, transfer)
+        except BaseException as err:
+            self._load_error = err
+            self._loaded.set()
+            return
+        self._loaded.set()
+        self._loop()
+
+    def _load(self, config: EngineConfig, connector: KVConnector | None, transfer: KVTransfer | None) -> None:
         started = time.monotonic()
         self.files: ModelFiles = prepare_model(config.model, config.cache_dir and _path(config.cache_dir))
         hf_config = load_config(self.files)
@@ -113,16 +154,6 @@ class LLMEngine:
         # handoffs read and write pool rows as host memory (a device pool would need a staging buffer)
         if self.runner.kv_cache.device.type == "cpu":
             self.block_manager.rows = block_rows(self.runner.kv_cache, num_blocks)
-        # fetches handoffs off the caller's and the engine's threads (started with the first one)
-        self._fetcher: ThreadPoolExecutor | None = None
-        self._cond = threading.Condition()
-        self._inbox: list[Seq] = []
-        self._abort_ids: list[RequestId] = []
-        self._active: dict[RequestId, Seq] = {}  # guarded by _cond: ids submitted and not yet finished
-        self._stopping = False
-        self.num_rejected = 0  # submits refused because the wait queue was full
-        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
-        self._thread.start()
         log.info(
             "engine %s ready in %.2f s: %d KV blocks of %d tokens on %s (%s)",
             self.model_name,
@@ -302,7 +333,6 @@ class LLMEngine:
     # ---- engine thread ----
 
     def _loop(self) -> None:
-        torch.set_num_threads(self._num_threads)  # OpenMP thread counts are per calling thread
         while True:
             with self._cond:
                 while not (self._inbox or self._abort_ids or self._stopping or self.scheduler.has_work()):
