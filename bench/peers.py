@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--strata-args", default="", help="more `strata serve` flags, e.g. '--workers 1'")
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM venv")
     args = parser.parse_args()
+    if args.vllm_python:  # vLLM starts in another cwd; abspath keeps the venv's symlink (realpath would not)
+        args.vllm_python = os.path.abspath(args.vllm_python)
     folder = prepare_model(DEFAULT_MODEL).folder
     vllm = None
     if args.vllm_python:

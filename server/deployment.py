@@ -26,6 +26,8 @@ which copies its G2 blocks to its G3, and the last process mapping the node's G2
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,24 @@ from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.transport import link_keys
 from server.workers.worker import WorkerSpec, build_llm_engine
+
+log = logging.getLogger(__name__)
+
+
+def _share_cores(config: EngineConfig, processes: int) -> None:
+    """Without `num_threads` in model.json, a model's local engine processes split this host's cores between them
+    (at least one thread each) instead of each taking all of them: OpenMP teams that together outnumber the cores
+    preempt each other at every barrier (8 streams on 2 workers x 2 threads, 2 cores: 46 tok/s; 1 thread each:
+    121). One process keeps every core."""
+    cores = len(os.sched_getaffinity(0))
+    if config.num_threads is None and processes > 1:
+        config.num_threads = max(1, cores // processes)
+    elif config.num_threads is not None and config.num_threads * processes > cores:
+        log.warning(
+            "%s: %d engine processes x num_threads %d exceed this host's %d cores; their OpenMP threads will "
+            "preempt each other (leave num_threads unset to split the cores)",
+            config.model_name, processes, config.num_threads, cores,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -130,10 +150,12 @@ class LLMDeployment:
         config.validate(f"{model.name} (model.json with command-line overrides)")
         roles = self._roles(model)
         if roles is not None:
+            _share_cores(config, len(roles))
             return EnginePlan(model.name, version, config, len(roles), roles)
         workers = self._workers(model)
         if self.serving.remote_workers is None:
             workers = max(workers, 1)  # 0 (remote workers only) needs --accept-remote-workers
+        _share_cores(config, workers)
         return EnginePlan(model.name, version, config, workers)
 
     def _plan_vllm(self, model: ModelSource, version: int) -> EnginePlan:
