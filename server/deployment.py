@@ -52,7 +52,7 @@ from server.router.disagg import DisaggConfig, DisaggRule
 from server.router.metrics import RouterMetrics
 from server.router.routed import RoutedEngine
 from server.router.router import Router
-from server.vllm_engine.config import VLLMConfig
+from server.vllm_engine.config import CPU_BIND_ENV, VLLMConfig, cpu_binds
 from server.workers.discovery import Discovery
 from server.workers.external import ExternalSpec
 from server.workers.protocol import WorkerId
@@ -262,15 +262,18 @@ class LLMDeployment:
         remotes: list[RemoteEngine] = []
         if worker_ids:
             spec: WorkerSpec | ExternalSpec
+            envs = None
             if isinstance(plan.config, VLLMConfig):
                 spec = self._vllm_spec(plan.config, forward_events=not standalone)
+                binds = cpu_binds(plan.config.engine_args, len(worker_ids))  # each on cores of its own
+                envs = None if binds is None else [{CPU_BIND_ENV: bind} for bind in binds]
             else:
                 spec = WorkerSpec(
                     build_llm_engine,
                     (plan.config, self.serving.kvbm, transfer),
                     forward_events=not standalone,
                 )
-            remotes = spawn_workers(worker_ids, spec, plan.roles, event_sink=event_sink)
+            remotes = spawn_workers(worker_ids, spec, plan.roles, envs, event_sink=event_sink)
         lookup = self._index
         if standalone:
             lookup = KVIndexClient(

@@ -11,6 +11,7 @@ installed vLLM (`engine.py`), so an unknown or bad one fails the model's load wi
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ OVERRIDES = {
 }
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEFAULT_MAX_MODEL_LEN = 4096  # only until the first worker says what vLLM derived from the model
+CPU_BIND_ENV = (
+    "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: the cores of each rank's OpenMP threads, ranks split by "|"
+)
 
 
 @dataclass(slots=True)
@@ -99,3 +103,32 @@ class VLLMConfig:
                 self.source,
                 ", ".join(sorted(self.ignored_overrides)),
             )
+
+
+def cpu_binds(engine_args: dict[str, Any], workers: int, cores: list[int] | None = None) -> list[str] | None:
+    """One VLLM_CPU_OMP_THREADS_BIND value per local vLLM worker: disjoint core ranges, each split among the
+    worker's tensor/pipeline ranks. vLLM's own "auto" binding looks at one process only, so every worker of a
+    host binds the same cores (two SmolLM2 workers on 2 cores: both on core 1). None when one worker keeps
+    vLLM's auto binding, when the operator set the variable, or when the cores cannot go round (each rank
+    needs one)."""
+    if workers < 2 or CPU_BIND_ENV in os.environ:
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    ranks = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(
+        engine_args.get("pipeline_parallel_size", 1) or 1
+    )
+    per_rank = len(cores) // (workers * ranks)
+    if per_rank == 0:
+        log.warning(
+            "%d vLLM workers x %d ranks do not fit on %d cores one core each; vLLM binds them itself",
+            workers, ranks, len(cores),
+        )  # fmt: skip
+        return None
+    per_worker = per_rank * ranks
+    binds = []
+    for worker in range(workers):
+        mine = cores[worker * per_worker : (worker + 1) * per_worker]
+        binds.append(
+            "|".join(",".join(map(str, mine[r * per_rank : (r + 1) * per_rank])) for r in range(ranks))
+        )
+    return binds

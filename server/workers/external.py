@@ -43,6 +43,9 @@ class ExternalSpec(msgspec.Struct, frozen=True):
     forward_events: bool = False
     worker_id: str = "worker-0"
     role: str = "both"
+    env: dict[str, str] = msgspec.field(
+        default_factory=dict
+    )  # set in the worker's environment unless set here
 
 
 class _Launch(msgspec.Struct, frozen=True):
@@ -91,7 +94,7 @@ class ChildProcess:
 
 def start(spec: ExternalSpec, address: ChannelAddress) -> ChildProcess:
     """Start the worker process; its log goes to this process's stderr."""
-    env = dict(os.environ)
+    env = {**spec.env, **os.environ}  # the operator's environment wins
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
     popen = subprocess.Popen(
         [spec.python, "-m", "server.workers.external"],

@@ -176,7 +176,7 @@ class RemoteEngine:
         """Start a worker process (spawn, or under another Python for an `ExternalSpec`) and wait until its
         engine is built; its forwarded KVBM events (see
         `WorkerSpec.forward_events`) go to `event_sink` (the router's index in embedded mode)."""
-        spec = _replace(spec, worker_id=worker_id)
+        spec = replace_spec(spec, worker_id=worker_id)
         address = ChannelAddress.fresh()
         channel = Channel(address, server_side=True)
         process: WorkerProcess
@@ -492,11 +492,14 @@ def spawn_workers(
     worker_ids: Sequence[WorkerId],
     spec: WorkerSpec | ExternalSpec,
     roles: Sequence[str] | None = None,
+    envs: Sequence[dict[str, str]] | None = None,
     **options: Any,
 ) -> list[RemoteEngine]:
-    """Start several workers at once (engine loads overlap), each with its role (default: the spec's); if one
-    fails, stop the others and raise."""
-    specs = [_replace(spec, role=role) for role in roles] if roles else [spec] * len(worker_ids)
+    """Start several workers at once (engine loads overlap), each with its role (default: the spec's) and, for
+    an ExternalSpec, its own extra environment from `envs`; if one fails, stop the others and raise."""
+    specs = [replace_spec(spec, role=role) for role in roles] if roles else [spec] * len(worker_ids)
+    if envs is not None:
+        specs = [replace_spec(s, env={**s.env, **env}) for s, env in zip(specs, envs, strict=True)]
     with ThreadPoolExecutor(max_workers=len(worker_ids)) as pool:
         futures = [
             pool.submit(RemoteEngine.spawn, worker_id, s, **options)
@@ -512,7 +515,7 @@ def spawn_workers(
     return [future.result() for future in futures]
 
 
-def _replace(spec: WorkerSpec | ExternalSpec, **changes: Any) -> WorkerSpec | ExternalSpec:
+def replace_spec(spec: WorkerSpec | ExternalSpec, **changes: Any) -> WorkerSpec | ExternalSpec:
     if isinstance(spec, ExternalSpec):
         return msgspec.structs.replace(spec, **changes)
     return dataclasses.replace(spec, **changes)

@@ -7,10 +7,10 @@ import logging
 import os
 
 import pytest
-from conftest import copy_models
 
 from server.deployment import LLMDeployment, LLMServing
 from server.repository.scan import read_model
+from tests.conftest import copy_models
 
 CORES = len(os.sched_getaffinity(0))
 

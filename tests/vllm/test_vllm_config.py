@@ -7,7 +7,7 @@ import json
 import pytest
 
 from server.errors import ConfigError
-from server.vllm_engine.config import VLLMConfig
+from server.vllm_engine.config import CPU_BIND_ENV, VLLMConfig, cpu_binds
 
 
 def write(tmp_path, body) -> object:
@@ -59,3 +59,14 @@ def test_serve_flags_map_to_vllms_arguments(tmp_path):
     config.apply_overrides({"max_model_len": 1024, "max_concurrent_requests": 4, "max_queued_requests": 9})
     assert config.engine_args == {"model": "x", "max_num_seqs": 4, "max_model_len": 1024}
     assert config.max_queued_requests == 9 and config.ignored_overrides == []
+
+
+def test_local_vllm_workers_get_disjoint_cores(monkeypatch):
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    assert cpu_binds({}, 1, [0, 1]) is None  # one worker: vLLM's auto binding
+    assert cpu_binds({}, 2, [0, 1]) == ["0", "1"]
+    assert cpu_binds({}, 2, [0, 1, 2, 3, 4]) == ["0,1", "2,3"]
+    assert cpu_binds({"tensor_parallel_size": 2}, 2, list(range(8))) == ["0,1|2,3", "4,5|6,7"]
+    assert cpu_binds({"tensor_parallel_size": 2}, 2, [0, 1]) is None  # a core per rank does not go round
+    monkeypatch.setenv(CPU_BIND_ENV, "nobind")
+    assert cpu_binds({}, 2, [0, 1]) is None  # the operator's setting wins
