@@ -110,14 +110,17 @@ class LLMEngine:
         shape = ModelShape.from_config(hf_config)
         dtype = config.torch_dtype  # `auto` resolved once, for this machine
         dtype_name = str(dtype).removeprefix("torch.")
-        kernel = kernels.paged_attention() if config.paged_kernel and config.torch_device == "cpu" else None
+        compiled = None
+        if config.torch_device == "cpu" and (config.paged_kernel or config.fused_ops):
+            compiled = kernels.cpu_kernels()
         self.model = LlamaModel(
             shape,
             load_weights(self.files),
             dtype,
             config.torch_device,
             config.pack_weights,
-            kernel,
+            decode_kernel=compiled if config.paged_kernel else None,
+            fused_ops=compiled if config.fused_ops else None,
         )
         self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
         self._chat_tokenizer = None

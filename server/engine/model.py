@@ -149,14 +149,18 @@ class LlamaModel:
         device: str,
         pack_weights: bool = True,
         decode_kernel: ModuleType | None = None,
+        fused_ops: ModuleType | None = None,
     ):
-        """`decode_kernel`: the compiled paged attention (server/engine/kernels), for a CPU pool; None: gather."""
+        """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
+        pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
+        a CPU forward's elementwise work; None: torch ops."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
         # linear weights reordered once for the CPU GEMM kernel (see linear.py); the embedding stays plain
         self.packed = pack_weights and packed_linear.can_pack(self.device, dtype)
         self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
+        self.fused = fused_ops if self.device.type == "cpu" else None
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -203,6 +207,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; write K/V of every row into `kv_cache`; return logits [S, vocab] (fp32) for logits_rows."""
+        if self.fused is not None:
+            return self._forward_fused(batch, kv_cache)
         s = self.shape
         linear = packed_linear.linear
         hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
@@ -225,6 +231,39 @@ class LlamaModel:
             hidden.add_(linear(F.silu(gate).mul_(up), layer.down))
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
         return linear(last, self.lm_head).float()
+
+    def _forward_fused(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """`forward` with each layer's elementwise work in the compiled fused ops: the same operations and
+        roundings as the torch path above, one pass and one call each, into buffers reused by every layer."""
+        s, ops, eps = self.shape, self.fused, self.shape.rms_norm_eps
+        linear = packed_linear.linear
+        rows = batch.token_ids.shape[0]
+        hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        x = torch.empty_like(hidden)  # each norm's output, the next linear's input
+        q = torch.empty(rows, s.num_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        act = torch.empty(rows, s.intermediate_size, dtype=self.dtype, device=self.device)
+        ops.rms_norm(hidden, self.layers[0].input_norm, eps, x)
+        for index, layer in enumerate(self.layers):
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            ops.rope_cache(
+                qkv, cos, sin, s.num_heads, s.num_kv_heads, kv_cache, index,
+                batch.slot_blocks, batch.slot_offsets, q,
+            )  # fmt: skip
+            k = qkv[:, q_size : q_size + kv_size].view(rows, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(rows, s.num_kv_heads, s.head_dim)
+            attn = self._attention(batch, q, k, v, kv_cache, index)
+            ops.add_rms_norm(hidden, linear(attn, layer.o_proj), layer.post_norm, eps, x)
+            ops.silu_mul(linear(x, layer.gate_up), act)
+            down = linear(act, layer.down)
+            if index + 1 < len(self.layers):
+                ops.add_rms_norm(hidden, down, self.layers[index + 1].input_norm, eps, x)
+            else:
+                hidden.add_(down)
+        last = hidden[batch.logits_rows]
+        ops.rms_norm(last, self.norm, eps, x[: last.shape[0]])
+        return linear(x[: last.shape[0]], self.lm_head).float()
 
     def _attention(self, batch: StepBatch, q, k, v, kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention output [T, H*D] for every row of `layer`: decode rows batched, each prefill chunk on its own."""

@@ -56,15 +56,18 @@ def test_shared_prefix_then_divergence(engine, prompt_ids):
 
 @pytest.mark.parametrize("paged_kernel", [True, False], ids=["kernel", "gather"])
 def test_preemption_by_recompute_matches(prompt_ids, reference_outputs, paged_kernel):
-    """A pool too small for all requests at once forces preemption; outputs must stay identical, whether decode
-    attention runs in the compiled kernel or gathers the blocks for torch's SDPA (grouped by length, masked)."""
+    """A pool too small for all requests at once forces preemption; outputs must stay identical, whether the
+    compiled kernels run (decode attention from the pool, fused elementwise ops) or torch does it all (blocks
+    gathered for SDPA, grouped by length and masked; RMSNorm, RoPE, SiLU as torch ops)."""
     picked = [i for i, ids in enumerate(prompt_ids) if len(ids) < 200][:10]
     longest = max(len(prompt_ids[i]) for i in picked) + 16
     config = engine_config(
-        num_kv_blocks=-(-longest // 16) + 8, max_num_batched_tokens=256, paged_kernel=paged_kernel
-    )
+        num_kv_blocks=-(-longest // 16) + 8, max_num_batched_tokens=256, paged_kernel=paged_kernel,
+        fused_ops=paged_kernel,
+    )  # fmt: skip
     tiny = LLMEngine(config)
     assert (tiny.model.decode_kernel is not None) == paged_kernel
+    assert (tiny.model.fused is not None) == paged_kernel
     try:
         tokens = collect_concurrently(tiny, [greedy(prompt_ids[i], f"pre-{i}") for i in picked])
         stats = tiny.stats()

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.engine.kernels import paged_attention
+from server.engine.kernels import cpu_kernels
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 3, 16, 3, 64, 9
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = paged_attention()
+    module = cpu_kernels()
     if module is None:
         pytest.fail("the paged attention kernel did not build on this machine (see the log)")
     return module

@@ -1,10 +1,11 @@
 """C++ kernels for the CPU engine, compiled on this machine the first time they are asked for.
 
-`paged_attention()` returns the compiled module, or None when it cannot be built here (no C++ compiler, or a
-torch build without headers); the engine then takes its torch path and says so once in the log. The build
-(about 45 s here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed by torch's version and this CPU
-(and by torch on the sources and flags), so `make install` builds it once (`python -m server.engine.kernels`)
-and every process after loads it in well under a second.
+`cpu_kernels()` returns the compiled module: `decode_attention` (paged_attention.cpp) and the fused elementwise
+ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_cache`); None when it cannot be built
+here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
+once in the log. The build (about a minute here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
+by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
+(`python -m server.engine.kernels`) and every process after loads it in well under a second.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from server import settings
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -46,19 +49,20 @@ def _cpu_fingerprint() -> str:
     return hashlib.blake2b("\n".join(sorted(set(wanted))).encode(), digest_size=6).hexdigest()
 
 
-def paged_attention() -> ModuleType | None:
-    """The compiled `decode_attention` module, built on first use; None when it cannot be built here."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels module, built on first use; None when it cannot be built here."""
     with _lock:
-        if "paged_attention" not in _loaded:
-            _loaded["paged_attention"] = _load("strata_paged_attention", SOURCE)
-        return _loaded["paged_attention"]
+        if "cpu" not in _loaded:
+            _loaded["cpu"] = _load("strata_cpu_kernels", SOURCES)
+        return _loaded["cpu"]
 
 
-def _load(name: str, source: Path) -> ModuleType | None:
+def _load(name: str, sources: list[Path]) -> ModuleType | None:
     """Import the build for these sources and flags if there is one (no lock, no compiler), else build it.
     Loading a finished build directly matters: torch's builder serialises on a lock file that a process killed
     mid-build would leave behind, and every engine start would wait on it."""
-    digest = hashlib.blake2b(source.read_bytes() + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    content = b"".join(source.read_bytes() for source in sources) + " ".join(FLAGS).encode()
+    digest = hashlib.blake2b(content, digest_size=8).hexdigest()
     directory = build_dir() / digest
     library = directory / f"{name}.so"
     if library.exists():
@@ -66,17 +70,17 @@ def _load(name: str, source: Path) -> ModuleType | None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    return _build(name, source, directory)
+    return _build(name, sources, directory)
 
 
-def _build(name: str, source: Path, directory: Path) -> ModuleType | None:
+def _build(name: str, sources: list[Path], directory: Path) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name=name,
-            sources=[str(source)],
+            sources=[str(source) for source in sources],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -85,6 +89,7 @@ def _build(name: str, source: Path, directory: Path) -> ModuleType | None:
     except (OSError, RuntimeError, ImportError, cpp_extension.CalledProcessError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         log.warning(
-            "paged attention kernel unavailable, decode attention gathers K/V in torch: %s", first_line
+            "CPU kernels unavailable, the engine runs torch ops (decode attention gathers K/V): %s",
+            first_line,
         )
         return None

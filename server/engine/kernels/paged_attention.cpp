@@ -9,8 +9,8 @@
 // a block at a time, with an online softmax (running max and sum, rescaled once per block), in fp32 whatever
 // the pool's dtype. Tasks run on torch's intra-op threads (at::parallel_for).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -171,8 +171,4 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, int64
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
 }
