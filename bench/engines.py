@@ -4,6 +4,7 @@
     (b) strata-vllm-1   `strata serve` with a backend "vllm" model on one vLLM worker
     (c) strata-vllm-2   the same on two vLLM workers, KV-aware routing from vLLM's KV events
     (d) strata-2        `strata serve --workers 2` on Strata's own engine
+    (e) strata-1        `strata serve` on one in-process Strata engine (both cores)
     a name ending in -kvbm (strata-vllm-2-kvbm): the same with the node's G2 (--g2-gib) below every worker, else
                         Strata runs with --no-kvbm
 
@@ -13,8 +14,9 @@ The workload: bench/peers.py's figures (prefill of 128/512/2048-token prompts, d
 concurrent streams, a repeated 2048-token prompt), then the Mooncake conversation replay of `bench/routing.py
 replay-serve` (token-id prompts, one trace hash id = --block-tokens tokens, arrivals compressed to --duration-s).
 Every engine runs SmolLM2 from the same HF folder in the same dtype, prefix caching on, KV blocks of
---block-tokens (vLLM on CPU needs a multiple of 32). Threads: one engine uses both cores (a, b); two workers
-use one each (c: VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=1; d: num_threads 1).
+--block-tokens (vLLM on CPU needs a multiple of 32). Threads: one engine uses both cores (a, b, e); two workers
+use one each, as `strata serve` splits the cores by default (c: one core bound per vLLM worker; d: one thread
+per worker).
 
 Ratios against (a): the issue's goals are (b) within 5 % of (a) on TTFT p50 and throughput, and (c) ahead of (a)
 on the replay's TTFT p50. Prints a table, then one JSON line.
@@ -42,7 +44,7 @@ from server.engine.config import DEFAULT_MODEL  # noqa: E402
 from server.engine.loader import prepare_model  # noqa: E402
 from tests.conftest import start_strata  # noqa: E402
 
-CONFIGS = ("vllm", "strata-vllm-1", "strata-vllm-2", "strata-2")
+CONFIGS = ("vllm", "strata-vllm-1", "strata-vllm-2", "strata-2", "strata-1")
 VLLM_CONFIG = 'backend: "vllm"\ninstance_group [ { count: %d kind: KIND_MODEL } ]\n'
 
 
@@ -63,11 +65,11 @@ def vllm_repository(root: Path, folder: Path, workers: int, args: argparse.Names
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 
-def strata_repository(root: Path, args: argparse.Namespace) -> Path:
-    """Strata's engine with the same KV bytes and block size as the vLLM engines."""
+def strata_repository(root: Path, args: argparse.Namespace, threads: int) -> Path:
+    """Strata's engine with the same KV bytes and block size as the vLLM engines, `threads` per engine."""
     options = argparse.Namespace(
         block_tokens=args.block_tokens, kv_blocks=args.kv_bytes // (args.block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN),
-        threads_per_worker=1, model_cache=None, max_num_batched_tokens=2048,
+        threads_per_worker=threads, model_cache=None, max_num_batched_tokens=2048,
     )  # fmt: skip
     repository = make_repository(root, options)
     model_json = repository / "smollm2" / "1" / "model.json"
@@ -112,14 +114,14 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
             name = name.removesuffix("-kvbm")
             flags = ["--kvbm-host-cache-gb", str(args.g2_gib), "--kvbm-cache-id", root.name]
         if name == "strata-2":
-            repository, env = strata_repository(root, args), {}
+            repository, env = strata_repository(root, args, threads=1), {}
             flags += ["--workers", "2"]
+        elif name == "strata-1":
+            repository, env = strata_repository(root, args, threads=2), {}
         else:
             workers = int(name.rsplit("-", 1)[1])
             repository = vllm_repository(root, folder, workers, args)
-            env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-            if workers > 1:
-                env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"} if workers == 1 else {}  # several: Strata binds each
             flags += ["--vllm-python", args.vllm_python]
         with environment(**env):
             server = start_strata(repository, root / "run", *flags, ready_timeout_s=900)

@@ -178,6 +178,7 @@ def hit_losses(
 def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
     ok = [t for t in timings if t.error is None and t.first_token is not None]
     ttft = sorted(t.first_token - t.submitted for t in ok)
+    latency = sorted(t.finished - t.submitted for t in ok)
     gaps = [b - a for t in ok for a, b in itertools.pairwise(t.chunk_times)]
 
     def pick(values: list[float], q: float) -> float:
@@ -191,6 +192,7 @@ def summarize(timings: list[StreamTiming]) -> dict[str, Any]:
         "ttft_p50_s": pick(ttft, 0.5),
         "ttft_p90_s": pick(ttft, 0.9),
         "itl_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else float("nan"),
+        "latency_p50_s": pick(latency, 0.5),
         "throughput_tok_s": round(sum(t.completion_tokens for t in ok) / makespan, 2),
         "hit_rate": round(sum(t.cached_tokens for t in ok) / max(1, prompt), 4),
         "first_errors": [t.error for t in timings if t.error][:3],
