@@ -11,9 +11,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -53,6 +57,18 @@ inline float exp_nonpositive(float x) {
 }
 inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = at::BFloat16(v); }
 
+// Start the K and V rows of `layer` of a block coming from memory (a block's rows lie anywhere in the pool, so the
+// hardware prefetcher cannot guess them): issued for block i+1 while block i is computed.
+template <typename T>
+inline void prefetch_block(const T* layer_k, const T* layer_v, int64_t offset, int64_t bytes) {
+  const char* k = reinterpret_cast<const char*>(layer_k + offset);
+  const char* v = reinterpret_cast<const char*>(layer_v + offset);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    __builtin_prefetch(k + line);
+    __builtin_prefetch(v + line);
+  }
+}
+
 // Query heads [0, heads) of one sequence, `group` of them per kv head: query head g reads kv head g / group.
 // Every block's rows for these heads are used while they are in cache, so the pool streams from memory once.
 template <typename T>
@@ -70,9 +86,11 @@ void decode_task(const T* q, const T* layer_k, const T* layer_v, int64_t block_s
   }
   std::fill(acc, acc + heads * head_dim, 0.0f);
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < num_blocks; ++i) {
     const int64_t base = table[i] * block_stride;
     const int64_t rows = std::min(block_size, seq_len - i * block_size);
+    if (i + 1 < num_blocks) prefetch_block(layer_k, layer_v, table[i + 1] * block_stride, block_bytes);
     for (int64_t g = 0; g < heads; ++g) {
       const float* qg = query + g * head_dim;
       float block_max = i == 0 ? -std::numeric_limits<float>::max() : running_max[g];
@@ -111,6 +129,98 @@ void decode_task(const T* q, const T* layer_k, const T* layer_v, int64_t block_s
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// decode_task for a bf16 pool on CPUs with AVX512-BF16 (head_dim a multiple of 32): q.k by VDPBF16PS straight from
+// the bf16 query and key rows (each product exact in fp32, pairs summed in fp32, then scaled), one key row loaded
+// once for every query head of its kv head; p.v in fp32 as above, each value row converted once for the group and
+// the group's accumulators held in registers across the block. The online softmax is the generic one.
+inline __m512 bf16x16_to_fp32(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+constexpr int64_t kMaxGroup = 16, kMaxChunks = 8;  // query heads per kv head; head_dim / 32
+
+bool avx512_bf16_fits(int64_t group, int64_t head_dim) {
+  return group <= kMaxGroup && head_dim % 32 == 0 && head_dim / 32 <= kMaxChunks;
+}
+
+void decode_task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* layer_k, const at::BFloat16* layer_v,
+                             int64_t block_stride, int64_t token_stride, const int64_t* table, int64_t seq_len,
+                             int64_t block_size, int64_t heads, int64_t group, int64_t head_dim, float scale,
+                             at::BFloat16* out, float* scratch) {
+  const int64_t chunks = head_dim / 32, kv_heads = heads / group;
+  float* acc = scratch;  // heads * head_dim
+  float* scores = acc + heads * head_dim;  // heads * block_size
+  std::vector<float> running_max(heads, 0.0f);
+  std::vector<float> running_sum(heads, 0.0f);
+  std::fill(acc, acc + heads * head_dim, 0.0f);
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    const int64_t base = table[i] * block_stride;
+    const int64_t rows = std::min(block_size, seq_len - i * block_size);
+    if (i + 1 < num_blocks) prefetch_block(layer_k, layer_v, table[i + 1] * block_stride, block_bytes);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      __m512bh query[kMaxGroup][kMaxChunks];
+      for (int64_t j = 0; j < group; ++j) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          query[j][c] = (__m512bh)_mm512_loadu_si512(q + (kv * group + j) * head_dim + 32 * c);
+        }
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        const at::BFloat16* key = layer_k + base + t * token_stride + kv * head_dim;
+        __m512bh key_chunks[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) key_chunks[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+        for (int64_t j = 0; j < group; ++j) {
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) dot = _mm512_dpbf16_ps(dot, query[j][c], key_chunks[c]);
+          scores[(kv * group + j) * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
+        }
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      float* sg = scores + g * block_size;
+      float block_max = i == 0 ? -std::numeric_limits<float>::max() : running_max[g];
+      for (int64_t t = 0; t < rows; ++t) block_max = std::max(block_max, sg[t]);
+      const float rescale = i == 0 ? 0.0f : exp_nonpositive(running_max[g] - block_max);
+      running_max[g] = block_max;
+      float* ag = acc + g * head_dim;
+      float sum = running_sum[g] * rescale;
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < rows; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - block_max);
+        sum += sg[t];
+      }
+      running_sum[g] = sum;
+    }
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      __m512 sums[kMaxGroup][2 * kMaxChunks];
+      for (int64_t j = 0; j < group; ++j) {
+        for (int64_t c = 0; c < 2 * chunks; ++c) sums[j][c] = _mm512_loadu_ps(acc + (kv * group + j) * head_dim + 16 * c);
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        const at::BFloat16* value = layer_v + base + t * token_stride + kv * head_dim;
+        __m512 value_chunks[2 * kMaxChunks];
+        for (int64_t c = 0; c < 2 * chunks; ++c) value_chunks[c] = bf16x16_to_fp32(value + 16 * c);
+        for (int64_t j = 0; j < group; ++j) {
+          const __m512 p = _mm512_set1_ps(scores[(kv * group + j) * block_size + t]);
+          for (int64_t c = 0; c < 2 * chunks; ++c) sums[j][c] = _mm512_fmadd_ps(p, value_chunks[c], sums[j][c]);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        for (int64_t c = 0; c < 2 * chunks; ++c) _mm512_storeu_ps(acc + (kv * group + j) * head_dim + 16 * c, sums[j][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) store(out + g * head_dim, d, acc[g * head_dim + d] * inv);
+  }
+}
+#endif
+
 template <typename T>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -139,6 +249,17 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, 
     std::vector<float> scratch((2 * head_dim + block_size) * kv_per_task * group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, h = (task % splits) * kv_per_task;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (avx512_bf16_fits(group, head_dim)) {
+          decode_task_avx512_bf16(q + b * q_stride + h * group * head_dim, keys + h * head_dim,
+                                  values + h * head_dim, block_stride, token_stride, tables + b * table_width,
+                                  lens[b], block_size, kv_per_task * group, group, head_dim, fscale,
+                                  o + b * o_stride + h * group * head_dim, scratch.data());
+          continue;
+        }
+      }
+#endif
       decode_task<T>(q + b * q_stride + h * group * head_dim, keys + h * head_dim, values + h * head_dim,
                      block_stride, token_stride, tables + b * table_width, lens[b], block_size,
                      kv_per_task * group, group, head_dim, fscale, o + b * o_stride + h * group * head_dim,
