@@ -71,3 +71,17 @@ def test_bad_shapes_are_refused_naming_the_argument(kernel):
         kernel.decode_attention(
             query.double(), pool, 0, tables, lengths, 0.1, torch.empty_like(query).double()
         )
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_one_sequence_split_by_kv_head_matches_sdpa(kernel, dtype, tolerance):
+    """Fewer sequences than threads: each kv head is a task of its own (the decode of a single stream)."""
+    torch.manual_seed(1)
+    pool = torch.randn(32, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
+    lengths = torch.tensor([250], dtype=torch.int64)
+    tables = torch.randperm(32)[: -(-250 // BLOCK_SIZE)].unsqueeze(0).contiguous()
+    query = torch.randn(1, HEADS, HEAD_DIM).to(dtype)
+    out = torch.empty_like(query)
+    kernel.decode_attention(query, pool, 2, tables, lengths, HEAD_DIM**-0.5, out)
+    expected = reference(query, pool, 2, tables, lengths, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
