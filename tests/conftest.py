@@ -3,6 +3,7 @@ always stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -44,12 +45,19 @@ def wait_for(
 
 
 def copy_models(destination: Path, *names: str) -> Path:
-    """A private repository holding copies of example models (tests may edit it freely)."""
+    """A private repository holding copies of example models (tests may edit it freely).
+
+    An LLM's copy runs in float32: the example says `dtype: auto`, which is bf16 on CPUs with bf16 dot products
+    and fp32 elsewhere, and the tests' expected outputs must not depend on which CPU runs them."""
     destination.mkdir(parents=True, exist_ok=True)
     for name in names:
         shutil.copytree(
             EXAMPLE_REPOSITORY / name, destination / name, ignore=shutil.ignore_patterns("__pycache__")
         )
+        for model_json in (destination / name).glob("*/model.json"):
+            config = json.loads(model_json.read_text())
+            if config.get("dtype") == "auto":
+                model_json.write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
     return destination
 
 
