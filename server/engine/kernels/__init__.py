@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")
 ]
+HEADERS = [Path(__file__).with_name("cpu_math.h")]  # part of the build's key, not compiled on their own
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -53,15 +54,15 @@ def cpu_kernels() -> ModuleType | None:
     """The compiled kernels module, built on first use; None when it cannot be built here."""
     with _lock:
         if "cpu" not in _loaded:
-            _loaded["cpu"] = _load("strata_cpu_kernels", SOURCES)
+            _loaded["cpu"] = _load("strata_cpu_kernels", SOURCES, HEADERS)
         return _loaded["cpu"]
 
 
-def _load(name: str, sources: list[Path]) -> ModuleType | None:
+def _load(name: str, sources: list[Path], headers: list[Path]) -> ModuleType | None:
     """Import the build for these sources and flags if there is one (no lock, no compiler), else build it.
     Loading a finished build directly matters: torch's builder serialises on a lock file that a process killed
     mid-build would leave behind, and every engine start would wait on it."""
-    content = b"".join(source.read_bytes() for source in sources) + " ".join(FLAGS).encode()
+    content = b"".join(path.read_bytes() for path in sources + headers) + " ".join(FLAGS).encode()
     digest = hashlib.blake2b(content, digest_size=8).hexdigest()
     directory = build_dir() / digest
     library = directory / f"{name}.so"

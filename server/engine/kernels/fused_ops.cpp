@@ -17,7 +17,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_math.h"
+
 namespace {
+
+using strata::exp_nonpositive;
 
 inline float to_float(float v) { return v; }
 
@@ -102,24 +106,6 @@ void add_rms_norm_impl(at::Tensor& hidden, const at::Tensor& delta, const at::Te
       norm_row<T>(row, w, static_cast<float>(eps), width, dst + r * width);
     }
   });
-}
-
-// e^x for x <= 0, relative error under 2e-7 (as in paged_attention.cpp): vectorizes, unlike std::exp
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 template <typename T>

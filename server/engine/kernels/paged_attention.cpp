@@ -23,7 +23,11 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
+
+using strata::exp_nonpositive;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 
@@ -36,25 +40,6 @@ inline float load(const at::BFloat16* p, int64_t i) {
 
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 
-// e^x for x <= 0 (scores minus their running max), relative error under 2e-7: x = n ln2 + r with |r| <= ln2/2,
-// e^r by a degree-6 Taylor polynomial, 2^n put in the exponent bits. Plain arithmetic, so the loops that call it
-// vectorize (std::exp is a scalar libm call per score, and was most of the kernel's time).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this e^x is under FLT_MIN: treat as the smallest normal, which sums as 0
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;  // ln2 split in two for accuracy
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = at::BFloat16(v); }
 
 // Start the K and V rows of `layer` of a block coming from memory (a block's rows lie anywhere in the pool, so the
@@ -67,6 +52,25 @@ inline void prefetch_block(const T* layer_k, const T* layer_v, int64_t offset, i
     __builtin_prefetch(k + line);
     __builtin_prefetch(v + line);
   }
+}
+
+// One block of the online softmax for one query head: `scores` (rows of them) become e^(score - running max) in
+// place; the running max and sum, and the head's accumulator `acc` (head_dim), are rescaled to the new max.
+inline void softmax_block(float* scores, int64_t rows, bool first, float& running_max, float& running_sum,
+                          float* acc, int64_t head_dim) {
+  float block_max = first ? -std::numeric_limits<float>::max() : running_max;
+  for (int64_t t = 0; t < rows; ++t) block_max = std::max(block_max, scores[t]);
+  // the running sum and accumulator are 0 until the first block, so any finite rescale works there
+  const float rescale = first ? 0.0f : exp_nonpositive(running_max - block_max);
+  running_max = block_max;
+  float sum = running_sum * rescale;
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= rescale;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < rows; ++t) {
+    scores[t] = exp_nonpositive(scores[t] - block_max);
+    sum += scores[t];
+  }
+  running_sum = sum;
 }
 
 // Query heads [0, heads) of one sequence, `group` of them per kv head: query head g reads kv head g / group.
@@ -93,34 +97,22 @@ void decode_task(const T* q, const T* layer_k, const T* layer_v, int64_t block_s
     if (i + 1 < num_blocks) prefetch_block(layer_k, layer_v, table[i + 1] * block_stride, block_bytes);
     for (int64_t g = 0; g < heads; ++g) {
       const float* qg = query + g * head_dim;
-      float block_max = i == 0 ? -std::numeric_limits<float>::max() : running_max[g];
       for (int64_t t = 0; t < rows; ++t) {
         const T* key = layer_k + base + t * token_stride + (g / group) * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key, d);
         scores[g * block_size + t] = dot;
-        block_max = std::max(block_max, dot);
       }
-      // the running sum and accumulator are 0 until the first block, so any finite rescale works there
-      const float rescale = i == 0 ? 0.0f : exp_nonpositive(running_max[g] - block_max);
-      running_max[g] = block_max;
       float* ag = acc + g * head_dim;
       float* sg = scores + g * block_size;
-      float sum = running_sum[g] * rescale;
-      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < rows; ++t) {
-        sg[t] = exp_nonpositive(sg[t] - block_max);
-        sum += sg[t];
-      }
+      softmax_block(sg, rows, i == 0, running_max[g], running_sum[g], ag, head_dim);
       for (int64_t t = 0; t < rows; ++t) {
         const float p = sg[t];
         const T* value = layer_v + base + t * token_stride + (g / group) * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * load(value, d);
       }
-      running_sum[g] = sum;
     }
   }
   for (int64_t g = 0; g < heads; ++g) {
@@ -180,20 +172,8 @@ void decode_task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* layer_k,
       }
     }
     for (int64_t g = 0; g < heads; ++g) {
-      float* sg = scores + g * block_size;
-      float block_max = i == 0 ? -std::numeric_limits<float>::max() : running_max[g];
-      for (int64_t t = 0; t < rows; ++t) block_max = std::max(block_max, sg[t]);
-      const float rescale = i == 0 ? 0.0f : exp_nonpositive(running_max[g] - block_max);
-      running_max[g] = block_max;
-      float* ag = acc + g * head_dim;
-      float sum = running_sum[g] * rescale;
-      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < rows; ++t) {
-        sg[t] = exp_nonpositive(sg[t] - block_max);
-        sum += sg[t];
-      }
-      running_sum[g] = sum;
+      softmax_block(scores + g * block_size, rows, i == 0, running_max[g], running_sum[g], acc + g * head_dim,
+                    head_dim);
     }
     for (int64_t kv = 0; kv < kv_heads; ++kv) {
       __m512 sums[kMaxGroup][2 * kMaxChunks];
