@@ -69,6 +69,7 @@ class EngineConfig:
     pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN's GEMM (see linear.py)
     paged_kernel: bool = True  # CPU: decode attention by the compiled kernel (kernels/); false: gather + SDPA
     fused_ops: bool = True  # CPU: RMSNorm, RoPE + KV write, SiLU*up by the compiled kernels; false: torch ops
+    prefill_kernel: bool = True  # CPU bf16 with AMX: prefill attention by the compiled kernel; false: SDPA
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,7 +97,7 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(source, f"{key} must be a positive integer, got {value!r}")
-        for key in ("pack_weights", "paged_kernel", "fused_ops"):
+        for key in ("pack_weights", "paged_kernel", "fused_ops", "prefill_kernel"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(source, f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -111,7 +111,9 @@ class LLMEngine:
         dtype = config.torch_dtype  # `auto` resolved once, for this machine
         dtype_name = str(dtype).removeprefix("torch.")
         compiled = None
-        if config.torch_device == "cpu" and (config.paged_kernel or config.fused_ops):
+        if config.torch_device == "cpu" and (
+            config.paged_kernel or config.fused_ops or config.prefill_kernel
+        ):
             compiled = kernels.cpu_kernels()
         self.model = LlamaModel(
             shape,
@@ -121,6 +123,7 @@ class LLMEngine:
             config.pack_weights,
             decode_kernel=compiled if config.paged_kernel else None,
             fused_ops=compiled if config.fused_ops else None,
+            prefill_kernel=compiled if config.prefill_kernel else None,
         )
         self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
         self._chat_tokenizer = None

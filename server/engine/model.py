@@ -68,7 +68,7 @@ class PrefillChunk:
     length: int
     context_len: int
     block_table: torch.Tensor  # [num_blocks needed for context_len + length] int64
-    mask: torch.Tensor | None  # [length, num_blocks*block_size] bool, None when context_len == 0
+    mask: torch.Tensor | None  # [length, num_blocks*block_size] bool; None: context_len == 0, or the kernel
 
 
 @dataclass(slots=True)
@@ -150,10 +150,13 @@ class LlamaModel:
         pack_weights: bool = True,
         decode_kernel: ModuleType | None = None,
         fused_ops: ModuleType | None = None,
+        prefill_kernel: ModuleType | None = None,
     ):
         """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
         pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
-        a CPU forward's elementwise work; None: torch ops."""
+        a CPU forward's elementwise work; None: torch ops. `prefill_kernel`: the same module, whose AMX prefill
+        attention reads a chunk's keys from the pool (bf16 on a CPU with AMX, head_dim 64 or 128 only; the
+        model drops it otherwise); None: SDPA."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
@@ -161,6 +164,9 @@ class LlamaModel:
         self.packed = pack_weights and packed_linear.can_pack(self.device, dtype)
         self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
         self.fused = fused_ops if self.device.type == "cpu" else None
+        self.prefill_kernel = (
+            prefill_kernel if _amx_prefill(prefill_kernel, self.device, dtype, shape) else None
+        )
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -178,7 +184,7 @@ class LlamaModel:
         self.rope_cos = table.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = table.sin().to(device=self.device, dtype=dtype)
         self.scale = shape.head_dim**-0.5
-        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(4)]
+        self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(5)]
 
     def _layer(self, get, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -283,6 +289,18 @@ class LlamaModel:
             out[rows] = self._decode_attention(q[rows], keys, values, group.mask).reshape(group.count, -1)
         for chunk in batch.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
+            if self.prefill_kernel is not None:  # K/V of the chunk are in the pool already: read from there
+                keys = chunk.context_len + chunk.length
+                workspace = self._workspace(
+                    4,
+                    self.prefill_kernel.prefill_workspace_bytes(keys, s.num_kv_heads, s.head_dim),
+                    torch.uint8,
+                )
+                self.prefill_kernel.prefill_attention(
+                    q[rows], kv_cache, layer, chunk.block_table, chunk.context_len, self.scale,
+                    out[rows].view(chunk.length, s.num_heads, s.head_dim), workspace,
+                )  # fmt: skip
+                continue
             query = q[rows].transpose(0, 1).unsqueeze(0)
             if chunk.context_len == 0:
                 keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
@@ -336,6 +354,20 @@ class LlamaModel:
             )
             self._buffers[slot] = buffer
         return buffer[:numel]
+
+
+def _amx_prefill(
+    kernels: ModuleType | None, device: torch.device, dtype: torch.dtype, shape: ModelShape
+) -> bool:
+    """Whether the compiled AMX prefill attention applies: CPU, bf16, a build with AMX that the OS permits, and
+    a head_dim it tiles (64 or 128)."""
+    return (
+        kernels is not None
+        and device.type == "cpu"
+        and dtype == torch.bfloat16
+        and shape.head_dim in (64, 128)
+        and kernels.prefill_attention_available()
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

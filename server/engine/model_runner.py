@@ -65,7 +65,7 @@ class ModelRunner:
             positions.append(pos)
             slot_blocks.append(table[pos // bs])
             mask = None
-            if start:
+            if start and self.model.prefill_kernel is None:  # the kernel masks by position itself
                 keys = torch.arange(table.numel() * bs)
                 mask = (keys.unsqueeze(0) <= pos.unsqueeze(1)).to(self.device)
             prefill_chunks.append(PrefillChunk(row, chunk.num_tokens, start, table.to(self.device), mask))

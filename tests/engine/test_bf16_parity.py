@@ -1,6 +1,7 @@
 """bf16 greedy output against transformers in bf16 on the same weights, and both against the fp32 reference.
 
-bf16 sums in another order (fused q/k/v, fp32 norms and attention here, bf16 SDPA in transformers) cannot be
+bf16 sums in another order (fused q/k/v, fp32 norms, decode attention in fp32 from the pool, and on an AMX CPU
+prefill attention by the AMX kernel: bf16 products, fp32 softmax; bf16 SDPA in transformers) cannot be
 token-identical, so the check is statistical and says where each prompt diverges: concurrent (batched, chunked
 prefill of the long prompts), then again with the prompts' blocks cached.
 

@@ -1,7 +1,8 @@
 """C++ kernels for the CPU engine, compiled on this machine the first time they are asked for.
 
-`cpu_kernels()` returns the compiled module: `decode_attention` (paged_attention.cpp) and the fused elementwise
-ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_cache`); None when it cannot be built
+`cpu_kernels()` returns the compiled module: `decode_attention` (paged_attention.cpp), `prefill_attention`
+(prefill_attention.cpp, AMX only: `prefill_attention_available()` says whether this build and OS have it) and
+the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_cache`); None when it cannot be built
 here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
 once in the log. The build (about a minute here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
 by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
@@ -25,7 +26,8 @@ from server import settings
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "bindings.cpp")
 ]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]  # part of the build's key, not compiled on their own
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
