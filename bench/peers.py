@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -160,11 +161,22 @@ def run_vllm(
             time.sleep(1)  # a child process's readiness: no event to wait on
         return measure(url)
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_tree(process)
+
+
+def stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM a server and wait for every process it started: vLLM's API server exits before its engine-core
+    child, whose spinning OpenMP threads would otherwise still hold the cores while the next server is measured."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    process.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    for leftover in alive:
+        leftover.kill()
+    psutil.wait_procs(alive, timeout=10)
+    process.wait()
 
 
 def _healthy(url: str) -> bool:
