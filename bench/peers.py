@@ -144,7 +144,7 @@ def run_vllm(
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
     }  # fmt: skip
     command = [
-        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        os.path.abspath(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
         "--served-model-name", "smollm2", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", "4096", "--enable-prefix-caching", "--disable-log-stats", *extra_args,
     ]  # fmt: skip
