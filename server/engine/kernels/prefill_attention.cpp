@@ -191,12 +191,15 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
     if (key0 + kStep <= last) score_step(key0 + kStep, scores[(step + 1) & 1]);
     // online softmax, a row at a time, in raw score units (the scale is folded into e^x's argument): mask past
     // the row's position, max, P = 2^((s - max) * scale * log2 e) in bf16, sum
+    // two passes over the rows, so that one row's chain (max, reduction, e^x of the max's change) overlaps the
+    // next rows' independent work instead of stalling on it
     const int64_t vectors = subs * kSub / 16;
+    bool crosses[kRows];
     for (int64_t r = 0; r < kRows; ++r) {
       float* row = scores[step & 1] + r * kStep;
-      const bool crosses = key0 + vectors * 16 - 1 > last_key[r];
+      crosses[r] = key0 + vectors * 16 - 1 > last_key[r];
       __m512 vmax = minus_inf;
-      if (crosses) {
+      if (crosses[r]) {
         const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(last_key[r] - key0));
         for (int64_t j = 0; j < vectors; ++j) {
           const __mmask16 keep = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(j * 16)), limit);
@@ -210,13 +213,16 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
       const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(vmax));
       alpha[r] = strata::exp_nonpositive((running_max[r] - new_max) * scale);  // 0 at the first step (max -inf)
       running_max[r] = new_max;
-      const __m512 offset = _mm512_set1_ps(new_max * scale_log2e);
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float* row = scores[step & 1] + r * kStep;
+      const __m512 offset = _mm512_set1_ps(running_max[r] * scale_log2e);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < vectors; j += 2) {
         const __m512 s0 = _mm512_load_ps(row + j * 16), s1 = _mm512_load_ps(row + j * 16 + 16);
         __m512 p0 = strata::exp2_nonpositive(_mm512_fmsub_ps(s0, vscale_log2e, offset));
         __m512 p1 = strata::exp2_nonpositive(_mm512_fmsub_ps(s1, vscale_log2e, offset));
-        if (crosses) {  // a masked score is -inf, its e^x NaN: zeroed so that it adds nothing
+        if (crosses[r]) {  // a masked score is -inf, its e^x NaN: zeroed so that it adds nothing
           p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, minus_inf, _CMP_NEQ_OQ), p0);
           p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, minus_inf, _CMP_NEQ_OQ), p1);
         }
