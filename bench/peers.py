@@ -143,6 +143,7 @@ def run_vllm(
         **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
     }  # fmt: skip
+    # vLLM starts in another cwd; abspath keeps the venv's symlink (realpath would not)
     command = [
         os.path.abspath(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
         "--served-model-name", "smollm2", "--dtype", args.dtype, "--port", str(port), "--host", "127.0.0.1",
@@ -168,7 +169,8 @@ def stop_tree(process: subprocess.Popen) -> None:
     """SIGTERM a server and wait for every process it started: vLLM's API server exits before its engine-core
     child, whose spinning OpenMP threads would otherwise still hold the cores while the next server is measured."""
     try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        parent = psutil.Process(process.pid)
+        tree = [parent, *parent.children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
     process.terminate()
@@ -217,8 +219,6 @@ def main() -> None:
     parser.add_argument("--strata-args", default="", help="more `strata serve` flags, e.g. '--workers 1'")
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM venv")
     args = parser.parse_args()
-    if args.vllm_python:  # vLLM starts in another cwd; abspath keeps the venv's symlink (realpath would not)
-        args.vllm_python = os.path.abspath(args.vllm_python)
     folder = prepare_model(DEFAULT_MODEL).folder
     vllm = None
     if args.vllm_python:

@@ -13,6 +13,7 @@ import torch
 
 from server.engine.api import GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
+from server.engine.kernels import cpu_kernels
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import generate
 
@@ -68,6 +69,15 @@ def engine_config(**overrides) -> EngineConfig:
         max_num_batched_tokens=512, max_tokens_limit=256, num_threads=2,
     )  # fmt: skip
     return EngineConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The compiled CPU kernels module (server/engine/kernels); a test that needs it fails where it did not build."""
+    module = cpu_kernels()
+    if module is None:
+        pytest.fail("the CPU kernels did not build on this machine (see the log)")
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -8,20 +8,11 @@ import torch
 import torch.nn.functional as F
 from conftest import engine_config
 
-from server.engine.kernels import cpu_kernels
 from server.engine.llm_engine import LLMEngine
 from server.engine.model import PrefillChunk, StepBatch, _rotate_half
 
 EPS = 1e-5
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 2, 16
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_kernels()
-    if module is None:
-        pytest.fail("the CPU kernels did not build on this machine (see the log)")
-    return module
 
 
 def torch_rms_norm(x, weight):
@@ -44,33 +35,33 @@ def assert_matches(ours, theirs, dtype):
 @pytest.mark.parametrize(
     "rows, width", [(1, 576), (7, 100), (300, 576)]
 )  # a tail past 16 lanes; many threads
-def test_rms_norm_and_the_residual_add(ops, dtype, rows, width):
+def test_rms_norm_and_the_residual_add(kernels, dtype, rows, width):
     torch.manual_seed(rows)
     hidden, delta = torch.randn(rows, width).to(dtype) * 3, torch.randn(rows, width).to(dtype)
     weight = (torch.rand(width) + 0.5).to(dtype)
     out = torch.empty_like(hidden)
-    ops.rms_norm(hidden, weight, EPS, out)
+    kernels.rms_norm(hidden, weight, EPS, out)
     assert_matches(out, torch_rms_norm(hidden, weight), dtype)
     expected_hidden = hidden + delta
-    ops.add_rms_norm(hidden, delta, weight, EPS, out)
+    kernels.add_rms_norm(hidden, delta, weight, EPS, out)
     assert torch.equal(hidden, expected_hidden)  # one rounding, as torch's add_
     assert_matches(out, torch_rms_norm(expected_hidden, weight), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_silu_mul(ops, dtype, rows):
+def test_silu_mul(kernels, dtype, rows):
     torch.manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1536) * 6).to(dtype)  # both signs, large magnitudes
     gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-3])
     out = torch.empty(rows, 1536, dtype=dtype)
-    ops.silu_mul(gate_up, out)
+    kernels.silu_mul(gate_up, out)
     gate, up = gate_up.chunk(2, dim=-1)
     assert_matches(out, F.silu(gate).mul_(up), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(ops, dtype):
+def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(kernels, dtype):
     torch.manual_seed(0)
     rows = 20
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
@@ -87,7 +78,7 @@ def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(ops, dtype):
     expected = (qk * cos.unsqueeze(1)).add_(_rotate_half(qk).mul_(sin.unsqueeze(1)))
     v = qkv[:, q_size + kv_size :].view(rows, KV_HEADS, HEAD_DIM).clone()
     q = torch.empty(rows, HEADS, HEAD_DIM, dtype=dtype)
-    ops.rope_cache(qkv, cos, sin, HEADS, KV_HEADS, pool, 1, blocks, offsets, q)
+    kernels.rope_cache(qkv, cos, sin, HEADS, KV_HEADS, pool, 1, blocks, offsets, q)
     k = qkv[:, q_size : q_size + kv_size].view(rows, KV_HEADS, HEAD_DIM)
     if dtype == torch.bfloat16:  # each product rounded to bf16 before the sum, as torch's ops do
         assert torch.equal(q, expected[:, :HEADS]) and torch.equal(k, expected[:, HEADS:])
@@ -99,14 +90,14 @@ def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(ops, dtype):
     assert not pool[:, 0].any()  # other layers untouched
 
 
-def test_bad_arguments_are_refused_naming_the_op(ops):
+def test_bad_arguments_are_refused_naming_the_op(kernels):
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="rms_norm: weight"):
-        ops.rms_norm(x, torch.ones(7), EPS, torch.empty_like(x))
+        kernels.rms_norm(x, torch.ones(7), EPS, torch.empty_like(x))
     with pytest.raises(RuntimeError, match="silu_mul: out"):
-        ops.silu_mul(torch.randn(2, 8), torch.empty(2, 8))
+        kernels.silu_mul(torch.randn(2, 8), torch.empty(2, 8))
     with pytest.raises(RuntimeError, match="dtype"):
-        ops.add_rms_norm(x, x.double(), torch.ones(8), EPS, torch.empty_like(x))
+        kernels.add_rms_norm(x, x.double(), torch.ones(8), EPS, torch.empty_like(x))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -125,11 +116,11 @@ def test_a_forward_is_the_same_with_fused_ops_and_torch_ops(dtype):
         )  # fmt: skip
         pools = [torch.zeros_like(engine.runner.kv_cache) for _ in range(2)]
         fused = model.forward(batch, pools[0])
-        model.fused, kernels = None, model.fused
+        model.fused, compiled = None, model.fused
         try:
             plain = model.forward(batch, pools[1])
         finally:
-            model.fused = kernels
+            model.fused = compiled
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
     tolerance = 1e-3 if dtype == "float32" else 0.5  # logits of magnitude ~20; bf16 keeps 8 bits
     torch.testing.assert_close(fused, plain, atol=tolerance, rtol=0)

@@ -6,17 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.engine.kernels import cpu_kernels
-
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 3, 16, 3, 64, 9
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels()
-    if module is None:
-        pytest.fail("the paged attention kernel did not build on this machine (see the log)")
-    return module
 
 
 def reference(query, pool, layer, tables, lengths, scale):
@@ -32,7 +22,7 @@ def reference(query, pool, layer, tables, lengths, scale):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_matches_sdpa_on_ragged_lengths_and_scattered_blocks(kernel, dtype, tolerance):
+def test_matches_sdpa_on_ragged_lengths_and_scattered_blocks(kernels, dtype, tolerance):
     torch.manual_seed(0)
     pool = torch.randn(64, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
     lengths = torch.tensor([1, 15, 16, 17, 100, 333], dtype=torch.int64)  # partial, full and one-token blocks
@@ -42,39 +32,39 @@ def test_matches_sdpa_on_ragged_lengths_and_scattered_blocks(kernel, dtype, tole
     scale = HEAD_DIM**-0.5
     for layer in range(LAYERS):
         out = torch.empty_like(query)
-        kernel.decode_attention(query, pool, layer, tables, lengths, scale, out)
+        kernels.decode_attention(query, pool, layer, tables, lengths, scale, out)
         expected = reference(query, pool, layer, tables, lengths, scale)
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_padding_past_a_row_length_is_never_read(kernel):
+def test_padding_past_a_row_length_is_never_read(kernels):
     """Table entries past a row's length may be anything (here: out of range); they are not touched."""
     pool = torch.randn(8, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     tables = torch.tensor([[3, 10**9, -5], [1, 2, 4]], dtype=torch.int64)
     lengths = torch.tensor([16, 40], dtype=torch.int64)
     query = torch.randn(2, HEADS, HEAD_DIM)
     out = torch.empty_like(query)
-    kernel.decode_attention(query, pool, 1, tables, lengths, 0.125, out)
+    kernels.decode_attention(query, pool, 1, tables, lengths, 0.125, out)
     expected = reference(query, pool, 1, tables.clamp(0, 7), lengths, 0.125)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bad_shapes_are_refused_naming_the_argument(kernel):
+def test_bad_shapes_are_refused_naming_the_argument(kernels):
     pool = torch.randn(8, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     query = torch.randn(1, HEADS, HEAD_DIM)
     tables, lengths = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="block_tables"):
-        kernel.decode_attention(query, pool, 0, tables.int(), lengths, 0.1, torch.empty_like(query))
+        kernels.decode_attention(query, pool, 0, tables.int(), lengths, 0.1, torch.empty_like(query))
     with pytest.raises(RuntimeError, match="layer"):
-        kernel.decode_attention(query, pool, LAYERS, tables, lengths, 0.1, torch.empty_like(query))
+        kernels.decode_attention(query, pool, LAYERS, tables, lengths, 0.1, torch.empty_like(query))
     with pytest.raises(RuntimeError, match="dtype"):
-        kernel.decode_attention(
+        kernels.decode_attention(
             query.double(), pool, 0, tables, lengths, 0.1, torch.empty_like(query).double()
         )
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_one_sequence_split_by_kv_head_matches_sdpa(kernel, dtype, tolerance):
+def test_one_sequence_split_by_kv_head_matches_sdpa(kernels, dtype, tolerance):
     """Fewer sequences than threads: each kv head is a task of its own (the decode of a single stream)."""
     torch.manual_seed(1)
     pool = torch.randn(32, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
@@ -82,6 +72,6 @@ def test_one_sequence_split_by_kv_head_matches_sdpa(kernel, dtype, tolerance):
     tables = torch.randperm(32)[: -(-250 // BLOCK_SIZE)].unsqueeze(0).contiguous()
     query = torch.randn(1, HEADS, HEAD_DIM).to(dtype)
     out = torch.empty_like(query)
-    kernel.decode_attention(query, pool, 2, tables, lengths, HEAD_DIM**-0.5, out)
+    kernels.decode_attention(query, pool, 2, tables, lengths, HEAD_DIM**-0.5, out)
     expected = reference(query, pool, 2, tables, lengths, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)

@@ -6,25 +6,35 @@ engine then keeps SDPA, which the last test checks either way)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import engine_config
 
-from server.engine.kernels import cpu_kernels
 from server.engine.llm_engine import LLMEngine
 
 LAYERS, BLOCK_SIZE = 3, 16
 
 
+def cpu_has_amx_bf16() -> bool:
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags.split())
+
+
 @pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels()
-    if module is None:
-        pytest.fail("the CPU kernels did not build on this machine (see the log)")
-    if not module.prefill_attention_available():
-        pytest.skip("this CPU (or its build) has no AMX-BF16: the engine uses SDPA for prefill")
-    return module
+def kernel(kernels):
+    if not kernels.prefill_attention_available():
+        if cpu_has_amx_bf16():
+            pytest.fail("this CPU has AMX-BF16 but the build or the OS does not give the prefill kernel")
+        pytest.skip("this CPU has no AMX-BF16: the engine uses SDPA for prefill")
+    return kernels
 
 
 def run(kernel, query, pool, layer, table, context_len, scale):
@@ -123,10 +133,9 @@ def test_refuses_bad_arguments(kernel):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_engine_uses_it_for_bf16_where_amx_is(dtype):
+def test_the_engine_uses_it_for_bf16_where_amx_is(kernels, dtype):
     """bf16 on an AMX build: the kernel; fp32 (token-identical to transformers) or no AMX: SDPA; off by config."""
-    module = cpu_kernels()
-    expected = dtype == "bfloat16" and module is not None and module.prefill_attention_available()
+    expected = dtype == "bfloat16" and kernels.prefill_attention_available()
     with LLMEngine(engine_config(dtype=dtype, num_kv_blocks=64)) as engine:
         assert (engine.model.prefill_kernel is not None) == expected
     with LLMEngine(engine_config(dtype=dtype, num_kv_blocks=64, prefill_kernel=False)) as engine:

@@ -42,11 +42,18 @@
 
 namespace {
 
+// keys of one sub-block: one P tile (32 bf16 columns), two score tiles, the unit the K/V are packed in
+constexpr int64_t kSub = 32;
+
+// Keys rounded up to whole sub-blocks, and the bytes of one packed copy (K or V, bf16) of that many keys.
+inline int64_t padded_keys(int64_t keys) { return (keys + kSub - 1) / kSub * kSub; }
+inline int64_t packed_bytes(int64_t keys, int64_t num_kv_heads, int64_t head_dim) {
+  return num_kv_heads * padded_keys(keys) * head_dim * 2;
+}
+
 #if defined(STRATA_AMX)
 
 constexpr int64_t kRows = 16;  // query rows per task: one tile's rows
-constexpr int64_t kKeys = 32;   // keys packed together (the packed buffers' unit)
-constexpr int64_t kSub = 32;    // keys of one P tile (32 bf16 columns), two score tiles
 constexpr int64_t kStep = 128;  // keys per online-softmax step: up to 4 sub-blocks
 
 // The tile configuration (palette 1): every tile used is 16 rows of 64 bytes.
@@ -69,17 +76,17 @@ bool amx_permitted() {
 
 struct Geometry {
   int64_t head_dim, num_heads, num_kv_heads, block_size, token_stride, block_stride;
-  int64_t keys, padded_keys;  // N keys attended by the chunk's last row; N rounded up to kKeys
+  int64_t keys, padded_keys;  // N keys attended by the chunk's last row; N rounded up to kSub
 };
 
 // Phase 1 for one kv head and one step of 32 keys: K^T dwords and interleaved V rows into the packed buffers.
 void pack_step(const at::BFloat16* layer_k, const at::BFloat16* layer_v, const int64_t* table, const Geometry& g,
                int64_t kv_head, int64_t step, uint32_t* packed_k, uint16_t* packed_v) {
   const int64_t dwords = g.head_dim / 2;
-  const int64_t first = step * kKeys;
+  const int64_t first = step * kSub;
   // K^T: two groups of 16 keys, each [dwords][16]
   uint32_t* kt = packed_k + (kv_head * g.padded_keys + first) * dwords;
-  for (int64_t j = 0; j < kKeys; ++j) {
+  for (int64_t j = 0; j < kSub; ++j) {
     const int64_t key = first + j;
     uint32_t* column = kt + (j / 16) * dwords * 16 + (j % 16);
     if (key >= g.keys) {
@@ -95,7 +102,7 @@ void pack_step(const at::BFloat16* layer_k, const at::BFloat16* layer_v, const i
                                        6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   uint16_t* vp = packed_v + (kv_head * g.padded_keys + first) * g.head_dim;
-  for (int64_t r = 0; r < kKeys / 2; ++r) {
+  for (int64_t r = 0; r < kSub / 2; ++r) {
     for (int64_t d = 0; d < g.head_dim; d += 32) {
       __m512i rows[2];
       for (int e = 0; e < 2; ++e) {
@@ -318,17 +325,17 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int6
   g.token_stride = kv_heads * head_dim;
   g.block_stride = num_layers * 2 * block_size * g.token_stride;
   g.keys = context_len + tokens;
-  g.padded_keys = (g.keys + kKeys - 1) / kKeys * kKeys;
-  const int64_t packed_bytes = kv_heads * g.padded_keys * head_dim * 2;  // K (or V), bf16
-  TORCH_CHECK(workspace.numel() >= 2 * packed_bytes, "workspace too small");
+  g.padded_keys = padded_keys(g.keys);
+  const int64_t k_bytes = packed_bytes(g.keys, kv_heads, head_dim);
+  TORCH_CHECK(workspace.numel() >= 2 * k_bytes, "workspace too small");
   uint32_t* packed_k = reinterpret_cast<uint32_t*>(workspace.data_ptr<uint8_t>());
-  uint16_t* packed_v = reinterpret_cast<uint16_t*>(workspace.data_ptr<uint8_t>() + packed_bytes);
+  uint16_t* packed_v = reinterpret_cast<uint16_t*>(workspace.data_ptr<uint8_t>() + k_bytes);
   const at::BFloat16* pool = kv_cache.data_ptr<at::BFloat16>();
   const int64_t half = block_size * g.token_stride;
   const at::BFloat16* layer_k = pool + layer * 2 * half;
   const at::BFloat16* layer_v = layer_k + half;
   const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t steps = g.padded_keys / kKeys;
+  const int64_t steps = g.padded_keys / kSub;
   at::parallel_for(0, kv_heads * steps, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       pack_step(layer_k, layer_v, table, g, item / steps, item % steps, packed_k, packed_v);
@@ -362,6 +369,5 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int6
 
 // Bytes of workspace a call needs for `keys` keys (context_len + T).
 int64_t prefill_workspace_bytes(int64_t keys, int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t padded = (keys + 31) / 32 * 32;
-  return 2 * num_kv_heads * padded * head_dim * 2;
+  return 2 * packed_bytes(keys, num_kv_heads, head_dim);
 }
