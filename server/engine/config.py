@@ -69,7 +69,9 @@ class EngineConfig:
     pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN's GEMM (see linear.py)
     paged_kernel: bool = True  # CPU: decode attention by the compiled kernel (kernels/); false: gather + SDPA
     fused_ops: bool = True  # CPU: RMSNorm, RoPE + KV write, SiLU*up by the compiled kernels; false: torch ops
-    prefill_kernel: bool = True  # CPU bf16 with AMX: prefill attention by the compiled kernel; false: SDPA
+    prefill_kernel: bool = (
+        True  # CPU bf16, AVX512-BF16/AMX: prefill attention by the compiled kernel; false: SDPA
+    )
 
     def __post_init__(self) -> None:
         self.validate()

@@ -154,9 +154,9 @@ class LlamaModel:
     ):
         """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
         pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
-        a CPU forward's elementwise work; None: torch ops. `prefill_kernel`: the same module, whose AMX prefill
-        attention reads a chunk's keys from the pool (bf16 on a CPU with AMX, head_dim 64 or 128 only; the
-        model drops it otherwise); None: SDPA."""
+        a CPU forward's elementwise work; None: torch ops. `prefill_kernel`: the same module, whose bf16 prefill
+        attention reads a chunk's keys from the pool (bf16 on a CPU with AVX512-BF16 or AMX, head_dim 64 or 128
+        only; the model drops it otherwise); None: SDPA."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
@@ -165,7 +165,7 @@ class LlamaModel:
         self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
         self.fused = fused_ops if self.device.type == "cpu" else None
         self.prefill_kernel = (
-            prefill_kernel if _amx_prefill(prefill_kernel, self.device, dtype, shape) else None
+            prefill_kernel if _bf16_prefill(prefill_kernel, self.device, dtype, shape) else None
         )
 
         def get(name: str) -> torch.Tensor:
@@ -356,11 +356,11 @@ class LlamaModel:
         return buffer[:numel]
 
 
-def _amx_prefill(
+def _bf16_prefill(
     kernels: ModuleType | None, device: torch.device, dtype: torch.dtype, shape: ModelShape
 ) -> bool:
-    """Whether the compiled AMX prefill attention applies: CPU, bf16, a build with AMX that the OS permits, and
-    a head_dim it tiles (64 or 128)."""
+    """Whether the compiled prefill attention applies: CPU, bf16, a build with AVX512-BF16 (AMX tiles where the
+    CPU has them and the OS permits), and a head_dim it handles (64 or 128)."""
     return (
         kernels is not None
         and device.type == "cpu"

@@ -1,7 +1,7 @@
 """bf16 greedy output against transformers in bf16 on the same weights, and both against the fp32 reference.
 
-bf16 sums in another order (fused q/k/v, fp32 norms, decode attention in fp32 from the pool, and on an AMX CPU
-prefill attention by the AMX kernel: bf16 products, fp32 softmax; bf16 SDPA in transformers) cannot be
+bf16 sums in another order (fused q/k/v, fp32 norms, decode attention in fp32 from the pool, and on an AVX512-BF16
+or AMX CPU prefill attention by the compiled kernel: bf16 products, fp32 softmax; bf16 SDPA in transformers) cannot be
 token-identical, so the check is statistical and says where each prompt diverges: concurrent (batched, chunked
 prefill of the long prompts), then again with the prompts' blocks cached.
 
@@ -93,8 +93,11 @@ def test_bf16_tracks_transformers_bf16_and_every_departure_from_fp32_is_a_near_t
         )
         print(report)
         assert len(PROMPTS) == len(firsts)
-        # measured: 84.9-89.0 % identical, 15-17/22 prompts fully (AVX2 and AVX512-BF16 hosts)
-        assert share >= 0.75, report
+        # measured: 84.9-89.0 % identical, 15-17/22 prompts fully with SDPA prefill (AVX2 and AVX512-BF16
+        # hosts), 86 % with the AMX kernel; 71.3 %, 12/22, with the AVX512-BF16 kernel, whose outputs were as close
+        # to fp32's as SDPA's (77.0 % identical to fp32 either way): a cascade after a near-tie moves this share
+        # by 15 points, a wrong mask or block takes it near 0
+        assert share >= 0.65, report
         assert sum(f is None for f in firsts) >= len(firsts) // 2, report
         for _, _, rank, gap in ours_from_fp32:
             assert rank < TOP_K and gap <= NEAR_TIE_LOGITS, report

@@ -1,8 +1,10 @@
-"""The compiled AMX prefill attention (kernels/prefill_attention.cpp) against SDPA over the same keys gathered
-from the pool, and the engine's choice of it.
+"""The compiled bf16 prefill attention (kernels/prefill_attention.cpp) against SDPA over the same keys gathered
+from the pool, on every instruction set it can use here (AMX tiles, AVX512-BF16 registers), and the engine's
+choice of it.
 
-The kernel is built only where the compiler targets AMX-BF16; on any other CPU the comparisons are skipped (the
-engine then keeps SDPA, which the last test checks either way)."""
+The kernel is built where the compiler targets AVX512-BF16 (AMX as well where the CPU has it); on any other CPU the
+comparisons are skipped (the engine then keeps SDPA, which the last test checks either way). A CPU that reports
+the features but gets no kernel fails rather than skips."""
 
 from __future__ import annotations
 
@@ -18,23 +20,43 @@ from server.engine.llm_engine import LLMEngine
 LAYERS, BLOCK_SIZE = 3, 16
 
 
-def cpu_has_amx_bf16() -> bool:
+def cpu_flags() -> set[str]:
     try:
-        flags = next(
+        line = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
         )
     except (OSError, StopIteration):
-        return False
-    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags.split())
+        return set()
+    return set(line.split())
 
 
-@pytest.fixture(scope="module")
-def kernel(kernels):
-    if not kernels.prefill_attention_available():
-        if cpu_has_amx_bf16():
-            pytest.fail("this CPU has AMX-BF16 but the build or the OS does not give the prefill kernel")
-        pytest.skip("this CPU has no AMX-BF16: the engine uses SDPA for prefill")
-    return kernels
+# what each instruction set needs of the CPU (the build also needs avx512bw and avx512vl, which these CPUs have)
+ISA_FLAGS = {"amx": {"amx_bf16", "amx_tile", "avx512_bf16"}, "avx512_bf16": {"avx512_bf16", "avx512bw"}}
+
+
+class Kernel:
+    """The module with one instruction set chosen: `prefill_attention(...)` runs on `isa`."""
+
+    def __init__(self, module, isa: str) -> None:
+        self.module, self.isa = module, isa
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def prefill_attention(self, *args):
+        return self.module.prefill_attention(*args, isa=self.isa)
+
+
+@pytest.fixture(scope="module", params=sorted(ISA_FLAGS))
+def kernel(kernels, request):
+    isa = request.param
+    if isa not in kernels.prefill_attention_isas():
+        if ISA_FLAGS[isa] <= cpu_flags():
+            pytest.fail(
+                f"this CPU reports {sorted(ISA_FLAGS[isa])} but the build or the OS gives no {isa} kernel"
+            )
+        pytest.skip(f"this CPU has no {isa}")
+    return Kernel(kernels, isa)
 
 
 def run(kernel, query, pool, layer, table, context_len, scale):
@@ -130,11 +152,14 @@ def test_refuses_bad_arguments(kernel):
         kernel.prefill_attention(query, pool, 0, table, 0, 0.125, query.clone(), workspace[:100])
     with pytest.raises(RuntimeError, match="layer out of range"):
         kernel.prefill_attention(query, pool, LAYERS, table, 0, 0.125, query.clone(), workspace)
+    with pytest.raises(RuntimeError, match="isa 'sse2' is not available"):
+        kernel.module.prefill_attention(query, pool, 0, table, 0, 0.125, query.clone(), workspace, isa="sse2")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_engine_uses_it_for_bf16_where_amx_is(kernels, dtype):
-    """bf16 on an AMX build: the kernel; fp32 (token-identical to transformers) or no AMX: SDPA; off by config."""
+def test_the_engine_uses_it_for_bf16_where_built(kernels, dtype):
+    """bf16 on an AVX512-BF16 (or AMX) build: the kernel; fp32 (token-identical to transformers) or a CPU without
+    bf16 dot products: SDPA; off by config."""
     expected = dtype == "bfloat16" and kernels.prefill_attention_available()
     with LLMEngine(engine_config(dtype=dtype, num_kv_blocks=64)) as engine:
         assert (engine.model.prefill_kernel is not None) == expected

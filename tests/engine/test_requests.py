@@ -199,7 +199,9 @@ def test_bfloat16_engine_and_byte_sized_pool(prompt_ids, engine):
         assert bf16.runner.kv_cache.dtype == torch.bfloat16
         assert bf16.stats().num_blocks == (64 << 20) // bf16.layout.block_bytes
         assert "bfloat16" in bf16.layout.fingerprint and bf16.layout.fingerprint != engine.layout.fingerprint
-        ids = prompt_ids[16]
+        # the long prompt: fp32's top token leads its runner-up by 1.3-2.0 logits at each of the first three
+        # steps, more than bf16 rounding moves them (prompt 16 leads by 0.08 at its first: a coin toss in bf16)
+        ids = prompt_ids[13]
         ours = run(bf16, greedy(ids, "bf16", max_tokens=6))
         reference = run(engine, greedy(ids, "fp32", max_tokens=6))
         assert ours.new_token_ids[:3] == reference.new_token_ids[:3]

@@ -1,9 +1,9 @@
 """C++ kernels for the CPU engine, compiled on this machine the first time they are asked for.
 
 `cpu_kernels()` returns the compiled module: `decode_attention` (paged_attention.cpp), `prefill_attention`
-(prefill_attention.cpp, AMX only: `prefill_attention_available()` says whether this build and OS have it) and
-the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_cache`); None when it cannot be built
-here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
+(prefill_attention.cpp, bf16 on AMX tiles or AVX512-BF16 registers: `prefill_attention_isas()` says which this
+build and OS have, best first) and the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`,
+`silu_mul`, `rope_cache`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
 once in the log. The build (about a minute here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
 by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
 (`python -m server.engine.kernels`) and every process after loads it in well under a second.

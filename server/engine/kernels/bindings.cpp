@@ -6,8 +6,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, int64
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor out);
 void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
                        const at::Tensor& block_table, int64_t context_len, double scale, at::Tensor out,
-                       at::Tensor workspace);
+                       at::Tensor workspace, const std::string& isa);
 bool prefill_attention_available();
+std::vector<std::string> prefill_attention_isas();
 int64_t prefill_workspace_bytes(int64_t keys, int64_t num_kv_heads, int64_t head_dim);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out);
 void add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps,
@@ -19,8 +20,11 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention from the paged pool (AMX, bf16)");
-  m.def("prefill_attention_available", &prefill_attention_available, "built for AMX here, and AMX permitted");
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention from the paged pool (bf16)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_table"), py::arg("context_len"),
+        py::arg("scale"), py::arg("out"), py::arg("workspace"), py::arg("isa") = "");
+  m.def("prefill_attention_available", &prefill_attention_available, "built for AVX512-BF16 (or AMX) here");
+  m.def("prefill_attention_isas", &prefill_attention_isas, "instruction sets usable here, best first");
   m.def("prefill_workspace_bytes", &prefill_workspace_bytes, "workspace bytes prefill_attention needs");
   m.def("rms_norm", &rms_norm, "out = RMSNorm(x) * weight");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta; out = RMSNorm(hidden) * weight");

@@ -1,4 +1,4 @@
-// Prefill attention on AMX: one prompt chunk's query rows attend causally to their sequence's keys in the paged
+// Prefill attention in bf16: one prompt chunk's query rows attend causally to their sequence's keys in the paged
 // pool (the cached prefix and the chunk's own rows, which rope_cache has already written there), bf16 in, fp32
 // scores and softmax, bf16 out. No gather into a contiguous copy, no mask tensor.
 //
@@ -8,19 +8,24 @@
 //
 // Two phases, each over torch's intra-op threads:
 //
-// 1. Pack. The chunk's keys 0..N-1 of each kv head are copied once into the layouts AMX's TDPBF16PS reads as its
-//    B operand (pairs of bf16 in one dword, "VNNI"):
+// 1. Pack. The chunk's keys 0..N-1 of each kv head are copied once into pairs of bf16 in one dword ("VNNI"), the
+//    B operand of both TDPBF16PS (AMX) and VDPBF16PS (AVX512-BF16):
 //      K^T: per 16 keys, [head_dim/2 dword rows][16 keys]: row p holds dims 2p, 2p+1 of each key (a transpose);
 //      V:   per 32 keys and 16 dims, [16 key-pair rows][16 dims x 2]: row r interleaves keys 2r and 2r+1.
 //    Keys past N are zero (they are masked, and 0 * V must not be NaN).
-// 2. Attend. A task is 16 query rows of one head (GQA: its kv head's packed K/V). Per step of 32 keys:
-//    S = Q K^T (2 tiles of 16x16 fp32), scaled and causally masked in AVX-512 registers, online softmax
-//    (running max and sum per row), P rounded to bf16 (as torch's flash attention rounds it), O = O*alpha + P V
-//    (4 tiles per 64 dims). Steps past a row block's last position are never computed. Tasks are taken longest
-//    first from a shared counter, so the causal triangle spreads evenly over the threads.
+// 2. Attend. A task is 16 query rows of one head (GQA: its kv head's packed K/V). Per step of up to 128 keys:
+//    S = Q K^T in fp32, causally masked in AVX-512 registers, online softmax (running max and sum per row), P
+//    rounded to bf16 (as torch's flash attention rounds it), O = O*alpha + P V. Steps past a row block's last
+//    position are never computed. Tasks are taken longest first from a shared counter, so the causal triangle
+//    spreads evenly over the threads.
 //
-// Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere `prefill_attention`
-// raises and `prefill_attention_available()` is false, and the engine keeps torch's SDPA.
+// The two products run on one of two instruction sets, with the same packing, softmax and rounding:
+//   amx          16x16 tiles (TDPBF16PS), where the compiler targets AMX-BF16 and Linux grants the tile state;
+//   avx512_bf16  VDPBF16PS on 16-lane registers, 4 query rows x 64 keys (S) or 64 dims (P V) per block of
+//                16 accumulators, the A operand a broadcast dword of Q or P (AVX512-BF16 CPUs without AMX, e.g.
+//                AMD Zen 4/5, where torch's SDPA reached about 120 GFLOP/s at 2048 tokens).
+// Built where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere `prefill_attention`
+// raises, `prefill_attention_isas()` is empty, and the engine keeps torch's SDPA.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,14 +35,19 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define STRATA_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define STRATA_BF16 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "cpu_math.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define STRATA_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -51,11 +61,12 @@ inline int64_t packed_bytes(int64_t keys, int64_t num_kv_heads, int64_t head_dim
   return num_kv_heads * padded_keys(keys) * head_dim * 2;
 }
 
-#if defined(STRATA_AMX)
+#if defined(STRATA_BF16)
 
 constexpr int64_t kRows = 16;  // query rows per task: one tile's rows
 constexpr int64_t kStep = 128;  // keys per online-softmax step: up to 4 sub-blocks
 
+#if defined(STRATA_AMX)
 // The tile configuration (palette 1): every tile used is 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -73,6 +84,7 @@ bool amx_permitted() {
   }();
   return granted;
 }
+#endif
 
 struct Geometry {
   int64_t head_dim, num_heads, num_kv_heads, block_size, token_stride, block_stride;
@@ -121,6 +133,7 @@ void pack_step(const at::BFloat16* layer_k, const at::BFloat16* layer_v, const i
   }
 }
 
+#if defined(STRATA_AMX)
 // S for the 32-key sub-blocks `sub` and (if `two`) sub + 1 of a step: tiles 0, 1 (and 2, 3) of 16 keys each,
 // Q in 32-dim slices in tile 4, K^T in tiles 5 and 6; stored into scores[16][kStep] at the sub-block's columns.
 inline void score_pair(const uint16_t* q, const uint32_t* kt, int64_t key0, int64_t sub, bool two, int64_t d,
@@ -155,7 +168,121 @@ inline void score_pair(const uint16_t* q, const uint32_t* kt, int64_t key0, int6
   }
 }
 
-// Phase 2: one task, query rows [row0, row0 + valid) of head `head`, at positions context_len + row.
+// O[16][d] = O * alpha + P V for one step (AMX): 64 dims (4 tiles: 0-3) at a time; P of a sub-block in tile 4,
+// V in tiles 5, 6, 7; the product lands in `pv` and is added to the fp32 accumulator in AVX-512
+inline void amx_pv_step(const uint16_t* probs, const uint16_t* vp, int64_t key0, int64_t subs, int64_t d,
+                        const float* alpha, float* acc) {
+  alignas(64) float pv[16 * 64];
+  for (int64_t group = 0; group < d / 64; ++group) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t sub = 0; sub < subs; ++sub) {
+      const uint16_t* v = vp + (key0 + sub * kSub) * d + group * 4 * 16 * 32;
+      _tile_loadd(4, probs + sub * kSub, kStep * sizeof(uint16_t));
+      _tile_loadd(5, v, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + 16 * 32, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, v + 2 * 16 * 32, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 3 * 16 * 32, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, pv, 64 * sizeof(float));
+    _tile_stored(1, pv + 16, 64 * sizeof(float));
+    _tile_stored(2, pv + 32, 64 * sizeof(float));
+    _tile_stored(3, pv + 48, 64 * sizeof(float));
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      float* o = acc + r * d + group * 64;
+      for (int64_t c = 0; c < 64; c += 16) {
+        _mm512_store_ps(o + c, _mm512_fmadd_ps(_mm512_load_ps(o + c), a, _mm512_load_ps(pv + r * 64 + c)));
+      }
+    }
+  }
+}
+#endif  // STRATA_AMX
+
+// The same two products on AVX512-BF16 registers. VDPBF16PS adds, per fp32 lane, the products of one dword pair
+// of bf16: the B operand is a packed row (16 keys' dims 2p, 2p+1 for S; 16 dims of keys 2r, 2r+1 for P V), the
+// A operand one query's (or one probability row's) dword broadcast to every lane. A block is 4 rows x 4 vectors,
+// 16 independent accumulators, enough to cover the instruction's latency at two per cycle.
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// S[4 rows][16 * NG keys] = Q K^T: q the rows' dwords (stride q_dwords), k the first 16-key group's K^T.
+template <int NG>
+inline void vec_score_block(const uint32_t* q, int64_t q_dwords, const uint32_t* k, int64_t dwords, float* out) {
+  __m512 acc[4][NG];
+  for (int r = 0; r < 4; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dwords; ++p) {
+    __m512i b[NG];
+    for (int g = 0; g < NG; ++g) b[g] = _mm512_load_si512(k + g * dwords * 16 + p * 16);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(q[r * q_dwords + p]));
+      for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], a, b[g]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int g = 0; g < NG; ++g) _mm512_store_ps(out + r * kStep + g * 16, acc[r][g]);
+}
+
+// S[16][subs * 32 keys] of one step, into scores[16][kStep] (AVX512-BF16).
+inline void vec_score_step(const uint16_t* q, const uint32_t* kt, int64_t key0, int64_t subs, int64_t d,
+                           float* scores) {
+  const int64_t dwords = d / 2, groups = subs * 2;  // 16-key groups: 2, 4, 6 or 8
+  const uint32_t* qd = reinterpret_cast<const uint32_t*>(q);
+  for (int64_t r0 = 0; r0 < kRows; r0 += 4) {
+    int64_t g0 = 0;
+    for (; g0 + 4 <= groups; g0 += 4) {
+      vec_score_block<4>(qd + r0 * dwords, dwords, kt + (key0 + g0 * 16) * dwords, dwords,
+                         scores + r0 * kStep + g0 * 16);
+    }
+    if (g0 < groups) {
+      vec_score_block<2>(qd + r0 * dwords, dwords, kt + (key0 + g0 * 16) * dwords, dwords,
+                         scores + r0 * kStep + g0 * 16);
+    }
+  }
+}
+
+// O[16][d] = O * alpha + P V for one step (AVX512-BF16): per 4 rows and 64 dims, the accumulators start from the
+// rescaled O and take every key pair of the step's sub-blocks.
+inline void vec_pv_step(const uint16_t* probs, const uint16_t* vp, int64_t key0, int64_t subs, int64_t d,
+                        const float* alpha, float* acc) {
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(probs);
+  constexpr int64_t kProbDwords = kStep / 2;
+  for (int64_t r0 = 0; r0 < kRows; r0 += 4) {
+    for (int64_t t0 = 0; t0 < d / 16; t0 += 4) {  // four 16-dim vectors: 64 dims
+      __m512 o[4][4];
+      for (int r = 0; r < 4; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+        for (int t = 0; t < 4; ++t) o[r][t] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * d + (t0 + t) * 16), a);
+      }
+      for (int64_t sub = 0; sub < subs; ++sub) {
+        const uint16_t* v = vp + (key0 + sub * kSub) * d;
+        for (int64_t pair = 0; pair < kSub / 2; ++pair) {
+          __m512i b[4];
+          for (int t = 0; t < 4; ++t) b[t] = _mm512_load_si512(v + ((t0 + t) * 16 + pair) * 32);
+          for (int r = 0; r < 4; ++r) {
+            const __m512i a =
+                _mm512_set1_epi32(static_cast<int32_t>(pd[(r0 + r) * kProbDwords + sub * (kSub / 2) + pair]));
+            for (int t = 0; t < 4; ++t) o[r][t] = dp(o[r][t], a, b[t]);
+          }
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int t = 0; t < 4; ++t) _mm512_store_ps(acc + (r0 + r) * d + (t0 + t) * 16, o[r][t]);
+    }
+  }
+}
+
+// Phase 2: one task, query rows [row0, row0 + valid) of head `head`, at positions context_len + row; the products
+// on AMX tiles (kAmx) or AVX512-BF16 registers.
+template <bool kAmx>
 void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* packed_k, const uint16_t* packed_v,
                  const Geometry& g, int64_t context_len, int64_t head, int64_t row0, int64_t valid, float scale,
                  at::BFloat16* out, int64_t o_stride) {
@@ -164,7 +291,6 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
   alignas(64) uint16_t q[kRows * 128];        // the task's query rows, zero past `valid`
   alignas(64) float scores[2][kRows * kStep];  // this step's S and the next one's
   alignas(64) uint16_t probs[kRows * kStep];  // P in bf16: the A operand of P V
-  alignas(64) float pv[kRows * 64];           // one group of 64 dims of P V
   alignas(64) float acc[kRows * 128];         // O, fp32
   float running_max[kRows], running_sum[kRows], alpha[kRows];
   int64_t last_key[kRows];                    // the last key each row may see
@@ -188,7 +314,13 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
   auto sub_blocks = [&](int64_t key0) { return std::min(kStep / kSub, (last - key0) / kSub + 1); };
   auto score_step = [&](int64_t key0, float* out) {
     const int64_t subs = sub_blocks(key0);
-    for (int64_t sub = 0; sub < subs; sub += 2) score_pair(q, kt, key0, sub, sub + 1 < subs, d, out);
+#if defined(STRATA_AMX)
+    if constexpr (kAmx) {
+      for (int64_t sub = 0; sub < subs; sub += 2) score_pair(q, kt, key0, sub, sub + 1 < subs, d, out);
+      return;
+    }
+#endif
+    vec_score_step(q, kt, key0, subs, d, out);
   };
   score_step(0, scores[0]);
   for (int64_t key0 = 0, step = 0; key0 <= last; key0 += kStep, ++step) {
@@ -238,36 +370,14 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
       }
       running_sum[r] = running_sum[r] * alpha[r] + _mm512_reduce_add_ps(sum);
     }
-    // O = O * alpha + P V, 64 dims (4 tiles: 0-3) at a time; P of a sub-block in tile 4, V in tiles 5, 6, 7
-    for (int64_t group = 0; group < d / 64; ++group) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t sub = 0; sub < subs; ++sub) {
-        const uint16_t* v = vp + (key0 + sub * kSub) * d + group * 4 * 16 * 32;
-        _tile_loadd(4, probs + sub * kSub, kStep * sizeof(uint16_t));
-        _tile_loadd(5, v, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, v + 16 * 32, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, v + 2 * 16 * 32, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, v + 3 * 16 * 32, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, pv, 64 * sizeof(float));
-      _tile_stored(1, pv + 16, 64 * sizeof(float));
-      _tile_stored(2, pv + 32, 64 * sizeof(float));
-      _tile_stored(3, pv + 48, 64 * sizeof(float));
-      for (int64_t r = 0; r < kRows; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        float* o = acc + r * d + group * 64;
-        for (int64_t c = 0; c < 64; c += 16) {
-          _mm512_store_ps(o + c, _mm512_fmadd_ps(_mm512_load_ps(o + c), a, _mm512_load_ps(pv + r * 64 + c)));
-        }
-      }
+    // O = O * alpha + P V
+#if defined(STRATA_AMX)
+    if constexpr (kAmx) {
+      amx_pv_step(probs, vp, key0, subs, d, alpha, acc);
+      continue;
     }
+#endif
+    vec_pv_step(probs, vp, key0, subs, d, alpha, acc);
   }
   for (int64_t r = 0; r < valid; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / running_sum[r]);
@@ -279,24 +389,32 @@ void attend_task(const at::BFloat16* query, int64_t q_stride, const uint32_t* pa
   }
 }
 
-#endif  // STRATA_AMX
+#endif  // STRATA_BF16
 
 }  // namespace
 
-bool prefill_attention_available() {
+// The instruction sets this build can run the products on, here, best first: "amx" (built for AMX-BF16 and
+// Linux granted the tile state), "avx512_bf16" (any AVX512-BF16 build); empty where neither was built.
+std::vector<std::string> prefill_attention_isas() {
+  std::vector<std::string> isas;
 #if defined(STRATA_AMX)
-  return amx_permitted();
-#else
-  return false;
+  if (amx_permitted()) isas.emplace_back("amx");
 #endif
+#if defined(STRATA_BF16)
+  isas.emplace_back("avx512_bf16");
+#endif
+  return isas;
 }
+
+bool prefill_attention_available() { return !prefill_attention_isas().empty(); }
 
 // query [T, H, D] bf16 (heads contiguous), kv_cache the bf16 pool (contiguous) holding this chunk's K/V already,
 // block_table [nb] int64 covering context_len + T keys, out [T, H, D] bf16 written; workspace uint8 of at least
-// prefill_workspace_bytes(...) bytes (the packed K/V, reused between calls).
+// prefill_workspace_bytes(...) bytes (the packed K/V, reused between calls); isa one of prefill_attention_isas(),
+// or "" for the first of them.
 void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
                        const at::Tensor& block_table, int64_t context_len, double scale, at::Tensor out,
-                       at::Tensor workspace) {
+                       at::Tensor workspace, const std::string& isa) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [T, H, D] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 6-d pool");
@@ -314,8 +432,12 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int6
   TORCH_CHECK(block_table.size(0) * kv_cache.size(3) >= context_len + tokens, "block_table too short");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == head_dim, "out shape");
   TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.is_contiguous(), "workspace: uint8");
-#if defined(STRATA_AMX)
-  TORCH_CHECK(amx_permitted(), "the kernel refused AMX's tile state (arch_prctl)");
+#if defined(STRATA_BF16)
+  const std::vector<std::string> isas = prefill_attention_isas();
+  const std::string chosen = isa.empty() ? isas.front() : isa;
+  TORCH_CHECK(std::find(isas.begin(), isas.end(), chosen) != isas.end(), "prefill_attention: isa '", chosen,
+              "' is not available here (", isas.size(), " available)");
+  const bool amx = chosen == "amx";
   const int64_t kv_heads = kv_cache.size(4), block_size = kv_cache.size(3), num_layers = kv_cache.size(1);
   Geometry g;
   g.head_dim = head_dim;
@@ -348,22 +470,35 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int6
   std::atomic<int64_t> next{0};
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = 64;
+#if defined(STRATA_AMX)
+    if (amx) {
+      TileConfig config;
+      for (int t = 0; t < 8; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+      }
+      _tile_loadconfig(&config);
     }
-    _tile_loadconfig(&config);
+#endif
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t block = row_blocks - 1 - task / heads;  // the longest rows first
       const int64_t row0 = block * kRows;
-      attend_task(q, q_stride, packed_k, packed_v, g, context_len, task % heads, row0,
-                  std::min(kRows, tokens - row0), fscale, o, o_stride);
+      const int64_t head = task % heads, valid = std::min(kRows, tokens - row0);
+#if defined(STRATA_AMX)
+      if (amx) {
+        attend_task<true>(q, q_stride, packed_k, packed_v, g, context_len, head, row0, valid, fscale, o, o_stride);
+        continue;
+      }
+#endif
+      attend_task<false>(q, q_stride, packed_k, packed_v, g, context_len, head, row0, valid, fscale, o, o_stride);
     }
-    _tile_release();
+#if defined(STRATA_AMX)
+    if (amx) _tile_release();
+#endif
   });
 #else
-  TORCH_CHECK(false, "prefill_attention was not built for AMX on this CPU");
+  (void)isa;
+  TORCH_CHECK(false, "prefill_attention was not built for AVX512-BF16 on this CPU");
 #endif
 }
 
