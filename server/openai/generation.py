@@ -1,7 +1,8 @@
 """One HTTP request's engine requests (n choices x prompts), bridged from the engine thread into asyncio.
 
-The engine calls each sink from its own thread; the sink hands the output to the event loop with
-`loop.call_soon_threadsafe` into one `asyncio.Queue`, so the handler awaits outputs without polling. Closing a
+The engine calls each sink from its own thread; the sink hands the output to the event loop through the loop's
+`_Inbox` (one `call_soon_threadsafe` per burst of outputs, see there) into one `asyncio.Queue` per generation, so
+the handler awaits outputs without polling. Closing a
 `Generation` aborts every engine request that has not finished, which frees its KV blocks at once; a watcher task
 closes it as soon as the client disconnects.
 """
@@ -12,6 +13,8 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,6 +31,55 @@ class ClientDisconnected(Exception):
 
 
 _CLIENT_GONE = object()
+
+
+class _Inbox:
+    """Items from other threads into one event loop's queues, with one wakeup per burst.
+
+    An engine emits a step's outputs back to back (32 streams: 32 sinks in a row). A `call_soon_threadsafe` each
+    woke the loop 32 times a step (a write to its self-pipe each), and the loop's handlers took the GIL from the
+    engine thread between them: the engine's time between two forwards was 1.1 ms in-process and 2.8 ms served
+    (median, 32 streams). Here the first post of a burst schedules one drain and later posts only append, so the
+    loop runs once the engine thread lets go of the GIL (its next forward) and takes the whole step at once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[tuple[asyncio.Queue, object]] = deque()
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:
+        """Put `item` into `queue` on the loop's thread, soon. Raises RuntimeError when the loop has closed."""
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._scheduled = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
+
+
+def _inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    """The loop's inbox (made on the loop's thread, the first time a generation starts there)."""
+    inbox = _inboxes.get(loop)
+    if inbox is None:
+        inbox = _inboxes[loop] = _Inbox(loop)
+    return inbox
 
 
 @dataclass(slots=True)
@@ -54,7 +106,7 @@ class Generation:
         self._engine = engine
         self._metrics = metrics
         self._model = model
-        self._loop = asyncio.get_running_loop()
+        self._inbox = _inbox(asyncio.get_running_loop())
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._tracks: dict[RequestId, _Track] = {}
         self._ids: list[RequestId] = []
@@ -129,7 +181,7 @@ class Generation:
     def _sink(self, index: int) -> Callable[[GenerationOutput], None]:
         def sink(output: GenerationOutput) -> None:
             try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, output))
+                self._inbox.post(self._queue, (index, output))
             except RuntimeError:  # the event loop has shut down: nobody is left to read this output
                 logger.debug("dropped output of %s: event loop closed", output.request_id)
 
