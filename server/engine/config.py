@@ -66,12 +66,15 @@ class EngineConfig:
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
-    pack_weights: bool = True  # CPU: linear weights reordered once for oneDNN's GEMM (see linear.py)
+    pack_weights: bool = (
+        True  # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py)
+    )
     paged_kernel: bool = True  # CPU: decode attention by the compiled kernel (kernels/); false: gather + SDPA
     fused_ops: bool = True  # CPU: RMSNorm, RoPE + KV write, SiLU*up by the compiled kernels; false: torch ops
-    prefill_kernel: bool = (
-        True  # CPU bf16, AVX512-BF16/AMX: prefill attention by the compiled kernel; false: SDPA
-    )
+    # CPU bf16 (AVX512-BF16 or AMX): prefill attention by the compiled kernel; false: SDPA
+    prefill_kernel: bool = True
+    # CPU bf16 (AVX512-BF16): linear layers by the compiled kernel; false: oneDNN (see linear.py)
+    linear_kernel: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,7 +102,7 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(source, f"{key} must be a positive integer, got {value!r}")
-        for key in ("pack_weights", "paged_kernel", "fused_ops", "prefill_kernel"):
+        for key in ("pack_weights", "paged_kernel", "fused_ops", "prefill_kernel", "linear_kernel"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(source, f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -112,7 +112,7 @@ class LLMEngine:
         dtype_name = str(dtype).removeprefix("torch.")
         compiled = None
         if config.torch_device == "cpu" and (
-            config.paged_kernel or config.fused_ops or config.prefill_kernel
+            config.paged_kernel or config.fused_ops or config.prefill_kernel or config.linear_kernel
         ):
             compiled = kernels.cpu_kernels()
         self.model = LlamaModel(
@@ -124,6 +124,7 @@ class LLMEngine:
             decode_kernel=compiled if config.paged_kernel else None,
             fused_ops=compiled if config.fused_ops else None,
             prefill_kernel=compiled if config.prefill_kernel else None,
+            linear_kernel=compiled if config.linear_kernel else None,
         )
         self.tokenizer = Tokenizer.from_file(str(self.files.folder / "tokenizer.json"))
         self._chat_tokenizer = None

@@ -151,17 +151,20 @@ class LlamaModel:
         decode_kernel: ModuleType | None = None,
         fused_ops: ModuleType | None = None,
         prefill_kernel: ModuleType | None = None,
+        linear_kernel: ModuleType | None = None,
     ):
         """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
         pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
         a CPU forward's elementwise work; None: torch ops. `prefill_kernel`: the same module, whose bf16 prefill
         attention reads a chunk's keys from the pool (bf16 on a CPU with AVX512-BF16 or AMX, head_dim 64 or 128
-        only; the model drops it otherwise); None: SDPA."""
+        only; the model drops it otherwise); None: SDPA. `linear_kernel`: the same module, whose bf16 linear
+        layers (AVX512-BF16) take the weights it can (linear.py); None: oneDNN or F.linear."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
         # linear weights reordered once for the CPU GEMM kernel (see linear.py); the embedding stays plain
         self.packed = pack_weights and packed_linear.can_pack(self.device, dtype)
+        self.linear_kernel = linear_kernel if self.packed else None
         self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
         self.fused = fused_ops if self.device.type == "cpu" else None
         self.prefill_kernel = (
@@ -202,7 +205,7 @@ class LlamaModel:
         )
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return packed_linear.pack(weight, self.packed)
+        return packed_linear.pack(weight, self.packed, self.linear_kernel)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """HF's LlamaRMSNorm op for op (same rounding), with fewer temporaries; `x` is not modified."""

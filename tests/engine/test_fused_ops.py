@@ -124,4 +124,8 @@ def test_a_forward_is_the_same_with_fused_ops_and_torch_ops(dtype):
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
     tolerance = 1e-3 if dtype == "float32" else 0.5  # logits of magnitude ~20; bf16 keeps 8 bits
     torch.testing.assert_close(fused, plain, atol=tolerance, rtol=0)
-    torch.testing.assert_close(pools[0].float(), pools[1].float(), atol=tolerance / 5, rtol=0)
+    # bf16: the fused RMSNorm sums its squares in another order than torch's mean, which now and then rounds an
+    # element to the neighbouring bf16 value; later layers carry that on (measured: 9 of 11.8M K/V elements past
+    # 0.1 apart, the largest 0.125, one bf16 step at the pool's largest values, ~18)
+    pool_tolerance = 2e-4 if dtype == "float32" else 0.25
+    torch.testing.assert_close(pools[0].float(), pools[1].float(), atol=pool_tolerance, rtol=0)

@@ -2,8 +2,9 @@
 
 `cpu_kernels()` returns the compiled module: `decode_attention` (paged_attention.cpp), `prefill_attention`
 (prefill_attention.cpp, bf16 on AMX tiles or AVX512-BF16 registers: `prefill_attention_isas()` says which this
-build and OS have, best first) and the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`,
-`silu_mul`, `rope_cache`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
+build and OS have, best first), the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`,
+`silu_mul`, `rope_cache`) and bf16 linear layers on AVX512-BF16 (linear_bf16.cpp: `pack_bf16_linear`,
+`bf16_linear`, `bf16_linear_available()`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
 once in the log. The build (about a minute here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
 by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
 (`python -m server.engine.kernels`) and every process after loads it in well under a second.
@@ -27,7 +28,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "bindings.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "fused_ops.cpp",
+        "linear_bf16.cpp",
+        "bindings.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]  # part of the build's key, not compiled on their own
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -1,4 +1,5 @@
-// The Python module of the CPU kernels: paged_attention.cpp, prefill_attention.cpp and fused_ops.cpp.
+// The Python module of the CPU kernels: paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp and
+// linear_bf16.cpp.
 
 #include <torch/extension.h>
 
@@ -10,6 +11,10 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, int6
 bool prefill_attention_available();
 std::vector<std::string> prefill_attention_isas();
 int64_t prefill_workspace_bytes(int64_t keys, int64_t num_kv_heads, int64_t head_dim);
+bool bf16_linear_available();
+at::Tensor pack_bf16_linear(const at::Tensor& weight);
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 at::Tensor out);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out);
 void add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps,
                   at::Tensor out);
@@ -26,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available, "built for AVX512-BF16 (or AMX) here");
   m.def("prefill_attention_isas", &prefill_attention_isas, "instruction sets usable here, best first");
   m.def("prefill_workspace_bytes", &prefill_workspace_bytes, "workspace bytes prefill_attention needs");
+  m.def("bf16_linear_available", &bf16_linear_available, "built for AVX512-BF16 here");
+  m.def("pack_bf16_linear", &pack_bf16_linear, "weight [N, K] bf16 -> the packed tiles bf16_linear reads");
+  m.def("bf16_linear", &bf16_linear, "out = x W^T (+ bias), bf16, from a packed weight", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("out"));
   m.def("rms_norm", &rms_norm, "out = RMSNorm(x) * weight");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta; out = RMSNorm(hidden) * weight");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
