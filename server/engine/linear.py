@@ -12,10 +12,11 @@ without bound (600 distinct counts x 120 SmolLM2 linears: +2.4 GB, F.linear: +40
 `EXACT_ROWS` are therefore padded up to a multiple of `ROW_BUCKET` (zero rows, sliced off the result): random
 counts up to 1,100 then grew +156 MB and levelled off. Counts up to EXACT_ROWS (decode batches) run as they are.
 
-bf16 on a CPU with AVX512-BF16: the compiled kernel of kernels/linear_bf16.cpp instead (`TiledWeight`), whose
-packing feeds VDPBF16PS directly and whose blocks prefetch the next weights while computing: measured against
-oneDNN's packed bf16 GEMM on SmolLM2's 30 layers (cold weights, AMD EPYC, 2 threads), 1 row 7.9-8.6 -> 6.5 ms,
-32 rows 15.0-17.6 -> 11.0, 512 rows 133 -> 126. One packed copy either way; every row count runs as it is.
+bf16 on a CPU with AVX512-BF16 and no AMX (where oneDNN's GEMM runs on AMX tiles, it stays): the compiled kernel
+of kernels/linear_bf16.cpp instead (`TiledWeight`), whose packing feeds VDPBF16PS directly and whose blocks
+prefetch the next weights while computing: measured against oneDNN's packed bf16 GEMM on SmolLM2's 30 layers
+(cold weights, AMD EPYC, 2 threads), 1 row 7.9-8.6 -> 6.5 ms, 32 rows 15.0-17.6 -> 11.0, 512 rows 133 -> 126.
+One packed copy either way; every row count runs as it is.
 
 `pack` returns the weight to hand to `linear`: tiled for that kernel (bf16, a kernels module given), packed for
 oneDNN when the device is a CPU and torch has oneDNN, else the weight itself (CUDA and other builds take F.linear
