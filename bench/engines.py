@@ -1,4 +1,5 @@
-"""One workload through four servers, one after the other on the same CPU, driven by the same client:
+"""One workload through several servers on the same CPU, driven by the same client, one after the other or (with
+--interleave) all up at once with each sample taken on every server in turn:
 
     (a) vllm            vLLM's own OpenAI server (its venv's `vllm.entrypoints.openai.api_server`)
     (b) strata-vllm-1   `strata serve` with a backend "vllm" model on one vLLM worker
@@ -30,13 +31,14 @@ import os
 import random
 import sys
 import tempfile
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.peers import Workload, run_vllm  # noqa: E402
+from bench.peers import Server, Workload, interleaved, vllm_server, wait_quiet  # noqa: E402
 from bench.routing import trace_prompts  # noqa: E402
 from bench.serve_replay import drive, make_repository, summarize  # noqa: E402
 from kvbm.host_pool import remove_segments  # noqa: E402
@@ -105,8 +107,22 @@ def measure(url: str, args: argparse.Namespace, prompts: list) -> dict[str, Any]
 
 
 def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list) -> dict[str, Any]:
-    if name == "vllm":
-        return run_vllm_server(args, folder, prompts)
+    with serving(name, args, folder) as server:
+        return measure(server.url, args, prompts)
+
+
+@contextmanager
+def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Server]:
+    """The server of configuration `name`, up until the block ends."""
+    if name == "vllm":  # vLLM's OpenAI server (bench/peers.py starts it, two threads bound)
+        peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=2)
+        flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
+        flags.append(
+            "--enable-prompt-tokens-details"
+        )  # else its usage never reports cached_tokens (hit rate 0)
+        with vllm_server(peers_args, folder, flags) as server:
+            yield server
+        return
     with tempfile.TemporaryDirectory(prefix=f"strata-engines-{name}-") as tmp:
         root = Path(tmp)
         flags = ["--no-kvbm"]
@@ -126,18 +142,31 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
         with environment(**env):
             server = start_strata(repository, root / "run", *flags, ready_timeout_s=900)
         try:
-            return measure(f"http://127.0.0.1:{server.openai_port}", args, prompts)
+            yield Server(f"http://127.0.0.1:{server.openai_port}", server.process.pid)
         finally:
             server.stop()
             remove_segments(root.name)
 
 
-def run_vllm_server(args: argparse.Namespace, folder: Path, prompts: list) -> dict[str, Any]:
-    """vLLM's OpenAI server (bench/peers.py starts it, two threads bound), with the same workload."""
-    peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=2)
-    flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
-    flags.append("--enable-prompt-tokens-details")  # else its usage never reports cached_tokens (hit rate 0)
-    return run_vllm(peers_args, folder, lambda url: measure(url, args, prompts), flags)
+def run_interleaved(names: list[str], args: argparse.Namespace, folder: Path, prompts: list) -> dict:
+    """Every server up at once: peers' figures sample by sample in turns (bench/peers.py `interleaved`), then
+    each replay in turn, once the others are quiet."""
+    with ExitStack() as stack:
+        servers = {name: stack.enter_context(serving(name, args, folder)) for name in names}
+        pids = [server.pid for server in servers.values()]
+        results: dict[str, dict[str, Any]] = {name: {} for name in names}
+        if not args.replay_only:
+            workloads = {name: Workload(server.url, random.Random(1)) for name, server in servers.items()}
+            for name, figures in interleaved(workloads, args.reps, pids).items():
+                results[name].update(figures)
+        for name, server in servers.items():
+            wait_quiet(pids)
+            replay = summarize(drive(server.url, prompts, args.duration_s))
+            results[name].update({f"replay_{k}": v for k, v in replay.items() if k != "first_errors"})
+            if replay["errors"]:
+                results[name]["replay_first_errors"] = replay["first_errors"]
+            print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    return results
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, scale: str) -> None:
@@ -187,6 +216,9 @@ def main() -> None:
     parser.add_argument("--max-blocks", type=int, default=24, help="prompt blocks kept (a prefix of the ids)")
     parser.add_argument("--duration-s", type=float, default=90.0)
     parser.add_argument("--g2-gib", type=float, default=1.0, help="G2 of the *-kvbm configurations")
+    parser.add_argument(
+        "--interleave", action="store_true", help="all servers up at once, figures sampled in turns"
+    )
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or STRATA_VLLM_PYTHON): the Python of a venv with vLLM (make vllm)")
@@ -198,11 +230,15 @@ def main() -> None:
         f"conversations (>= {args.min_turns} turns, <= {args.max_blocks} blocks, outputs <= {args.max_output}) "
         f"over {args.duration_s:g} s"
     )
-    results = {}
-    for name in args.configs.split(","):
-        results[name] = run_config(name, args, folder, prompts)
-        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    report(results, args, scale)
+    names = args.configs.split(",")
+    if args.interleave:
+        results = run_interleaved(names, args, folder, prompts)
+    else:
+        results = {}
+        for name in names:
+            results[name] = run_config(name, args, folder, prompts)
+            print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    report(results, args, scale + (", all servers up, samples interleaved" if args.interleave else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The SLA planner under a load ramp: `strata serve --planner` (local connector) next to fixed worker counts.
 
-    python bench/planner.py [--duration-s 600] [--ttft-target 3] [--itl-target 0.25]
+    python bench/planner.py [--duration-s 600] [--ttft-target 1.5] [--itl-target 0.06]
 
 Setup, all on this host: a throwaway Redis; a repository holding SmolLM2 with one torch thread per worker; the
 worker profile measured first with `strata profile` on that repository (a small grid, about a minute). Then three
@@ -76,7 +76,7 @@ def arrivals(duration: float, low: float, high: float, seed: int) -> list[float]
 
 
 def workload(args: argparse.Namespace, times: list[float]) -> list[tuple[float, list[int], int]]:
-    turns = load_conversations(TRACE, 400, 2, args.max_output)
+    turns = load_conversations(TRACE, 800, 2, args.max_output)
     if len(turns) < len(times):
         raise SystemExit(f"{len(times)} requests wanted, the trace slice has {len(turns)}")
     return [
@@ -90,7 +90,7 @@ def make_repository(root: Path) -> Path:
     repository = copy_models(root / "repository", "smollm2")
     model_json = repository / "smollm2" / "1" / "model.json"
     config = json.loads(model_json.read_text())
-    config.update(num_threads=1, max_num_batched_tokens=512)
+    config.update(num_threads=1, max_num_batched_tokens=512, dtype="auto")  # the example's dtype (tests pin fp32)
     model_json.write_text(json.dumps(config, indent=2))
     return repository
 
@@ -288,8 +288,8 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
-    parser.add_argument("--ttft-target", type=float, default=3.0)
-    parser.add_argument("--itl-target", type=float, default=0.25)
+    parser.add_argument("--ttft-target", type=float, default=1.5)
+    parser.add_argument("--itl-target", type=float, default=0.06)
     parser.add_argument("--interval-s", type=float, default=10.0, help="the planner's --adjustment-interval")
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--max-workers", type=int, default=2)

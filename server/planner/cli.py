@@ -93,11 +93,21 @@ def sla_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     group.add_argument("--itl-target", type=float, default=None, help="inter-token latency target, seconds")
     group.add_argument("--adjustment-interval", type=float, default=30.0, help="seconds between decisions")
     group.add_argument(
-        "--predictor", choices=PREDICTORS, default="auto", help="load predictor (default: auto)"
+        "--predictor",
+        choices=PREDICTORS,
+        default="moving_average",
+        help="load predictor (default: moving_average, chosen by bench/predictors.py; auto refits ARIMA each "
+        "interval, ~80 ms of CPU per series)",
     )
     group.add_argument("--min-workers", type=int, default=1, help="per role")
     group.add_argument("--max-workers", type=int, default=8, help="per role")
     group.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
+    group.add_argument(
+        "--no-follow-rises",
+        dest="follow_rises",
+        action="store_false",
+        help="size for the predictor's rate only (default: the last interval's when higher)",
+    )
     group.add_argument(
         "--scale-down-intervals",
         type=int,
@@ -193,7 +203,8 @@ def planner_config(args: argparse.Namespace, model: str, profile: Path | None, d
     bounds = Bounds(args.min_workers, args.max_workers, max(args.min_workers, 1), args.max_workers,
                     args.max_total_workers)  # fmt: skip
     config = PlannerConfig(model, Targets(args.ttft_target, args.itl_target), bounds, args.adjustment_interval,
-                           args.predictor, disaggregated, scale_down_intervals=args.scale_down_intervals)  # fmt: skip
+                           args.predictor, disaggregated, scale_down_intervals=args.scale_down_intervals,
+                           follow_rises=args.follow_rises)  # fmt: skip
     if profile is None:
         raise ValueError(
             "the planner needs a worker profile (--planner-profile; write one with `strata profile`)"

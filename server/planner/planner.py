@@ -19,8 +19,9 @@ interval compares what was observed with what the profile predicts for that load
 
 and sizes on the profile scaled by them (each factor smoothed, half old and half new, within CORRECTION_RANGE).
 
-Scaling up happens at once; scaling down by one worker per role, and only once the need has been under the count
-for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
+The rate the next interval is sized for is the predictor's, or the last interval's when that is higher
+(`follow_rises`): a ramp is acted on in the interval it shows. Scaling up happens at once; scaling down by one
+worker per role, and only once the need has been under the count for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
 its start-up (model load, calibration) every time it comes back, and at low rates one interval's count of
 arrivals is mostly noise.
 
@@ -75,6 +76,7 @@ class PlannerConfig:
     disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
     correct: bool = True  # scale the profile by the observed/predicted latency ratios
     scale_down_intervals: int = 3  # intervals in a row the need must stay under the count before one goes
+    follow_rises: bool = True  # predict at least the last interval's rate (see _predict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +209,14 @@ class Planner:
         # Requests waiting for their first token are normal: at rate r meeting the TTFT target, r x target of them
         # are (Little's law), and the rate already counts them. Only what queues beyond that is a backlog to clear.
         usual = observed.request_rate * self.config.targets.ttft_s * prompt_tokens
+        # A predictor averaging past intervals lags a rising load (a moving average of 4 intervals by 1.5 of them,
+        # while the SLA is being missed); the last interval's rate, when higher, is what the next one starts from.
+        # Falling loads keep the predictor's value: scaling down waits for the stabilisation window anyway.
+        predicted = rate.predict()
+        if self.config.follow_rises:
+            predicted = max(predicted, observed.request_rate)
         return Load(
-            request_rate=rate.predict(),
+            request_rate=predicted,
             prompt_tokens=prompt_tokens,
             output_tokens=max(output.predict(), 1.0),
             queued_prompt_tokens=max(0.0, observed.queued_prompt_tokens - usual),

@@ -370,3 +370,28 @@ def test_strata_planner_refuses_bad_flags_naming_them(tmp_path, args, message) -
     result = run_cli(*base, *args)
     assert result.returncode == 2
     assert message.format(**files) in result.stderr
+
+
+def test_a_rise_is_sized_for_at_once_and_a_fall_through_the_predictor() -> None:
+    """With a moving average (window 4) the rate sized for is the last interval's when that is higher: after
+    three intervals at 1 req/s, one at 4 req/s is sized as 4 (the average, 1.75, would lag the ramp); a fall
+    back to 1 req/s keeps the average, (1 + 1 + 4 + 1) / 4 = 1.75. `follow_rises` off: the average both times."""
+
+    def interval(done: int) -> Snapshot:  # cumulative: `done` requests of 1000 + 100 tokens so far
+        return frontend(done, done, 1000 * done, 100 * done, [0.6] * done, [0.03] * 2 * done)
+
+    cumulative = [0, 10, 20, 30, 70, 80]  # 1, 1, 1, 4, 1 req/s over five 10 s intervals
+    for follow, expected in ((True, [1.0, 1.0, 1.0, 4.0, 1.75]), (False, [1.0, 1.0, 1.0, 1.75, 1.75])):
+        source = Recorded(*(interval(done) for done in cumulative))
+        config = PlannerConfig(MODEL, TARGETS, Bounds(1, 4, 1, 4, 8), interval_s=10.0,
+                               predictor="moving_average", correct=False, follow_rises=follow)  # fmt: skip
+        p = Planner(
+            config,
+            PROFILE,
+            source,
+            Connector(prefill=1, decode=1),
+            PlannerMetrics.create(CollectorRegistry()),
+        )
+        assert p.step() is None
+        rates = [p.step().load.request_rate for _ in range(5)]
+        assert rates == pytest.approx(expected)
