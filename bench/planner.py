@@ -90,7 +90,9 @@ def make_repository(root: Path) -> Path:
     repository = copy_models(root / "repository", "smollm2")
     model_json = repository / "smollm2" / "1" / "model.json"
     config = json.loads(model_json.read_text())
-    config.update(num_threads=1, max_num_batched_tokens=512, dtype="auto")  # the example's dtype (tests pin fp32)
+    config.update(
+        num_threads=1, max_num_batched_tokens=512, dtype="auto"
+    )  # the example's dtype (tests pin fp32)
     model_json.write_text(json.dumps(config, indent=2))
     return repository
 
@@ -152,7 +154,8 @@ def run(
         flags += ["--planner", "smollm2", "--planner-profile", str(profile_path), "--ttft-target",
                   str(args.ttft_target), "--itl-target", str(args.itl_target), "--adjustment-interval",
                   str(args.interval_s), "--min-workers", str(args.min_workers), "--max-workers",
-                  str(args.max_workers), "--max-total-workers", str(args.max_workers),
+                  str(args.max_workers), "--max-total-workers", str(args.max_workers), "--scale-down-intervals",
+                  str(args.scale_down_intervals),
                   "--planner-worker-args=--no-kvbm"]  # fmt: skip
     server = start_strata(repository, tmp / name, *flags)
     tag = f"smollm2-both-{server.process.pid}-" if name == "planner" else "fixed-"
@@ -291,6 +294,9 @@ def main() -> None:
     parser.add_argument("--ttft-target", type=float, default=1.5)
     parser.add_argument("--itl-target", type=float, default=0.06)
     parser.add_argument("--interval-s", type=float, default=10.0, help="the planner's --adjustment-interval")
+    parser.add_argument(
+        "--scale-down-intervals", type=int, default=2, help="the planner's window: 20 s at the 10 s interval"
+    )
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--max-workers", type=int, default=2)
     parser.add_argument(

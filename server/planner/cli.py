@@ -103,10 +103,11 @@ def sla_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     group.add_argument("--max-workers", type=int, default=8, help="per role")
     group.add_argument("--max-total-workers", type=int, default=16, help="all roles together")
     group.add_argument(
-        "--no-follow-rises",
-        dest="follow_rises",
+        "--no-follow-last",
+        dest="follow_last",
         action="store_false",
-        help="size for the predictor's rate only (default: the last interval's when higher)",
+        help="the predictor's rate only (default: size for the last interval's rate when higher, and count an "
+        "interval toward a scale-down on it when lower)",
     )
     group.add_argument(
         "--scale-down-intervals",
@@ -204,7 +205,7 @@ def planner_config(args: argparse.Namespace, model: str, profile: Path | None, d
                     args.max_total_workers)  # fmt: skip
     config = PlannerConfig(model, Targets(args.ttft_target, args.itl_target), bounds, args.adjustment_interval,
                            args.predictor, disaggregated, scale_down_intervals=args.scale_down_intervals,
-                           follow_rises=args.follow_rises)  # fmt: skip
+                           follow_last=args.follow_last)  # fmt: skip
     if profile is None:
         raise ValueError(
             "the planner needs a worker profile (--planner-profile; write one with `strata profile`)"

@@ -19,9 +19,10 @@ interval compares what was observed with what the profile predicts for that load
 
 and sizes on the profile scaled by them (each factor smoothed, half old and half new, within CORRECTION_RANGE).
 
-The rate the next interval is sized for is the predictor's, or the last interval's when that is higher
-(`follow_rises`): a ramp is acted on in the interval it shows. Scaling up happens at once; scaling down by one
-worker per role, and only once the need has been under the count for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
+The rate the next interval is sized for is the predictor's, or the last interval's when that is higher; an
+interval counts toward a scale-down when the lower of the two needs fewer workers (`follow_last`): a ramp is acted
+on in the interval it shows, up or down. Scaling up happens at once; scaling down by one worker per role, and only
+once the need has been under the count for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
 its start-up (model load, calibration) every time it comes back, and at low rates one interval's count of
 arrivals is mostly noise.
 
@@ -38,6 +39,7 @@ Every decision is one log line with its inputs, and the planner's series (metric
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -76,7 +78,7 @@ class PlannerConfig:
     disaggregated: bool = True  # prefill and decode workers; False: aggregated ("both") workers
     correct: bool = True  # scale the profile by the observed/predicted latency ratios
     scale_down_intervals: int = 3  # intervals in a row the need must stay under the count before one goes
-    follow_rises: bool = True  # predict at least the last interval's rate (see _predict)
+    follow_last: bool = True  # the last interval's rate, where it is higher or lower (see _predict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +154,11 @@ class Planner:
         before = self._workers()
         if self.config.correct and before is not None:
             self._correct(observed, before)
-        load = self._predict(observed)
+        load, low = self._predict(observed)
         counts = self._size(load)
+        fewest = self._size(low) if low != load else counts
         leader = self.leadership is None or self.leadership.is_leader()
-        after = self._act(counts, before) if leader and before is not None else dict(before or {})
+        after = self._act(counts, fewest, before) if leader and before is not None else dict(before or {})
         thresholds = self._tune(observed, counts) if leader else None
         decision = Decision(
             observed, load, counts, before or {}, after, leader, thresholds, dict(self.correction)
@@ -195,7 +198,8 @@ class Planner:
                     log.error("planner %s: starting the minimum %s workers failed: %s", self.config.model, role,
                               exc)  # fmt: skip
 
-    def _predict(self, observed: Observation) -> Load:
+    def _predict(self, observed: Observation) -> tuple[Load, Load]:
+        """(the load to size for, the lowest estimate of it: what a scale-down interval is counted on)."""
         rate, prompt, output = (self.predictors[s] for s in ("rate", "prompt", "output"))
         rate.add(observed.request_rate)
         if observed.prompt_tokens is not None:
@@ -209,18 +213,20 @@ class Planner:
         # Requests waiting for their first token are normal: at rate r meeting the TTFT target, r x target of them
         # are (Little's law), and the rate already counts them. Only what queues beyond that is a backlog to clear.
         usual = observed.request_rate * self.config.targets.ttft_s * prompt_tokens
-        # A predictor averaging past intervals lags a rising load (a moving average of 4 intervals by 1.5 of them,
-        # while the SLA is being missed); the last interval's rate, when higher, is what the next one starts from.
-        # Falling loads keep the predictor's value: scaling down waits for the stabilisation window anyway.
+        # A predictor averaging past intervals lags a changing load by half its window (a moving average of 4
+        # intervals by 1.5 of them): on a rise while the SLA is being missed, on a fall while a worker idles. The
+        # last interval's rate, when higher, is what the next one is sized for; when lower, it is what an interval
+        # is counted on toward a scale-down, which still needs `scale_down_intervals` such intervals in a row.
         predicted = rate.predict()
-        if self.config.follow_rises:
-            predicted = max(predicted, observed.request_rate)
-        return Load(
-            request_rate=predicted,
+        load = Load(
+            request_rate=max(predicted, observed.request_rate) if self.config.follow_last else predicted,
             prompt_tokens=prompt_tokens,
             output_tokens=max(output.predict(), 1.0),
             queued_prompt_tokens=max(0.0, observed.queued_prompt_tokens - usual),
         )
+        if not self.config.follow_last or observed.request_rate >= predicted:
+            return load, load
+        return load, dataclasses.replace(load, request_rate=observed.request_rate)
 
     def _correct(self, observed: Observation, workers: dict[str, int]) -> None:
         prompt, output = observed.prompt_tokens, observed.output_tokens
@@ -257,12 +263,15 @@ class Planner:
             log.error("planner %s: cannot count the workers: %s", self.config.model, exc)
             return None
 
-    def _act(self, counts: WorkerCounts, before: dict[str, int]) -> dict[str, int]:
+    def _act(self, counts: WorkerCounts, fewest: WorkerCounts, before: dict[str, int]) -> dict[str, int]:
+        """Up to `counts` at once; down by one after `scale_down_intervals` intervals in a row whose `fewest` (the
+        lowest estimate of the load) was under the count."""
         wanted = {"prefill": counts.prefill, "decode": counts.decode, "both": counts.decode}
+        lowest = {"prefill": fewest.prefill, "decode": fewest.decode, "both": fewest.decode}
         after = dict(before)
         for role in self.roles:
             now = before.get(role, 0)
-            self._under[role] = self._under[role] + 1 if wanted[role] < now else 0
+            self._under[role] = self._under[role] + 1 if lowest[role] < now else 0
             if wanted[role] > now:
                 target = wanted[role]
             elif self._under[role] >= self.config.scale_down_intervals:

@@ -372,26 +372,27 @@ def test_strata_planner_refuses_bad_flags_naming_them(tmp_path, args, message) -
     assert message.format(**files) in result.stderr
 
 
-def test_a_rise_is_sized_for_at_once_and_a_fall_through_the_predictor() -> None:
-    """With a moving average (window 4) the rate sized for is the last interval's when that is higher: after
-    three intervals at 1 req/s, one at 4 req/s is sized as 4 (the average, 1.75, would lag the ramp); a fall
-    back to 1 req/s keeps the average, (1 + 1 + 4 + 1) / 4 = 1.75. `follow_rises` off: the average both times."""
+def test_the_last_interval_sizes_a_rise_and_counts_toward_a_fall() -> None:
+    """With a moving average (window 4), the rate sized for is the last interval's when that is higher: after
+    three intervals at 1 req/s, one at 4 req/s is sized as 4 (the average, 1.75, lags the ramp), and decode (a
+    worker carries 200 tok/s: 2 req/s of 100 tokens) goes 1 -> 2. The fall back to 1 req/s is sized as the
+    average, (1 + 1 + 4 + 1) / 4 = 1.75 -> 1 worker, and each interval at 1 req/s counts toward the scale-down:
+    2 -> 1 after the window of 2 intervals. `follow_last` off: the average only (1.75 at most: 1 worker)."""
 
     def interval(done: int) -> Snapshot:  # cumulative: `done` requests of 1000 + 100 tokens so far
         return frontend(done, done, 1000 * done, 100 * done, [0.6] * done, [0.03] * 2 * done)
 
-    cumulative = [0, 10, 20, 30, 70, 80]  # 1, 1, 1, 4, 1 req/s over five 10 s intervals
-    for follow, expected in ((True, [1.0, 1.0, 1.0, 4.0, 1.75]), (False, [1.0, 1.0, 1.0, 1.75, 1.75])):
+    cumulative = [0, 10, 20, 30, 70, 80, 90]  # 1, 1, 1, 4, 1, 1 req/s over six 10 s intervals
+    for follow, rates, decode in (
+        (True, [1.0, 1.0, 1.0, 4.0, 1.75, 1.75], [1, 1, 1, 2, 2, 1]),
+        (False, [1.0, 1.0, 1.0, 1.75, 1.75, 1.75], [1, 1, 1, 1, 1, 1]),
+    ):
         source = Recorded(*(interval(done) for done in cumulative))
-        config = PlannerConfig(MODEL, TARGETS, Bounds(1, 4, 1, 4, 8), interval_s=10.0,
-                               predictor="moving_average", correct=False, follow_rises=follow)  # fmt: skip
-        p = Planner(
-            config,
-            PROFILE,
-            source,
-            Connector(prefill=1, decode=1),
-            PlannerMetrics.create(CollectorRegistry()),
-        )
+        config = PlannerConfig(MODEL, TARGETS, Bounds(1, 4, 1, 4, 8), interval_s=10.0, predictor="moving_average",
+                               correct=False, follow_last=follow, scale_down_intervals=2)  # fmt: skip
+        connector = Connector(prefill=1, decode=1)
+        p = Planner(config, PROFILE, source, connector, PlannerMetrics.create(CollectorRegistry()))
         assert p.step() is None
-        rates = [p.step().load.request_rate for _ in range(5)]
-        assert rates == pytest.approx(expected)
+        decisions = [p.step() for _ in range(6)]
+        assert [d.load.request_rate for d in decisions] == pytest.approx(rates)
+        assert [d.after["decode"] for d in decisions] == decode
