@@ -7,7 +7,8 @@ slice is requests [--start, --start + --requests) of bench/data/mooncake/convers
 no other bench replays, with each hash id a block of --block-tokens tokens (aiperf's --isl-block-size: requests
 sharing leading ids share a prefix), outputs of --output-tokens, and timestamps compressed into --duration-s,
 sent on aiperf's fixed schedule (`--custom-dataset-type mooncake_trace --fixed-schedule`) over streamed
-/v1/completions. Both servers serve SmolLM2 from the same HF folder in --dtype with 2 threads and prefix caching;
+/v1/completions with `ignore_eos` (aiperf's default leaves it out, and at the default temperature a sampled EOS ends
+a request early, or at once: aiperf counts an empty stream as an error; --no-ignore-eos sends aiperf's default). Both servers serve SmolLM2 from the same HF folder in --dtype with 2 threads and prefix caching;
 aiperf tokenizes with that folder's tokenizer, offline: aiperf takes only a hub id, so the tokenizer's files are
 laid out as the hub cache of a model "local/smollm2" in a scratch HF_HOME.
 
@@ -86,6 +87,8 @@ def run_aiperf(args: argparse.Namespace, url: str, trace: Path, hf_home: Path, o
         "--custom-dataset-type", "mooncake_trace", "--isl-block-size", str(args.block_tokens), "--fixed-schedule",
         "--ui-type", "none", "--output-artifact-dir", str(out), "--random-seed", "1",
     ]  # fmt: skip
+    if args.ignore_eos:
+        command += ["--extra-inputs", "ignore_eos:true"]
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(
@@ -136,6 +139,12 @@ def main() -> None:
     parser.add_argument("--max-blocks", type=int, default=64, help="prompt blocks kept (a prefix of the ids)")
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--duration-s", type=float, default=90.0)
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every output --output-tokens long",
+    )
     parser.add_argument("--strata-args", default="", help="more `strata serve` flags")
     parser.add_argument("--keep", type=Path, default=None, help="copy aiperf's artifacts of every run here")
     args = parser.parse_args()
@@ -167,7 +176,8 @@ def report(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
     }
     scale = (
         f"aiperf 0.13, Mooncake conversation trace requests {args.start}-{args.start + args.requests - 1} "
-        f"({blocks} blocks of {args.block_tokens} tokens, outputs {args.output_tokens}) on a fixed schedule "
+        f"({blocks} blocks of {args.block_tokens} tokens, outputs {args.output_tokens}"
+        f"{', ignore_eos' if args.ignore_eos else ''}) on a fixed schedule "
         f"over {args.duration_s:.0f} s; SmolLM2 {args.dtype}, {args.threads} threads; medians of {args.reps}"
     )
     print(scale)
