@@ -7,8 +7,9 @@ slice is requests [--start, --start + --requests) of bench/data/mooncake/convers
 no other bench replays, with each hash id a block of --block-tokens tokens (aiperf's --isl-block-size: requests
 sharing leading ids share a prefix), outputs of --output-tokens, and timestamps compressed into --duration-s,
 sent on aiperf's fixed schedule (`--custom-dataset-type mooncake_trace --fixed-schedule`) over streamed
-/v1/completions with `ignore_eos` (aiperf's default leaves it out, and at the default temperature a sampled EOS ends
-a request early, or at once: aiperf counts an empty stream as an error; --no-ignore-eos sends aiperf's default). Both servers serve SmolLM2 from the same HF folder in --dtype with 2 threads and prefix caching;
+/v1/completions with `ignore_eos` (aiperf's default leaves it out, and at the default temperature a sampled EOS
+ends a request early, or at once: aiperf counts an empty stream as an error; --no-ignore-eos sends aiperf's
+default). Both servers serve SmolLM2 from the same HF folder in --dtype with 2 threads and prefix caching;
 aiperf tokenizes with that folder's tokenizer, offline: aiperf takes only a hub id, so the tokenizer's files are
 laid out as the hub cache of a model "local/smollm2" in a scratch HF_HOME.
 

@@ -99,10 +99,15 @@ def measure(url: str, args: argparse.Namespace, prompts: list) -> dict[str, Any]
     result: dict[str, Any] = {}
     if not args.replay_only:
         result.update(Workload(url, random.Random(1)).run(args.reps))
-    replay = summarize(drive(url, prompts, args.duration_s))
-    result.update({f"replay_{key}": value for key, value in replay.items() if key != "first_errors"})
-    if replay["errors"]:
-        result["replay_first_errors"] = replay["first_errors"]
+    return result | replay(url, args, prompts)
+
+
+def replay(url: str, args: argparse.Namespace, prompts: list) -> dict[str, Any]:
+    """The conversation replay's figures, named replay_*."""
+    summary = summarize(drive(url, prompts, args.duration_s))
+    result = {f"replay_{key}": value for key, value in summary.items() if key != "first_errors"}
+    if summary["errors"]:
+        result["replay_first_errors"] = summary["first_errors"]
     return result
 
 
@@ -117,9 +122,8 @@ def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Serve
     if name == "vllm":  # vLLM's OpenAI server (bench/peers.py starts it, two threads bound)
         peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=2)
         flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
-        flags.append(
-            "--enable-prompt-tokens-details"
-        )  # else its usage never reports cached_tokens (hit rate 0)
+        # else its usage never reports cached_tokens (hit rate 0)
+        flags.append("--enable-prompt-tokens-details")
         with vllm_server(peers_args, folder, flags) as server:
             yield server
         return
@@ -161,10 +165,7 @@ def run_interleaved(names: list[str], args: argparse.Namespace, folder: Path, pr
                 results[name].update(figures)
         for name, server in servers.items():
             wait_quiet(pids)
-            replay = summarize(drive(server.url, prompts, args.duration_s))
-            results[name].update({f"replay_{k}": v for k, v in replay.items() if k != "first_errors"})
-            if replay["errors"]:
-                results[name]["replay_first_errors"] = replay["first_errors"]
+            results[name].update(replay(server.url, args, prompts))
             print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     return results
 

@@ -90,9 +90,8 @@ def make_repository(root: Path) -> Path:
     repository = copy_models(root / "repository", "smollm2")
     model_json = repository / "smollm2" / "1" / "model.json"
     config = json.loads(model_json.read_text())
-    config.update(
-        num_threads=1, max_num_batched_tokens=512, dtype="auto"
-    )  # the example's dtype (tests pin fp32)
+    # dtype: the example's (the tests' copies pin fp32)
+    config.update(num_threads=1, max_num_batched_tokens=512, dtype="auto")
     model_json.write_text(json.dumps(config, indent=2))
     return repository
 

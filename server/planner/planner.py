@@ -21,10 +21,10 @@ and sizes on the profile scaled by them (each factor smoothed, half old and half
 
 The rate the next interval is sized for is the predictor's, or the last interval's when that is higher; an
 interval counts toward a scale-down when the lower of the two needs fewer workers (`follow_last`): a ramp is acted
-on in the interval it shows, up or down. Scaling up happens at once; scaling down by one worker per role, and only
-once the need has been under the count for `scale_down_intervals` intervals in a row (a stabilisation window, as Kubernetes' HPA has): a worker costs
-its start-up (model load, calibration) every time it comes back, and at low rates one interval's count of
-arrivals is mostly noise.
+on in the interval it shows, up or down. Scaling up happens at once; scaling down by one worker per role, and
+only once the need has been under the count for `scale_down_intervals` intervals in a row (a stabilisation
+window, as Kubernetes' HPA has): a worker costs its start-up (model load, calibration) every time it comes back,
+and at low rates one interval's count of arrivals is mostly noise.
 
 With disaggregated workers and a `DisaggControl`, the planner also tunes the conditional-disaggregation
 thresholds (server/router/disagg.py):
