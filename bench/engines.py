@@ -1,7 +1,8 @@
 """One workload through several servers on the same CPU, driven by the same client, one after the other or (with
 --interleave) all up at once with each sample taken on every server in turn:
 
-    (a) vllm            vLLM's own OpenAI server (its venv's `vllm.entrypoints.openai.api_server`)
+    (a) vllm            vLLM's own OpenAI server (its venv's `vllm.entrypoints.openai.api_server`), both cores
+    (a1) vllm-1core     the same server on one core: the hardware each of (c)'s two workers has
     (b) strata-vllm-1   `strata serve` with a backend "vllm" model on one vLLM worker
     (c) strata-vllm-2   the same on two vLLM workers, KV-aware routing from vLLM's KV events
     (d) strata-2        `strata serve --workers 2` on Strata's own engine
@@ -20,7 +21,9 @@ use one each, as `strata serve` splits the cores by default (c: one core bound p
 per worker).
 
 Ratios against (a): the issue's goals are (b) within 5 % of (a) on TTFT p50 and throughput, and (c) ahead of (a)
-on the replay's TTFT p50. Prints a table, then one JSON line.
+on the replay's TTFT p50. On 2 cores (c)'s two workers share the hardware (a) has alone, a core each; with (a1) in
+the run, ratios against it follow: the comparison of two workers with one of the same size, as two GPUs behind
+Strata against vLLM on one. Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -46,7 +50,7 @@ from server.engine.config import DEFAULT_MODEL  # noqa: E402
 from server.engine.loader import prepare_model  # noqa: E402
 from tests.conftest import start_strata  # noqa: E402
 
-CONFIGS = ("vllm", "strata-vllm-1", "strata-vllm-2", "strata-2", "strata-1")
+CONFIGS = ("vllm", "vllm-1core", "strata-vllm-1", "strata-vllm-2", "strata-2", "strata-1")
 VLLM_CONFIG = 'backend: "vllm"\ninstance_group [ { count: %d kind: KIND_MODEL } ]\n'
 
 
@@ -102,9 +106,11 @@ def measure(url: str, args: argparse.Namespace, prompts: list) -> dict[str, Any]
     return result | replay(url, args, prompts)
 
 
-def replay(url: str, args: argparse.Namespace, prompts: list) -> dict[str, Any]:
+def replay(
+    url: str, args: argparse.Namespace, prompts: list, cache_salt: str | None = None
+) -> dict[str, Any]:
     """The conversation replay's figures, named replay_*."""
-    summary = summarize(drive(url, prompts, args.duration_s))
+    summary = summarize(drive(url, prompts, args.duration_s, cache_salt))
     result = {f"replay_{key}": value for key, value in summary.items() if key != "first_errors"}
     if summary["errors"]:
         result["replay_first_errors"] = summary["first_errors"]
@@ -119,8 +125,9 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
 @contextmanager
 def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Server]:
     """The server of configuration `name`, up until the block ends."""
-    if name == "vllm":  # vLLM's OpenAI server (bench/peers.py starts it, two threads bound)
-        peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=2)
+    if name in ("vllm", "vllm-1core"):  # vLLM's OpenAI server (bench/peers.py starts it, its threads bound)
+        threads = 1 if name == "vllm-1core" else 2
+        peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=threads)
         flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
         # else its usage never reports cached_tokens (hit rate 0)
         flags.append("--enable-prompt-tokens-details")
@@ -144,7 +151,9 @@ def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Serve
             env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"} if workers == 1 else {}  # several: Strata binds each
             flags += ["--vllm-python", args.vllm_python]
         with environment(**env):
-            server = start_strata(repository, root / "run", *flags, ready_timeout_s=900)
+            server = start_strata(
+                repository, root / "run", *flags, *args.strata_args.split(), ready_timeout_s=900
+            )
         try:
             yield Server(f"http://127.0.0.1:{server.openai_port}", server.process.pid)
         finally:
@@ -154,7 +163,8 @@ def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Serve
 
 def run_interleaved(names: list[str], args: argparse.Namespace, folder: Path, prompts: list) -> dict:
     """Every server up at once: peers' figures sample by sample in turns (bench/peers.py `interleaved`), then
-    each replay in turn, once the others are quiet."""
+    each replay in turn, once the others are quiet, --replay-reps times (the order reversed every rep; each rep
+    under a cache salt of its own, so that it starts as cold as the first): medians."""
     with ExitStack() as stack:
         servers = {name: stack.enter_context(serving(name, args, folder)) for name in names}
         pids = [server.pid for server in servers.values()]
@@ -163,10 +173,17 @@ def run_interleaved(names: list[str], args: argparse.Namespace, folder: Path, pr
             workloads = {name: Workload(server.url, random.Random(1)) for name, server in servers.items()}
             for name, figures in interleaved(workloads, args.reps, pids).items():
                 results[name].update(figures)
-        for name, server in servers.items():
-            wait_quiet(pids)
-            results[name].update(replay(server.url, args, prompts))
-            print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+        replays: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for rep in range(args.replay_reps):
+            for name in names if rep % 2 == 0 else reversed(names):
+                wait_quiet(pids)
+                salt = f"replay-{rep}" if rep else None
+                replays[name].append(replay(servers[name].url, args, prompts, salt))
+                print(f"{name} replay {rep}: {replays[name][-1]}", file=sys.stderr, flush=True)
+        for name, runs in replays.items():
+            for key, value in runs[0].items():
+                numbers = [run[key] for run in runs if isinstance(run.get(key), int | float)]
+                results[name][key] = statistics.median(numbers) if len(numbers) == len(runs) else value
     return results
 
 
@@ -174,15 +191,17 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, scale: 
     keys = [
         k for k in next(iter(results.values())) if isinstance(next(iter(results.values()))[k], int | float)
     ]
-    base = results.get("vllm")
     print(f"engines side by side: {scale}")
     header = f"{'metric':<28}" + "".join(f"{name:>16}" for name in results)
     print(header)
     for key in keys:
         cells = "".join(f"{row.get(key, float('nan')):>16.3f}" for row in results.values())
         print(f"{key:<28}{cells}")
-    if base:
-        print("ratios to (a) vllm, >= 1.0 is better than vLLM's own server:")
+    for base_name in ("vllm", "vllm-1core"):
+        base = results.get(base_name)
+        if not base:
+            continue
+        print(f"ratios to {base_name}, >= 1.0 is better than vLLM's own server on those cores:")
         for key in keys:
             if key in ("replay_requests", "replay_errors", "replay_hit_rate"):
                 continue
@@ -216,6 +235,14 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--max-blocks", type=int, default=24, help="prompt blocks kept (a prefix of the ids)")
     parser.add_argument("--duration-s", type=float, default=90.0)
+    parser.add_argument(
+        "--strata-args",
+        default="",
+        help="more `strata serve` flags for every Strata configuration, e.g. '--router-overlap-weight 16'",
+    )
+    parser.add_argument(
+        "--replay-reps", type=int, default=1, help="with --interleave: replays per server, medians"
+    )
     parser.add_argument("--g2-gib", type=float, default=1.0, help="G2 of the *-kvbm configurations")
     parser.add_argument(
         "--interleave", action="store_true", help="all servers up at once, figures sampled in turns"
@@ -230,6 +257,8 @@ def main() -> None:
         f"engine, medians of {args.reps}; replay: {len(prompts)} requests of {args.conversations} Mooncake "
         f"conversations (>= {args.min_turns} turns, <= {args.max_blocks} blocks, outputs <= {args.max_output}) "
         f"over {args.duration_s:g} s"
+        + (f", medians of {args.replay_reps}" if args.replay_reps > 1 else "")
+        + (f"; Strata with {args.strata_args}" if args.strata_args else "")
     )
     names = args.configs.split(",")
     if args.interleave:

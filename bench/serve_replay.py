@@ -66,10 +66,16 @@ def make_repository(root: Path, args: Any) -> Path:
 
 
 def stream_completion(
-    client: httpx.Client, url: str, prompt: list[int], max_tokens: int, timing: StreamTiming
+    client: httpx.Client,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    timing: StreamTiming,
+    cache_salt: str | None = None,
 ) -> None:
-    """One streamed completion; fills `timing` (first token, chunk times, usage) or its error."""
-    body = {
+    """One streamed completion; fills `timing` (first token, chunk times, usage) or its error. `cache_salt`
+    (vLLM's field, Strata's too) keeps its KV blocks apart from those of requests with another salt."""
+    body: dict[str, Any] = {
         "model": "smollm2",
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -78,6 +84,8 @@ def stream_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -106,8 +114,14 @@ def stream_completion(
         timing.finished = time.perf_counter()
 
 
-def drive(url: str, prompts: list[tuple[float, list[int], int]], duration_s: float) -> list[StreamTiming]:
-    """Send each (arrival_s, prompt, max_tokens) at its arrival time compressed to `duration_s`, one thread each."""
+def drive(
+    url: str,
+    prompts: list[tuple[float, list[int], int]],
+    duration_s: float,
+    cache_salt: str | None = None,
+) -> list[StreamTiming]:
+    """Send each (arrival_s, prompt, max_tokens) at its arrival time compressed to `duration_s`, one thread each;
+    every request with `cache_salt` (a replay repeated on a warm server starts cold again)."""
     last = prompts[-1][0] or 1.0
     speedup = max(1.0, last / duration_s)
     timings: list[StreamTiming] = []
@@ -121,7 +135,7 @@ def drive(url: str, prompts: list[tuple[float, list[int], int]], duration_s: flo
             timing = StreamTiming(time.perf_counter())
             timings.append(timing)
             thread = threading.Thread(
-                target=stream_completion, args=(client, url, prompt, max_tokens, timing)
+                target=stream_completion, args=(client, url, prompt, max_tokens, timing, cache_salt)
             )
             thread.start()
             threads.append(thread)
