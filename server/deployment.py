@@ -54,7 +54,7 @@ from server.router.routed import RoutedEngine
 from server.router.router import Router
 from server.vllm_engine.config import CPU_BIND_ENV, VLLMConfig, cpu_binds
 from server.workers.discovery import Discovery
-from server.workers.external import ExternalSpec
+from server.workers.external import WORKER_CPUS_ENV, ExternalSpec
 from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
@@ -266,7 +266,9 @@ class LLMDeployment:
             if isinstance(plan.config, VLLMConfig):
                 spec = self._vllm_spec(plan.config, forward_events=not standalone)
                 binds = cpu_binds(plan.config.engine_args, len(worker_ids))  # each on cores of its own
-                envs = None if binds is None else [{CPU_BIND_ENV: bind} for bind in binds]
+                envs = (  # vLLM's OpenMP threads on those cores, and the rest of the worker's processes
+                    None if binds is None else [{CPU_BIND_ENV: bind, WORKER_CPUS_ENV: bind} for bind in binds]
+                )
             else:
                 spec = WorkerSpec(
                     build_llm_engine,
