@@ -17,8 +17,8 @@ concurrent streams, a repeated 2048-token prompt), then the Mooncake conversatio
 replay-serve` (token-id prompts, one trace hash id = --block-tokens tokens, arrivals compressed to --duration-s).
 Every engine runs SmolLM2 from the same HF folder in the same dtype, prefix caching on, KV blocks of
 --block-tokens (vLLM on CPU needs a multiple of 32). Threads: one engine uses both cores (a, b, e); two workers
-use one each, as `strata serve` splits the cores by default (c: one core bound per vLLM worker; d: one thread
-per worker).
+use one each, as `strata serve` splits the cores by default (c: each vLLM worker's process tree on a core of its
+own; d: one thread per worker).
 
 Ratios against (a): the issue's goals are (b) within 5 % of (a) on TTFT p50 and throughput, and (c) ahead of (a)
 on the replay's TTFT p50. On 2 cores (c)'s two workers share the hardware (a) has alone, a core each; with (a1) in
