@@ -1,7 +1,8 @@
 """Block tier events that workers publish and the KVBM service index applies, and their Redis Stream encoding.
 
 On a worker's link to the server (embedded index) a `TierEvent` travels as msgpack, decoded by msgspec into this
-dataclass: the field types and the ranges annotated here are checked, so a malformed event never reaches an index.
+dataclass; from the Redis Stream, `from_fields` hands the decoded field map to `msgspec.convert`. Either way the field
+types and the ranges annotated here are checked, so a malformed event never reaches an index.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ class TierEvent:
     timestamp: float = field(default_factory=time.time)
     node: str = ""
 
+    def __post_init__(self) -> None:
+        """A move leaves a tier 1..4 (msgspec passes this message on unchanged, so it names the field itself)."""
+        if self.kind == "moved" and not G1 <= self.from_tier <= G4:
+            raise ValueError(
+                f"a moved event leaves a tier {G1}..{G4}, got {self.from_tier} - at `$.from_tier`"
+            )
+
     def to_fields(self) -> dict[bytes, bytes]:
         """Flat field map for XADD; hashes travel as packed little-endian u64."""
         return {
@@ -55,17 +63,32 @@ class TierEvent:
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> TierEvent:
-        hashes = np.frombuffer(fields[b"h"], dtype="<u8").tolist()
-        return cls(
-            worker_id=fields[b"w"].decode(),
-            kind=fields[b"k"].decode(),
-            tier=int(fields[b"t"]),  # type: ignore[arg-type]
-            block_hashes=tuple(BlockHash(h) for h in hashes),
-            from_tier=int(fields[b"f"]),
-            ttl_s=int(fields[b"ttl"]),
-            timestamp=float(fields[b"ts"]),
-            node=fields.get(b"n", b"").decode(),
-        )
+        """The event an XADD field map holds (anyone on Redis may write one). Raises ValueError naming the field:
+        a value that does not decode, or msgspec.ValidationError ("Expected `int` >= 1 - at `$.tier`")."""
+        values = {}
+        for key, (name, decode) in _STREAM_FIELDS.items():
+            if key in fields:  # a missing field takes the default, or msgspec names it as required
+                try:
+                    values[name] = decode(fields[key])
+                except ValueError as exc:  # UnicodeDecodeError included
+                    raise ValueError(f"{exc} - at `$.{name}` (stream field {key.decode()})") from None
+        return msgspec.convert(values, cls)
+
+
+def _hashes(packed: bytes) -> list[int]:
+    return np.frombuffer(packed, dtype="<u8").tolist()
+
+
+_STREAM_FIELDS = {  # XADD field -> (TierEvent field, decoder); the inverse of TierEvent.to_fields
+    b"w": ("worker_id", bytes.decode),
+    b"k": ("kind", bytes.decode),
+    b"t": ("tier", int),
+    b"f": ("from_tier", int),
+    b"ttl": ("ttl_s", int),
+    b"ts": ("timestamp", float),
+    b"h": ("block_hashes", _hashes),
+    b"n": ("node", bytes.decode),
+}
 
 
 class EventSink(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,7 @@ from kvbm.channel import STREAM
 from kvbm.client import KVIndexClient
 from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
+from kvbm.events import G1, G2, TierEvent
 from kvbm.index import WorkerPrefix
 from kvbm.service import KVBMService
 from kvbm.wire import encode_query
@@ -221,3 +223,22 @@ def test_a_malformed_stream_entry_is_skipped_and_counted(
     worker.on_event(BlockRemoved(tuple(BLOCKS[2:4])))  # a valid event after the bad ones is still applied
     wait_until(holds(service, "worker-a", WorkerPrefix(2, 8, 8)), 5, "the event after the bad entries")
     assert service.metrics.registry.get_sample_value("kvbm_service_events_rejected_total") == 2
+
+
+def test_an_out_of_range_tier_is_skipped_and_the_follower_keeps_going(
+    service: KVBMService, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries that parse but break the event's ranges (tier 0, a move from tier 0) are logged with their stream id
+    and field, counted and skipped; the follower thread goes on and applies the good entry after them."""
+    caplog.set_level(logging.WARNING, logger="kvbm.service")
+    good = TierEvent("worker-c", "stored", G1, tuple(BLOCKS[:2]))
+    client = redis.Redis.from_url(redis_url)
+    bad_id = client.xadd(STREAM, {**good.to_fields(), b"t": b"0"})
+    moved = TierEvent("worker-c", "moved", G2, tuple(BLOCKS[:2]), from_tier=G1).to_fields()
+    client.xadd(STREAM, {**moved, b"f": b"0"})
+    client.xadd(STREAM, good.to_fields())
+    wait_until(holds(service, "worker-c", WorkerPrefix(2, 2, 2)), 5, "the good entry after the bad ones")
+    assert service.metrics.registry.get_sample_value("kvbm_service_events_rejected_total") == 2
+    warning = next(r.getMessage() for r in caplog.records if bad_id.decode() in r.getMessage())
+    assert "$.tier" in warning, warning
+    assert any("$.from_tier" in r.getMessage() for r in caplog.records), caplog.text
