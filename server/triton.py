@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import sysconfig
 import time
@@ -206,7 +207,7 @@ def clean_stale_runs(runtime_dir: Path) -> None:
         match = re.match(r"serve-(\d+)-", workspace.name)
         if match and not pid_alive(int(match.group(1))):
             log.info("removing workspace of dead run %s", workspace)
-            _remove_tree_without_following_links(workspace)
+            _remove_tree(workspace)
     for region in _SHM_DIR.glob("pytrtion*"):
         match = re.match(r"pytrtion(\d+)-", region.name)
         if match and not pid_alive(int(match.group(1))):
@@ -214,15 +215,14 @@ def clean_stale_runs(runtime_dir: Path) -> None:
             region.unlink(missing_ok=True)
 
 
-def _remove_tree_without_following_links(root: Path) -> None:
-    """rm -r that unlinks symlinks (staged models point into operators' repositories) and never descends them."""
-    for current, dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            Path(current, name).unlink(missing_ok=True)
-        for name in dirs:
-            path = Path(current, name)
-            path.unlink() if path.is_symlink() else path.rmdir()
-    root.rmdir()
+def _remove_tree(root: Path) -> None:
+    """rm -r that never follows a link (staged models point into operators' repositories): a `root` that is a link
+    is unlinked; below it, shutil.rmtree walks directory file descriptors (`shutil.rmtree.avoids_symlink_attacks`
+    on Linux), so a link is unlinked, never descended, even one that replaces a folder while the tree is removed."""
+    if root.is_symlink():
+        root.unlink()
+    else:
+        shutil.rmtree(root)
 
 
 class TritonServer:
@@ -337,7 +337,7 @@ class TritonServer:
             model.clean()
         staged = self.store / name
         if staged.exists():
-            _remove_tree_without_following_links(staged)
+            _remove_tree(staged)
 
     def is_alive(self) -> bool:
         """The tritonserver process runs. (PyTriton's public is_alive also requires every bound model's proxy to
@@ -353,7 +353,7 @@ class TritonServer:
             self._triton.stop()
             self._triton = None
         if self._workspace.path.exists():
-            _remove_tree_without_following_links(self._workspace.path)
+            _remove_tree(self._workspace.path)
 
 
 def _unlink_staged(folder: Path) -> None:
