@@ -375,3 +375,32 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
             "tokens (prompt + output)",
         )
     return min(room, engine.max_tokens_limit)
+
+
+def continuation(request: GenerationRequest, generated_token_ids: Sequence[int]) -> GenerationRequest:
+    """The request that generates the rest of `request`'s answer once `generated_token_ids` are out: its prompt is
+    the prompt followed by those tokens, its max_tokens what is left of them and its min_tokens too (never below
+    0); the id, cache salt, seed, stop strings and every other sampling field are the request's. The router's
+    `remote_decode`/`remote_prefill` are dropped: the continuation runs whole on whichever engine takes it.
+
+    Invariant (tokens): len(generated_token_ids) + continuation.sampling.max_tokens == request.sampling.max_tokens,
+    and the continuation's prompt ends with generated_token_ids. A greedy continuation's tokens are the ones the
+    request would have gone on with; a sampled one continues from the tokens, not as its seed would have gone.
+    The one place this arithmetic is done (router migration, a decode engine resuming a prefill's handoff).
+    Raises ValueError when nothing is left to generate (as many tokens as max_tokens, or more)."""
+    done = len(generated_token_ids)
+    sampling = request.sampling
+    if done >= sampling.max_tokens:
+        raise ValueError(
+            f"continuation after {done} tokens of max_tokens {sampling.max_tokens}: none is left"
+        )
+    rest = msgspec.structs.replace(
+        sampling, max_tokens=sampling.max_tokens - done, min_tokens=max(0, sampling.min_tokens - done)
+    )
+    return msgspec.structs.replace(
+        request,
+        prompt_token_ids=[*request.prompt_token_ids, *generated_token_ids],
+        sampling=rest,
+        remote_decode=None,
+        remote_prefill=None,
+    )

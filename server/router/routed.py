@@ -45,6 +45,7 @@ from server.engine.api import (
     PoolStats,
     RemoteDecode,
     RequestId,
+    continuation,
     validate_cache_salt,
 )
 from server.router.disagg import DisaggRule
@@ -643,16 +644,9 @@ class RoutedEngine:
             or done >= request.sampling.max_tokens
         ):
             return False
-        sampling = msgspec.structs.replace(
-            request.sampling,
-            max_tokens=request.sampling.max_tokens - done,
-            min_tokens=max(0, request.sampling.min_tokens - done),
-        )
-        continuation = msgspec.structs.replace(
-            request, prompt_token_ids=request.prompt_token_ids + flight.output_ids, sampling=sampling
-        )  # same id and cache salt
+        resumed = continuation(request, flight.output_ids)  # same id and cache salt
         dead = flight.worker_id
-        hashes = self._block_hashes(continuation)
+        hashes = self._block_hashes(resumed)
         tried: list[WorkerId] = [dead]
         while True:
             self.router.release(request.request_id)
@@ -668,7 +662,7 @@ class RoutedEngine:
                 flight.migrations + 1,
             )
             try:
-                self._workers[decision.worker_id].submit(continuation, sink)
+                self._workers[decision.worker_id].submit(resumed, sink)
                 break
             except Exception as exc:  # the new one failed at once (dead too, full): try the next
                 flight.worker_id, flight.migrations = dead, flight.migrations - 1

@@ -50,6 +50,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     SamplingParams,
+    continuation,
     validate_request,
 )
 from server.vllm_engine.connector import G4_KEY_ENV, ConnectorSettings, engine_fingerprint
@@ -258,22 +259,17 @@ class VLLMEngine:
     async def _generate(self, request: GenerationRequest, sink: OutputSink) -> None:
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
-        sampling = request.sampling
         handoff = request.remote_prefill
         resumed = handoff.token_ids if handoff is not None else []  # decode side: the prefill's first token
+        rest = continuation(request, resumed)  # the request itself unless it resumes a handoff
+        sampling = rest.sampling
         emitted = len(resumed)
         cached = 0
         prefill_only = request.remote_decode is not None and sampling.max_tokens > 1
         if prefill_only:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
-        elif resumed:
-            sampling = msgspec.structs.replace(
-                sampling,
-                max_tokens=sampling.max_tokens - len(resumed),
-                min_tokens=max(0, sampling.min_tokens - len(resumed)),
-            )
         first = True
-        prompt: dict[str, Any] = {"prompt_token_ids": [*request.prompt_token_ids, *resumed]}
+        prompt: dict[str, Any] = {"prompt_token_ids": rest.prompt_token_ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         try:
