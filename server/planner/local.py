@@ -21,8 +21,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import redis
-
+from kvbm.redis_lease import Leases, LeaseState
 from kvbm.redis_link import RedisLink
 from server.planner.connector import ROLES
 
@@ -114,15 +113,6 @@ class LocalConnector:
                 processes.remove(process)
 
 
-# Take the lease if it is free, or renew it if it is ours (atomically).
-_ACQUIRE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-"""
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
 class RedisLeadership:
     """The planner lease in Redis: key `strata:planner-lease:<model>`, held for `lease_s` and renewed at each
     step (a planner steps more often than its lease lasts: lease_s should exceed the adjustment interval)."""
@@ -132,13 +122,18 @@ class RedisLeadership:
         self.identity = identity or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_ms = int(lease_s * 1000)
         self._link = RedisLink(redis_url)
+        self._leases = Leases(self._link.client)
 
     def is_leader(self) -> bool:
-        def acquire(client: redis.Redis) -> bool:
-            return bool(client.eval(_ACQUIRE, 1, self.key, self.identity, self.lease_ms))
-
-        return bool(self._link.call(acquire, False))
+        """Take the lease if it is free, or renew it if it is ours; False if another planner holds it or Redis is
+        unreachable."""
+        state = self._link.call(
+            lambda _: self._leases.renew([self.key], self.identity, self.lease_ms)[0],
+            LeaseState.HELD_BY_OTHER,
+        )
+        return state is not LeaseState.HELD_BY_OTHER
 
     def release(self) -> None:
-        self._link.call(lambda client: client.eval(_RELEASE, 1, self.key, self.identity), 0)
+        """Free the lease if this planner still holds it."""
+        self._link.call(lambda _: self._leases.release(self.key, self.identity), False)
         self._link.close()

@@ -4,14 +4,17 @@ Keys, per model, on the Redis of `--redis-url` (values are JSON or plain strings
 decoded by msgspec into its types, so a malformed one is skipped with a log line):
 
     strata:workers:<model>                 hash  worker id -> {"address": ChannelAddress, "info": WorkerInfo}
-    strata:worker-lease:<model>:<worker>   exists while the worker lives: SET PX lease_s, refreshed every lease_s/3
-    strata:worker-claim:<model>:<worker>   the server holding the worker: SET NX PX lease_s, refreshed by it
+    strata:worker-lease:<model>:<worker>   the worker process's token while it lives: SET NX PX lease_s, renewed
+                                           every lease_s/3
+    strata:worker-claim:<model>:<worker>   the id of the server holding the worker: SET NX PX lease_s, renewed by it
     strata:worker-events:<model>           stream of {"event": "join" | "leave", "worker": id, "reason": text}
 
 A worker announces "join" when it registers and each time it is free again; servers block on the stream
 (XREAD BLOCK) and claim a joining worker before connecting, so a worker has one server at a time (its PUSH
 socket would split outputs between two). A registration whose lease is gone (the worker was killed or lost
 Redis) is removed by the next server that looks, with a "leave" event; a live worker re-registers itself.
+Leases and claims are renewed and released only by their holder (kvbm.redis_lease): one whose lease lapsed and
+was taken by another worker or server meanwhile leaves it to that one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import msgspec
 import redis
 
+from kvbm.redis_lease import Leases, LeaseState
 from kvbm.redis_link import RedisLink
 from server.workers.protocol import WorkerInfo
 from server.workers.transport import ChannelAddress
@@ -40,6 +44,18 @@ _REMOVE_EXPIRED = """
 if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'event', 'leave', 'worker', ARGV[1],
            'reason', 'lease expired')
+return 1
+"""
+
+# Deregister, unless another worker took this worker id after our lease lapsed (then its record stays).
+# KEYS: registrations hash, the worker's lease, its claim, the events stream. ARGV: worker id, our lease token,
+# stream length, the reason.
+_DEREGISTER = """
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'event', 'leave', 'worker', ARGV[1], 'reason', ARGV[4])
 return 1
 """
 
@@ -103,6 +119,7 @@ class Registration:
             f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # tells this process's lease from a predecessor's
         )
         self._link = RedisLink(redis_url)
+        self._leases = Leases(self._link.client)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._lease_loop, name="worker-lease", daemon=True)
 
@@ -143,44 +160,48 @@ class Registration:
     def release_claim(self, server_id: str) -> None:
         """The server `server_id` let go (or went silent): free the worker for the next server at once."""
         key = claim_key(self.model, self.record.worker_id)
-
-        def release(r: redis.Redis) -> None:
-            if r.get(key) == server_id.encode():
-                r.delete(key)
-
-        self._link.call(release, None)
+        self._link.call(lambda _: self._leases.release(key, server_id), False)
 
     def deregister(self, reason: str) -> None:
-        """Stop the lease, remove the record and announce "leave" (servers drop it from the stream event)."""
+        """Stop the lease, remove the record and announce "leave" (servers drop it from the stream event), all in
+        one script; nothing if another worker holds this worker id's lease now."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
         worker_id = self.record.worker_id
-
-        def remove(r: redis.Redis) -> None:
-            pipe = r.pipeline(transaction=True)  # MULTI: the record and its "leave" event go together
-            pipe.hdel(registrations_key(self.model), worker_id)
-            pipe.delete(registration_lease_key(self.model, worker_id), claim_key(self.model, worker_id))
-            self._announce(pipe, "leave", reason)
-            pipe.execute()
-
-        self._link.call(remove, None)
+        keys = [
+            registrations_key(self.model),
+            registration_lease_key(self.model, worker_id),
+            claim_key(self.model, worker_id),
+            events_key(self.model),
+        ]
+        args = [worker_id, self._token, STREAM_MAXLEN, reason]
+        if self._link.call(lambda r: r.eval(_DEREGISTER, len(keys), *keys, *args), 1) == 0:
+            log.warning("worker %s: another worker holds this id now; leaving its registration", worker_id)
         self._link.close()
 
     def _lease_loop(self) -> None:
+        state = LeaseState.RENEWED
         while not self._stop.wait(self.lease_ms / 3000):
-            if self._link.call(self._renew, False):
+            previous, state = state, self._link.call(self._renew, state)
+            if state is LeaseState.TAKEN:
                 log.warning("worker %s: lease had lapsed; registered again", self.record.worker_id)
                 self.announce("join", "lease renewed after a lapse")
+            elif state is LeaseState.HELD_BY_OTHER and previous is not LeaseState.HELD_BY_OTHER:
+                log.warning(
+                    "worker %s: lease lapsed and another worker took this id; not overwriting it",
+                    self.record.worker_id,
+                )
 
-    def _renew(self, client: redis.Redis) -> bool:
-        """Refresh the lease; True if it had lapsed (the record, maybe removed meanwhile, is written again)."""
-        previous = client.set(
-            registration_lease_key(self.model, self.record.worker_id), self._token, px=self.lease_ms, get=True
+    def _renew(self, client: redis.Redis) -> LeaseState:
+        """Renew the lease, or take it again if it lapsed and is free (the record, maybe removed meanwhile, is
+        written again); another worker's lease on this id is left as it is."""
+        (state,) = self._leases.renew(
+            [registration_lease_key(self.model, self.record.worker_id)], self._token, self.lease_ms
         )
-        if previous is None:
+        if state is LeaseState.TAKEN:
             client.hset(registrations_key(self.model), self.record.worker_id, self.record.to_json())
-        return previous is None
+        return state
 
 
 class Directory:
@@ -192,6 +213,7 @@ class Directory:
         self.lease_ms = int(lease_s * 1000)
         self.server_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._link = RedisLink(redis_url)
+        self._leases = Leases(self._link.client)
 
     def stream_tail(self) -> str:
         """The id of the newest join/leave event ("0-0" if none): follow from here after reading the records."""
@@ -246,21 +268,29 @@ class Directory:
         key = claim_key(self.model, worker_id)
         return bool(self._link.call(lambda r: r.set(key, self.server_id, nx=True, px=self.lease_ms), False))
 
-    def keep_claims(self, worker_ids: list[str]) -> None:
-        """Refresh the claims of the workers this server holds (every lease_s/3 or sooner)."""
-
-        def refresh(r: redis.Redis) -> None:
-            pipe = r.pipeline(transaction=False)
-            for worker_id in worker_ids:
-                pipe.set(claim_key(self.model, worker_id), self.server_id, px=self.lease_ms)
-            pipe.execute()
-
-        if worker_ids:
-            self._link.call(refresh, None)
+    def keep_claims(self, worker_ids: list[str]) -> list[str]:
+        """Renew the claims of the workers this server holds (every lease_s/3 or sooner), taking back one that
+        lapsed while nobody held it; return the workers whose claim another server took meanwhile (logged, and
+        left to that server). [] while Redis is unreachable."""
+        if not worker_ids:
+            return []
+        keys = [claim_key(self.model, worker_id) for worker_id in worker_ids]
+        states = self._link.call(lambda _: self._leases.renew(keys, self.server_id, self.lease_ms), None)
+        if states is None:
+            return []
+        lost = [w for w, state in zip(worker_ids, states, strict=True) if state is LeaseState.HELD_BY_OTHER]
+        for worker_id in lost:
+            log.warning(
+                "%s: this server's claim of worker %s lapsed and another server claimed it; not overwriting it",
+                self.model,
+                worker_id,
+            )
+        return lost
 
     def release(self, worker_id: str) -> None:
+        """Free the worker's claim if this server still holds it."""
         key = claim_key(self.model, worker_id)
-        self._link.call(lambda r: r.delete(key) if r.get(key) == self.server_id.encode() else 0, 0)
+        self._link.call(lambda _: self._leases.release(key, self.server_id), False)
 
     def close(self) -> None:
         self._link.close()
