@@ -31,13 +31,16 @@ _BACKEND_ALIASES = {
 }
 
 
-def parse_config(path: Path, text: str | None = None) -> ModelConfig:
-    """Parse config.pbtxt text (read from `path` unless given) with protobuf's text format."""
-    if text is None:
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(path, f"cannot read: {exc}") from exc
+def read_config(path: Path) -> str:
+    """The text of config.pbtxt; a file that cannot be read or is not UTF-8 is a ConfigError naming it."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, f"cannot read: {exc}") from exc
+
+
+def parse_config(path: Path, text: str) -> ModelConfig:
+    """Parse the text of config.pbtxt (read from `path`) with protobuf's text format."""
     config = ModelConfig()
     try:
         text_format.Parse(text, config)

@@ -21,6 +21,7 @@ from server.repository.model_config import (
     backend_of,
     check_name,
     parse_config,
+    read_config,
 )
 
 Fingerprint = tuple[tuple[str, int, int], ...]  # (relative path, size in bytes, mtime in ns) of every file
@@ -96,7 +97,7 @@ def _read_model(folder: Path, stamp: Fingerprint) -> ModelSource:
     config_path = folder / "config.pbtxt"
     if not config_path.is_file():
         raise ConfigError(config_path, "missing: every model folder needs a config.pbtxt")
-    text = config_path.read_text()
+    text = read_config(config_path)
     config = parse_config(config_path, text)
     check_name(config, folder.name, config_path, text)
     backend = backend_of(config, config_path, text)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from server import backends
+from server.backends.staging import RUNNER
 from server.repository.manager import ControlMode, RepositoryManager
 from server.repository.scan import BrokenModel, ModelSource, read_model, scan
 from tests.conftest import EXAMPLE_REPOSITORY
@@ -181,3 +182,43 @@ def test_a_model_no_backend_serves_is_listed_with_its_reason(tmp_path):
     assert "broken/config.pbtxt:3:16" in (loader.store / "broken" / "config.pbtxt").read_text()
     assert 'backend \\"strata_llm\\" is not enabled' in (loader.store / "llm" / "config.pbtxt").read_text()
     assert manager.entries["llm"].serving is None
+
+
+QA_WRONG_MODEL = """# Triton QA's python_models/wrong_model: its config names another model
+name: "identity_fp32"
+backend: "python"
+platform: "custom"
+max_batch_size: 64
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+def test_poll_lists_a_new_model_whose_config_names_another_as_unavailable(tmp_path):
+    """Found when the config is parsed: the folder goes to the placeholder (Triton's index shows it UNAVAILABLE
+    with the reason, naming the file, line and field), its model.py never reaches Triton, and m keeps serving."""
+    repo, loader, manager = started_poll_manager(tmp_path)
+    make_model(repo, QA_WRONG_MODEL, name="wrong_model")
+    manager.rescan()
+    manager.rescan()
+    assert loader.loads == ["m", "wrong_model"] and loader.unloads == []
+    reason = manager.entries["wrong_model"].error
+    assert f"{repo / 'wrong_model' / 'config.pbtxt'}:2: name " in reason and '"identity_fp32"' in reason
+    staged = loader.store / "wrong_model"
+    assert "strata_error" in (staged / "config.pbtxt").read_text()
+    assert (
+        staged / "1" / "model.py"
+    ).resolve() == RUNNER.resolve()  # the placeholder, not the operator's file
+    assert manager.entries["m"].serving is not None
+
+
+def test_a_config_that_is_not_utf8_is_one_broken_model(tmp_path):
+    """An unreadable config breaks its own model only: the scan (and poll mode's watcher) goes on."""
+    make_model(tmp_path, name="m")
+    folder = make_model(tmp_path, name="latin1")
+    (folder / "config.pbtxt").write_bytes(b'name: "latin1"\n# caf\xe9\nbackend: "python"\n')
+    models = scan([tmp_path])
+    assert isinstance(models["m"], ModelSource)
+    assert isinstance(models["latin1"], BrokenModel) and "cannot read" in str(models["latin1"].error)
+    assert str(folder / "config.pbtxt") in str(models["latin1"].error)
