@@ -50,7 +50,7 @@ from server.engine.api import (
 )
 from server.router.disagg import DisaggRule
 from server.router.router import NoWorkerError, RouteDecision, Router
-from server.workers.hardware import Speeds
+from server.router.speed import SpeedMeter, speed_class
 from server.workers.protocol import WorkerId, WorkerInfo, WorkerStats
 from server.workers.remote import WorkerListener
 
@@ -76,67 +76,6 @@ class RoutableWorker(Engine, Protocol):
         """Call `listener.on_beat` on each report, `on_rejected` for a frame on its link that is not a message,
         and `on_death` once it is gone."""
         ...
-
-
-@dataclass(slots=True)
-class SpeedMeter:
-    """Smoothed prefill and decode throughput of one worker, tokens per second; 0 (unknown, counted as an
-    average worker by the router) until `min_samples` samples, so one lucky or unlucky request cannot skew it.
-
-    A sample must be big enough for throughput to dominate the fixed cost of a request (a round trip, a step's
-    setup, attention over the cached context): a prompt found almost all in cache prefills a handful of tokens
-    in a step-sized time, and counting that as prefill speed made the worker holding a conversation look several
-    times slower than the others, so the router sent the conversation's next turns elsewhere (seen in
-    bench/routing.py replay-serve's decision log)."""
-
-    alpha: float = 0.2
-    min_samples: int = 3
-    min_prefill_tokens: int = 256
-    min_decode_tokens: int = 4
-    _prefill: float = 0.0
-    _decode: float = 0.0
-    _prefill_samples: int = 0
-    _decode_samples: int = 0
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self._prefill if self._prefill_samples >= self.min_samples else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self._decode if self._decode_samples >= self.min_samples else 0.0
-
-    def add_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= self.min_prefill_tokens and seconds > 0:
-            self._prefill = _smooth(self._prefill, tokens / seconds, self.alpha)
-            self._prefill_samples += 1
-
-    def add_decode(self, tokens: int, seconds: float) -> None:
-        if tokens >= self.min_decode_tokens and seconds > 0:
-            self._decode = _smooth(self._decode, tokens / seconds, self.alpha)
-            self._decode_samples += 1
-
-    def seed(self, speeds: Speeds | None) -> None:
-        """Take a worker's calibrated speeds: the start of an unmeasured meter (counted as `min_samples` samples
-        each), or one more sample of a measured one. Unmeasured (0) speeds are ignored."""
-        if speeds is not None and speeds.prefill_tok_s > 0:
-            self._prefill = _smooth(self._prefill, speeds.prefill_tok_s, self.alpha)
-            self._prefill_samples = max(self._prefill_samples + 1, self.min_samples)
-        if speeds is not None and speeds.decode_tok_s > 0:
-            self._decode = _smooth(self._decode, speeds.decode_tok_s, self.alpha)
-            self._decode_samples = max(self._decode_samples + 1, self.min_samples)
-
-
-def speed_class(worker_id: WorkerId, info: WorkerInfo) -> Hashable:
-    """Workers that share one meter: those on one host with the same hardware and threads. On a shared machine a
-    wall-clock sample measures the host's load at that moment as much as the worker, and separate meters let one
-    unlucky sample steer traffic for a whole run: in bench/routing.py replay-serve a worker that calibrated while
-    its three twins were still loading measured 152 prefill tok/s against their 271-273 and kept 0.6x of their
-    share of work. A worker without a hardware description is a class of its own."""
-    hw = info.hardware
-    if hw is None:
-        return worker_id
-    return hw.host, hw.device.partition(":")[0], hw.device_name, hw.torch_threads
 
 
 @dataclass(slots=True)
@@ -747,7 +686,3 @@ class RoutedEngine:
             prefill_tok_s=speed.prefill_tok_s,
             decode_tok_s=speed.decode_tok_s,
         )
-
-
-def _smooth(previous: float, sample: float, alpha: float) -> float:
-    return sample if previous <= 0 else (1 - alpha) * previous + alpha * sample
