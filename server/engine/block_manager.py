@@ -205,9 +205,11 @@ class BlockManager:
         kvbm/transfer.py) into fresh rows (at most `max_blocks`) and register them; the handoff is released either
         way (after a preemption its blocks are found in the prefix cache, or recomputed). Returns (blocks read,
         complete): not complete when a read stopped short, whose trailing rows stay for prefill."""
-        source, seq.kv_source = seq.kv_source, None
+        transfer = seq.kv_transfer
+        source = transfer.source if transfer is not None else None
         if source is None:
             return 0, True
+        transfer.source = None
         try:
             limit = min((seq.num_tokens - 1) // self.block_size, source.num_blocks)
             count = min(limit - num_hits, max_blocks)
@@ -217,7 +219,7 @@ class BlockManager:
             started, valid = time.perf_counter(), 0
             with _connector_failure("handoff read", "counted as a miss: the rows are prefilled"):
                 valid = min(source.read_into(num_hits, [self.rows[row] for row in rows]), count)
-            seq.kv_received = (time.perf_counter() - started, valid * self.rows.shape[1])
+            transfer.received = (time.perf_counter() - started, valid * self.rows.shape[1])
             self._register_loaded(seq, num_hits, rows[:valid])
             return valid, valid == count
         finally:

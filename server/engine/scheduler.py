@@ -10,6 +10,10 @@ A waiting sequence whose first uncached block is being computed by a running seq
 conversation, or n requests with one prompt, arriving together) waits: once that block is registered it is a
 prefix hit, instead of the same prefix being prefilled twice in the same steps. Sequences behind it are admitted
 meanwhile; the wait lasts only while the block's owner runs.
+
+A sequence whose own scheduling work raises (growing its block table, its admission: prefix lookup, a handoff
+read, an onboard from a lower tier) is left where it is and reported in `SchedulerOutput.failed`, for the core to
+fail and remove; the other sequences are scheduled as if it were not there.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: the chunks to compute, in order, and the sequences whose scheduling raised."""
+
+    chunks: list[ScheduledChunk]
+    failed: list[tuple[Sequence, Exception]]
 
 
 class Scheduler:
@@ -50,45 +62,63 @@ class Scheduler:
         self.block_manager.touch(self.block_manager.match_prefix(seq))  # keep it cached while seq waits
         self.waiting.append(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget, preempted = self._schedule_running(out, self.max_num_batched_tokens)
+        if not preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Running sequences first, oldest first, preempting the newest when the pool is short. Returns the
+        budget left and whether anything was preempted."""
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
-                preempted = True
-                self._preempt(self.running.pop())
-                if seq.status is SequenceStatus.WAITING:
-                    break
+            try:
+                while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+                    preempted = True
+                    self._preempt(self.running.pop())
+                    if seq.status is SequenceStatus.WAITING:
+                        break
+            except Exception as err:
+                out.failed.append((seq, err))
+                index += 1
+                continue
             if seq.status is SequenceStatus.WAITING:
                 break
-            chunks.append(ScheduledChunk(seq, num_tokens))
+            out.chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
             index += 1
-        if preempted:
-            return chunks
+        return budget, preempted
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in arrival order while the budget, max_concurrent and the pool allow."""
         in_progress = self._blocks_in_progress() if self.waiting and self.wait_for_running_prefix else set()
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_concurrent:
             seq = self.waiting[index]
-            if in_progress and self._waits_for(seq, in_progress):
-                self.num_prefix_waits += 1
+            try:
+                if in_progress and self._waits_for(seq, in_progress):
+                    self.num_prefix_waits += 1
+                    index += 1
+                    continue
+                num_tokens = self._admit(seq, budget)
+            except Exception as err:
+                out.failed.append((seq, err))
                 index += 1
                 continue
-            num_tokens = self._admit(seq, budget)
             if num_tokens == 0:
                 break
             del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, num_tokens))
+            out.chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
             if self.wait_for_running_prefix:
                 in_progress.update(seq.block_hashes[seq.num_registered_blocks :])
-        return chunks
 
     def _blocks_in_progress(self) -> set[BlockHash]:
         """Hashes of full blocks that running sequences hold but have not yet computed and registered."""

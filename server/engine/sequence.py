@@ -13,6 +13,16 @@ from server.engine.api import OutputSink, RequestId, SamplingParams
 from server.engine.detokenizer import Detokenizer
 
 
+@dataclass(slots=True)
+class KVTransferState:
+    """A disaggregated request's transfer state, read and written only by the engine's KV transfer connector
+    (server/engine/kv_transfer.py) and the block manager's `receive`: the core knows none of its fields."""
+
+    decode_host: str | None = None  # prefill side: after the first token, hand the prompt's KV to this host
+    source: KVSource | None = None  # decode side: the prompt's blocks, read into the pool at admission
+    received: tuple[float, int] | None = None  # (seconds, bytes) of that read, reported with the next output
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,13 +51,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent to the sink
-    # disaggregated serving: a prefill engine's request hands its KV to a decode worker on this host after its
-    # first token; a decode engine's request reads its prompt's blocks from `kv_source` when admitted
-    remote_decode_host: str | None = None
-    kv_source: KVSource | None = None
-    kv_received: tuple[float, int] | None = (
-        None  # (seconds, bytes) of that read, reported with the next output
-    )
+    kv_transfer: KVTransferState | None = None  # disaggregated serving only (server/engine/kv_transfer.py)
 
     def __post_init__(self) -> None:
         self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)

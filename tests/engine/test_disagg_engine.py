@@ -171,8 +171,8 @@ def test_across_hosts_the_decode_engine_pulls_the_blocks_over_tcp(engine, decode
     secret = b"disagg-test-secret-0123456789abcdef"
     sender = KVTransfer([ShmTransport(), TcpTransport(secret, "127.0.0.1")], host="prefill-host")
     receiver = KVTransfer([ShmTransport(), TcpTransport(secret, "127.0.0.1")], host="decode-host")
-    monkeypatch.setattr(engine, "transfer", sender)
-    monkeypatch.setattr(decoder, "transfer", receiver)
+    monkeypatch.setattr(engine.kv_transfer, "transfer", sender)
+    monkeypatch.setattr(decoder.kv_transfer, "transfer", receiver)
     try:
         ids = engine.encode("Report 9. " + LONG_TEXT * 2)
         alone = run(engine, greedy(ids, "tcp-a", max_tokens=12))

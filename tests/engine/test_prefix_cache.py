@@ -150,12 +150,12 @@ def test_waiting_sequence_waits_for_the_prefix_a_running_one_computes():
     )
     for seq in (a, b, c):
         scheduler.add(seq)
-    first = scheduler.schedule()
+    first = scheduler.schedule().chunks
     assert [chunk.seq for chunk in first] == [a, c] and list(scheduler.waiting) == [b]
     for chunk in first:  # what the engine does after the step
         chunk.seq.num_computed_tokens += chunk.num_tokens
         manager.register_full_blocks(chunk.seq)
-    second = scheduler.schedule()
+    second = scheduler.schedule().chunks
     assert second[-1].seq is b and b.status is SequenceStatus.RUNNING
     assert b.num_cached_tokens == 12 and second[-1].num_tokens == 3
     assert scheduler.num_prefix_waits == 1

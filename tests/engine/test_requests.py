@@ -110,10 +110,10 @@ def _inject_fault(engine, monkeypatch, where: str, bad: str) -> None:
     """Make one stage of the engine step raise whenever request `bad` takes part in it."""
 
     def poisoned(real, seqs_of):
-        def call(*args):
-            if any(seq.request_id == bad for seq in seqs_of(*args)):
+        def call(*args, **kwargs):
+            if any(seq.request_id == bad for seq in seqs_of(*args, **kwargs)):
                 raise ValueError(f"injected {where} fault")
-            return real(*args)
+            return real(*args, **kwargs)
 
         return call
 
@@ -122,17 +122,22 @@ def _inject_fault(engine, monkeypatch, where: str, bad: str) -> None:
             engine.runner, "run", poisoned(engine.runner.run, lambda chunks: [c.seq for c in chunks])
         )
     elif where == "sampler":
-        monkeypatch.setattr(engine, "sampler", poisoned(engine.sampler, lambda logits, seqs: seqs))
+        core = engine.core
+        monkeypatch.setattr(core, "sampler", poisoned(core.sampler, lambda logits, seqs: seqs))
+    elif where == "admission":  # a request's own scheduling work (its handoff read, at admission)
+        manager = engine.block_manager
+        monkeypatch.setattr(manager, "receive", poisoned(manager.receive, lambda seq, num_hits, max_blocks: [seq]))
     elif where == "blocks":
         manager = engine.block_manager
         monkeypatch.setattr(
             manager, "register_full_blocks", poisoned(manager.register_full_blocks, lambda s: [s])
         )
     else:
-        monkeypatch.setattr(engine, "_check_stop", poisoned(engine._check_stop, lambda seq, token: [seq]))
+        outputs = engine.core.outputs
+        monkeypatch.setattr(outputs, "check_stop", poisoned(outputs.check_stop, lambda seq, token: [seq]))
 
 
-@pytest.mark.parametrize("where", ["forward", "sampler", "blocks", "stop_check"])
+@pytest.mark.parametrize("where", ["admission", "forward", "sampler", "blocks", "stop_check"])
 def test_a_fault_in_one_sequence_fails_that_request_alone(engine, prompt_ids, monkeypatch, where):
     """Fault injection: the poisoned request ends with finish_reason "error" and the reason; the requests batched
     with it finish normally with the tokens they produce without the fault."""

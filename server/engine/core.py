@@ -1,0 +1,186 @@
+"""The engine core: one step is `scheduler.schedule()` -> `runner.run()` -> `update_from_output()`.
+
+Single-threaded: only the engine thread calls it. A fault is contained to the requests it belongs to:
+- a sequence whose scheduling raises (its admission, a read of its handoff, a lower tier) fails alone;
+- a batched forward or sampler that raises is retried one sequence at a time (rewriting a KV slot with the same
+  values is harmless);
+- per-sequence work after the forward (block registration, stop checks, detokenizing, the sink) fails only its
+  own request.
+
+The model runner is anything with `run(chunks) -> logits` over the scheduler's chunks (`ModelExecutor`): one
+process today, a group of ranks that steps together for a sharded model. Logits processors (penalties, min_tokens,
+grammar bitmasks) are stages of the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from server.engine.api import FinishReason, RequestId
+from server.engine.kv_transfer import KVTransferConnector
+from server.engine.output_processor import OutputProcessor
+from server.engine.sampler import Sampler
+from server.engine.scheduler import ScheduledChunk, Scheduler
+from server.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class ModelExecutor(Protocol):
+    """Computes one step: logits [sampling chunks, vocab] fp32, one row per chunk that ends at its sequence's last
+    token, in the order of `chunks`. KV for every scheduled token is written into the pool."""
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelExecutor,
+        sampler: Sampler,
+        outputs: OutputProcessor,
+        kv_transfer: KVTransferConnector,
+        on_finished: Callable[[RequestId], None],
+    ) -> None:
+        """`on_finished(request_id)` is called once per request, before its final output is emitted."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.outputs = outputs
+        self.kv_transfer = kv_transfer
+        self._on_finished = on_finished
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add(self, seq: Sequence) -> None:
+        try:
+            self.scheduler.add(seq)
+        except Exception as err:
+            log.exception("queueing request %s failed", seq.request_id)
+            self.fail([seq], err)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Schedule, forward and sample once; emit what the step produced."""
+        scheduled = self.scheduler.schedule()
+        for seq, err in scheduled.failed:
+            log.error("scheduling request %s failed: %r", seq.request_id, err)
+            self.fail([seq], err)
+        chunks = scheduled.chunks
+        if not chunks:
+            return
+        try:
+            logits = self.runner.run(chunks)
+        except Exception as err:
+            if len(chunks) == 1:
+                log.exception("engine step failed for request %s", chunks[0].seq.request_id)
+                self.fail([chunks[0].seq], err)
+                return
+            log.warning(
+                "batched step of %d sequences failed (%r); retrying them one by one", len(chunks), err
+            )
+            for chunk in chunks:
+                self._step_alone(chunk)
+            return
+        self.update_from_output(chunks, logits)
+
+    def _step_alone(self, chunk: ScheduledChunk) -> None:
+        if chunk.seq.status is SequenceStatus.FINISHED:  # failed in an earlier retry of this step
+            return
+        try:
+            logits = self.runner.run([chunk])
+        except Exception as err:
+            log.exception("engine step failed for request %s", chunk.seq.request_id)
+            self.fail([chunk.seq], err)
+            return
+        self.update_from_output([chunk], logits)
+
+    def update_from_output(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Advance each chunk's sequence, register its full blocks, sample the sequences whose prompt is done,
+        and emit."""
+        sampling, rows, row = [], [], 0  # each sampling sequence's row of `logits`
+        for chunk in chunks:
+            seq = chunk.seq
+            ends = seq.num_computed_tokens + chunk.num_tokens == seq.num_tokens
+            try:
+                seq.num_computed_tokens += chunk.num_tokens
+                self.scheduler.block_manager.register_full_blocks(seq)
+            except Exception as err:
+                log.exception("registering the blocks of request %s failed", seq.request_id)
+                self.fail([seq], err)
+            else:
+                if ends:
+                    sampling.append(seq)
+                    rows.append(row)
+            row += ends
+        if not sampling:
+            return
+        if len(rows) < row:
+            logits = logits[rows]
+        for seq, token_id in zip(sampling, self._sample(logits, sampling), strict=True):
+            if token_id is not None:
+                self._advance(seq, token_id)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """One token per sequence; None for a sequence whose sampling failed (it is failed)."""
+        try:
+            return self.sampler(logits, seqs)
+        except Exception as err:
+            if len(seqs) == 1:
+                log.exception("sampling failed for request %s", seqs[0].request_id)
+                self.fail(seqs, err)
+                return [None]
+            log.warning(
+                "batched sampling of %d sequences failed (%r); sampling them one by one", len(seqs), err
+            )
+            return [self._sample_alone(seq, logits[i : i + 1]) for i, seq in enumerate(seqs)]
+
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+        try:
+            return self.sampler(logits, [seq])[0]
+        except Exception as err:
+            log.exception("sampling failed for request %s", seq.request_id)
+            self.fail([seq], err)
+            return None
+
+    def _advance(self, seq: Sequence, token_id: int) -> None:
+        """Append a sampled token, then finish, hand off or emit."""
+        try:
+            seq.append_token(token_id)
+            reason = self.outputs.check_stop(seq, token_id)
+            if reason:
+                self.finish(seq, reason)
+            elif self.kv_transfer.wants_hand_off(seq):
+                self._hand_off(seq)
+            elif not self.outputs.emit(seq, finished=False):
+                self.finish(seq, "abort")
+        except Exception as err:
+            log.exception("finishing the step of request %s failed", seq.request_id)
+            self.fail([seq], err)
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """A prefill-only request has its first token: hand its KV off and finish it here with the handoff."""
+        handoff, sent = self.kv_transfer.hand_off(seq)
+        self.scheduler.remove(seq)
+        self._on_finished(seq.request_id)
+        self.outputs.emit(seq, finished=True, handoff=handoff, transfer=sent)
+
+    def fail(self, seqs: list[Sequence], err: Exception) -> None:
+        """Finish `seqs` with finish_reason "error"; their clients see the exception's type and message."""
+        reason = f"internal engine error: {type(err).__name__}: {err}"[:500]
+        for seq in seqs:
+            self.finish(seq, "error", error=reason)
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End `seq` (free its blocks) and send its final output. Idempotent."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        self._on_finished(seq.request_id)
+        self.outputs.emit(seq, finished=True, reason=reason, error=error)

@@ -1,0 +1,75 @@
+"""What a sampled token means to the client: stop rules, incremental text, and one `GenerationOutput` per step.
+
+The engine core calls `check_stop` for each sampled token and `emit` for each sequence that has something to say;
+this is the only place that builds outputs and calls sinks. Stop rules, in order: a stop token or EOS (once
+`min_tokens` are out; EOS unless `ignore_eos`), a stop string in the text, then `max_tokens` or the context length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from server.engine.api import FinishReason, GenerationOutput, KVHandoff
+from server.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+        """`max_model_len`: tokens, prompt + output."""
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Why `seq` ends with `token_id` (already appended), or None. Feeds the token to its detokenizer."""
+        params = seq.sampling
+        if seq.num_output_tokens > params.min_tokens - 1 and (
+            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if seq.detokenizer.add_token(token_id):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def emit(
+        self,
+        seq: Sequence,
+        finished: bool,
+        reason: FinishReason | None = None,
+        error: str | None = None,
+        handoff: KVHandoff | None = None,
+        transfer: tuple[float, int] | None = None,
+    ) -> bool:
+        """Send what `seq` added since its last output (nothing if it added nothing and is not finished). A
+        handoff output is finished without a reason, its text what an unfinished output would carry (the decode
+        engine holds back the rest). `transfer`: (seconds, bytes) of a KV handoff. A detokenizer failure raises
+        unless `finished` (then the text is ""); returns False if the sink of an unfinished request failed (logged:
+        the caller aborts the request)."""
+        if transfer is None and seq.kv_transfer is not None and seq.kv_transfer.received is not None:
+            transfer, seq.kv_transfer.received = seq.kv_transfer.received, None
+        try:
+            text = seq.detokenizer.take_text(finished and handoff is None)
+        except Exception:
+            if not finished:
+                raise
+            log.exception("detokenizing request %s failed", seq.request_id)
+            text = ""
+        new_ids = seq.output_token_ids[seq.num_reported_tokens :]
+        if not (new_ids or text or finished):
+            return True
+        seq.num_reported_tokens = seq.num_output_tokens
+        output = GenerationOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
+            finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens, error=error, kv_handoff=handoff,
+            kv_transfer_us=round(transfer[0] * 1e6) if transfer else 0, kv_transfer_bytes=transfer[1] if transfer else 0,
+        )  # fmt: skip
+        try:
+            seq.sink(output)
+        except Exception:
+            log.exception("sink of request %s failed", seq.request_id)
+            return finished
+        return True
