@@ -103,14 +103,7 @@ class LLMBackend:
         try:
             engine = self.deployment.start(plan)
             remove(self.triton.store / model.name)  # the placeholder that listed the model until now
-            self.triton.pytriton.bind(
-                model_name=model.name,
-                infer_func=_infer_function(engine),
-                inputs=INPUTS,
-                outputs=OUTPUTS,
-                model_version=plan.version,
-                config=ModelConfig(batching=False, decoupled=True),
-            )
+            bind_engine(self.triton, model.name, plan.version, engine)
         except Exception as exc:  # weights, a worker that does not start, a failed bind: this model only
             self.unload(model.name)
             raise self._unavailable(model.name, exc) from exc
@@ -169,12 +162,27 @@ class TritonRequest:
 
 
 class TritonUnavailableError(TritonClientError):
-    """The engine's wait queue is full; the client reads "TritonUnavailableError: ... retry later". Triton's
-    generate endpoints answer 400 to any error a model sends in a response, whatever its code (tried with
-    UNAVAILABLE set through PyTriton's proxy), and a gRPC stream carries only the message: the class name is how a
-    Triton client tells "retry later" from a bad request."""
+    """The engine cannot take the request now (its wait queue is full, or no worker is up): sent with Triton's code
+    UNAVAILABLE (server.pytriton_patches keys it on this class name), as tritonserver's own full queue is. A gRPC
+    stream opened with the `triton_grpc_error: true` header ends with status UNAVAILABLE; without it a stream
+    carries only the message, "TritonUnavailableError: ... retry later". Triton 2.51's generate endpoints answer
+    400 to any error a model sends in a response, whatever its code (GenerateRequestClass::InferResponseComplete
+    reads the code of the error after freeing it), so over HTTP the class name is how a client tells "retry
+    later" from a bad request."""
 
     __module__ = "builtins"
+
+
+def bind_engine(triton: TritonServer, name: str, version: int, engine: Engine) -> None:
+    """Serve `engine` as Triton model `name` (decoupled, with the vLLM backend's tensors)."""
+    triton.pytriton.bind(
+        model_name=name,
+        infer_func=_infer_function(engine),
+        inputs=INPUTS,
+        outputs=OUTPUTS,
+        model_version=version,
+        config=ModelConfig(batching=False, decoupled=True),
+    )
 
 
 def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[list[dict[str, np.ndarray]]]]:
@@ -189,7 +197,7 @@ def _infer_function(engine: Engine) -> Callable[[list[Request]], AsyncIterator[l
         except EngineOverloaded as exc:
             raise TritonUnavailableError(str(exc)) from None
         except EngineUnavailable as exc:
-            raise TritonClientError(f"{engine.model_name} cannot take requests now: {exc}") from None
+            raise TritonUnavailableError(f"{engine.model_name} cannot take requests now: {exc}") from None
         except Exception:
             log.exception("%s: generation failed", engine.model_name)
             raise TritonClientError("internal error while generating; see the server log") from None
