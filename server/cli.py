@@ -290,13 +290,18 @@ def triton_access(args: argparse.Namespace) -> dict[str, object]:
 
 def _engine_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--context-length", type=int, default=None, help="override max_model_len of every LLM (tokens)"
+        "--context-length",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="override max_model_len of every LLM (tokens; --max-model-len is vLLM's name)",
     )
     group.add_argument(
         "--max-concurrent-requests",
+        "--max-num-seqs",
         type=int,
         default=None,
-        help="override max_concurrent_requests of every LLM engine",
+        help="override max_concurrent_requests of every LLM engine (--max-num-seqs is vLLM's name)",
     )
     group.add_argument(
         "--max-queued-requests",

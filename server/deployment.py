@@ -45,6 +45,7 @@ from server.engine.api import Engine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.errors import ConfigError
+from server.pool_metrics import PoolCollector
 from server.repository.model_config import VLLM
 from server.repository.scan import ModelSource
 from server.router.config import RouterConfig
@@ -136,6 +137,8 @@ class LLMDeployment:
         self._kvbm_metrics = KVBMMetrics(registry)  # tiers of an in-process engine; index size and event lag
         self._index = KVIndex(metrics=self._kvbm_metrics)
         self._router_metrics = RouterMetrics.create(registry)
+        if registry is not None:
+            registry.register(PoolCollector(self.engines))
         self._discoveries: dict[str, Discovery] = {}
 
     def plan(self, model: ModelSource) -> EnginePlan:

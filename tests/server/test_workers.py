@@ -181,6 +181,17 @@ def test_disconnect_cancels_on_the_worker(client, server):
     assert any('status="aborted"' in labels and value >= 1 for labels, value in aborted.items())
 
 
+def test_pool_series_have_vllm_names_and_the_model_label(server):
+    """strata_kv_cache_usage_perc and the queue and preemption series, summed over the workers' reports."""
+    usage = metric_lines(server, "strata_kv_cache_usage_perc")
+    assert list(usage) == ['strata_kv_cache_usage_perc{model="smollm2"}']
+    assert 0.0 <= usage['strata_kv_cache_usage_perc{model="smollm2"}'] <= 1.0
+    assert 'strata_num_preemptions_total{model="smollm2"}' in metric_lines(server, "strata_num_preemptions")
+    assert 'strata_num_requests_waiting{model="smollm2"}' in metric_lines(
+        server, "strata_num_requests_waiting"
+    )
+
+
 def test_workers_exit_when_the_server_is_killed(strata, tmp_path):
     server = strata(
         copy_models(tmp_path / "repo", "smollm2"),
