@@ -21,9 +21,9 @@ completed answer must equal its reference.
 
 Chaos, one thread (every action is in the report's event list):
   kill       every --kill-every-s, SIGKILL a random live worker. `strata serve` does not restart its local
-             workers (a dead one leaves the router for good, server/router/routed.py), so unless --kill-last the
-             last local worker and the last live worker are spared; the remote worker is restarted at once under
-             the same id (it waits out its predecessor's lease, then rejoins).
+             workers (a dead one leaves the router for good, server/router/membership.py), so unless --kill-last
+             the last local worker and the last live worker are spared; the remote worker is restarted at once
+             under the same id (it waits out its predecessor's lease, then rejoins).
   redis      every --redis-every-s, SIGKILL redis-server, wait --redis-down-s, start it again, empty, on its port.
   g3         every --truncate-every-s, truncate a random worker's G3 block file (blocks.dat) to a random length.
   malformed  every --malformed-every-s (own thread): bad JSON, wrong types, out-of-range sampling values, a

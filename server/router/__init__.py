@@ -8,6 +8,14 @@
     lookup.py    OverlapLookup: what the router needs from the KVBM index (KVIndex, KVIndexClient)
     staleness.py says loudly when the index stops receiving events while requests flow
     routed.py    RoutedEngine: the Engine Protocol over N workers, routing each request; add_worker
+    membership.py   the workers of one model: joining, serving, draining, dying; their routers' view
+    speed.py        SpeedMeter (prefill / decode tok/s measured from outputs), speed_class (who shares one)
+    state.py        RequestState: a request's states and the transitions allowed between them
+    flight.py       Flight (one request's record and state), Flights (the table, timings, release)
+    placement.py    place: route, submit, skip a worker that refuses, route again (every placement)
+    migration.py    migrate: a dead worker's request resumed on another from its tokens so far
+    disagg.py       roles and the conditional rule (where to prefill), with live thresholds
+    disagg_flow.py  DisaggFlow: prefill on a prefill worker, hand the KV off, decode on the decode worker
 
 Embedded wiring (one process tree, no Redis):
 

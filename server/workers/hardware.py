@@ -1,7 +1,7 @@
 """What a worker tells the router about itself when it joins: its hardware, and its speed measured at start.
 
-The speeds seed the router's per-worker `SpeedMeter` (routed.py), so a worker on a faster machine gets its share
-from its first request instead of after `min_samples` requests; traffic refines them from then on.
+The speeds seed the router's per-worker `SpeedMeter` (server/router/speed.py), so a worker on a faster machine
+gets its share from its first request instead of after `min_samples` requests; traffic refines them from then on.
 
 Calibration uses only the Engine protocol and leaves no trace in the prefix cache: every calibration sequence
 stays under one KV block (prompt + output < block_size), and only full blocks are hashed, cached and announced

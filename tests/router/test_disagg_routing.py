@@ -146,7 +146,7 @@ def test_a_long_prompt_is_prefilled_remotely_and_continues_on_the_decode_worker(
         registry.get_sample_value("strata_disagg_kv_transfer_bytes_total", {"model": "m", "transport": "shm"})
         == 128
     )
-    assert routed._in_flight == {}
+    assert len(routed.flights) == 0
 
 
 @pytest.mark.parametrize(("tokens", "queued", "reason"), [(8, 0, "short_prompt"), (20, 4, "queue_full")])
@@ -154,7 +154,7 @@ def test_short_prompts_and_a_full_queue_prefill_on_the_decode_worker(
     tokens: int, queued: int, reason: str
 ) -> None:
     routed, (p0, p1, d0) = cluster()
-    routed._prefill_queue = queued
+    routed.disagg_flow.queue_depth = queued
     routed.submit(request("r", tokens), lambda output: None)
     assert d0.requests[0].remote_decode is None and d0.requests[0].remote_prefill is None
     assert not p0.requests and not p1.requests
@@ -168,7 +168,7 @@ def test_a_first_token_that_ends_the_request_is_the_answer() -> None:
     prefiller = p0 if p0.requests else p1
     prefiller.answer("r", GenerationOutput(RequestId("r"), [2], "", True, "stop", 20, 0, 1))
     assert [o.finish_reason for o in drain(outputs)] == ["stop"]
-    assert not d0.requests and queue_depth(routed) == 0 and routed._in_flight == {}
+    assert not d0.requests and queue_depth(routed) == 0 and len(routed.flights) == 0
 
 
 def test_refusing_prefill_workers_are_passed_over_then_the_decode_worker_prefills() -> None:
@@ -209,7 +209,7 @@ def test_a_decode_worker_gone_at_handoff_passes_the_request_to_another() -> None
     routed, (p0, d0, d1) = cluster(prefill=1, decode=2)
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     routed.submit(request("r", 20), outputs.put)
-    chosen, other = (d0, d1) if routed._in_flight[RequestId("r")].decode_worker_id == "d0" else (d1, d0)
+    chosen, other = (d0, d1) if routed.flights.get(RequestId("r")).decode_worker_id == "d0" else (d1, d0)
     chosen.die()
     p0.answer("r", handoff_output("r"))
     assert other.requests[0].remote_prefill is not None
@@ -226,7 +226,7 @@ def test_an_abort_during_the_prefill_reaches_the_prefill_worker_and_ends_the_req
     p0.answer("r", handoff_output("r"))  # the handoff crossed the abort
     seen = drain(outputs)
     assert [o.finished for o in seen] == [False, True] and seen[-1].finish_reason == "abort"
-    assert not d0.requests and routed._in_flight == {} and queue_depth(routed) == 0
+    assert not d0.requests and len(routed.flights) == 0 and queue_depth(routed) == 0
 
 
 def test_only_prefill_workers_alive_is_unhealthy() -> None:

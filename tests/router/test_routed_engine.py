@@ -24,8 +24,9 @@ from server.engine.api import (
 )
 from server.engine.config import EngineConfig
 from server.router.config import RouterConfig
-from server.router.routed import RoutedEngine, SpeedMeter
+from server.router.routed import RoutedEngine
 from server.router.router import RouteDecision, Router
+from server.router.speed import SpeedMeter
 from server.workers.hardware import HardwareInfo, Speeds
 from server.workers.protocol import WorkerId, WorkerInfo
 from server.workers.remote import WorkerListener
@@ -37,7 +38,7 @@ MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"  
 
 class LocalWorker:
     """An engine in this process (a StepEngine unless given one) with the members of a RemoteEngine
-    (server.router.routed.RoutableWorker)."""
+    (server.router.membership.RoutableWorker)."""
 
     def __init__(self, worker_id: str, index: KVIndex, engine: LocalEngine | None = None) -> None:
         self.worker_id = WorkerId(worker_id)
@@ -208,7 +209,7 @@ def test_abort_reaches_the_worker_that_runs_the_request() -> None:
 def test_a_dead_worker_leaves_the_router() -> None:
     routed, router, workers = _setup()
     workers[0].alive = False
-    routed.on_death(workers[0])
+    routed.membership.on_death(workers[0])
     assert router.workers == ["w1"]
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     routed.submit(_request("x", [5] * 8), outputs.put)
@@ -219,7 +220,7 @@ def test_a_dead_worker_leaves_the_router() -> None:
 
 def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> None:
     routed, _, _ = _setup(workers=1)
-    speed = routed._speeds[WorkerId("w0")]
+    speed = routed.membership.meter(WorkerId("w0"))
     speed.min_samples, speed.min_prefill_tokens, speed.min_decode_tokens = (
         1,
         1,
@@ -244,7 +245,7 @@ def test_speeds_are_measured_only_from_requests_that_had_the_worker_alone() -> N
 
 def test_speed_is_unknown_until_enough_samples() -> None:
     routed, _, _ = _setup(workers=1)
-    speed = routed._speeds[WorkerId("w0")]
+    speed = routed.membership.meter(WorkerId("w0"))
     speed.min_prefill_tokens = speed.min_decode_tokens = 1
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     for i in range(3):
@@ -293,7 +294,7 @@ def test_twin_workers_on_one_host_share_their_speed_meter() -> None:
         _described("b0", index, "host-b", 600.0),
     ]
     routed = RoutedEngine(workers, router, block_size=4, salt=SALT)
-    a0, a1, b0 = (routed._speeds[WorkerId(w)] for w in ("a0", "a1", "b0"))
+    a0, a1, b0 = (routed.membership.meter(WorkerId(w)) for w in ("a0", "a1", "b0"))
     assert a0 is a1 and a0 is not b0
     assert a0.prefill_tok_s == 150.0 * 0.8 + 270.0 * 0.2  # the second calibration is one more sample
     loads = {load.stats.worker_id: load for load in router._workers.values()}
@@ -339,6 +340,6 @@ def test_a_dead_twin_stays_out_of_the_router_when_another_twin_joins() -> None:
     a0, a1 = _described("a0", index, "host-a", 200.0), _described("a1", index, "host-a", 200.0)
     routed = RoutedEngine([a0, a1], router, block_size=4, salt=SALT)
     a1.alive = False
-    routed.on_death(a1)
+    routed.membership.on_death(a1)
     routed.add_worker(_described("remote", index, "host-a", 200.0))
     assert set(router._workers) == {"a0", "remote"}

@@ -28,6 +28,7 @@ from server.router.config import RouterConfig
 from server.router.disagg import DisaggConfig, DisaggRule
 from server.router.routed import RoutedEngine
 from server.router.router import Router
+from server.router.state import RequestState
 from server.workers.protocol import WorkerId
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.worker import WorkerSpec, build_llm_engine
@@ -141,9 +142,9 @@ def test_a_long_prompt_whose_prefill_worker_dies_is_prefilled_again(cluster):
     before = prefills(routed)
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     routed.submit(greedy(ids, "dies"), outputs.put)
-    flight = routed._in_flight[RequestId("dies")]
-    assert flight.prefilling
-    victim = routed._workers[flight.worker_id]
+    flight = routed.flights.get(RequestId("dies"))
+    assert flight.state is RequestState.PREFILLING_REMOTE
+    victim = routed.membership.get(flight.worker_id)
     os.kill(victim.info.pid, signal.SIGKILL)
     seen = [outputs.get(timeout=180)]
     while not seen[-1].finished:
@@ -157,13 +158,13 @@ def test_a_long_prompt_whose_prefill_worker_dies_is_prefilled_again(cluster):
 
 def test_without_prefill_workers_decode_prefills_locally_then_remote_again_when_one_joins(cluster):
     routed, reference, index = cluster
-    for worker in list(routed._workers.values()):
+    for worker in list(routed.membership.all()):
         if worker.info.role == "prefill" and worker.alive:
             os.kill(worker.info.pid, signal.SIGKILL)
     ids = routed.encode("Describe: " + TEXT * 5)
     before = prefills(routed)
     deadline = time.monotonic() + 30
-    while any(w.alive for w in routed._workers.values() if w.info.role == "prefill"):
+    while any(w.alive for w in routed.membership.all() if w.info.role == "prefill"):
         assert time.monotonic() < deadline, "the prefill workers' deaths were not noticed"
         time.sleep(0.05)
     tokens, text, _ = stream(routed, greedy(ids, "fallback"))

@@ -119,7 +119,8 @@ def served_by(server: Server, worker_id: str) -> bool:
 def test_remote_worker_joins_takes_requests_and_shows_its_hardware(server, remote_workers, redis_url) -> None:
     remote_workers("r1")
     wait_for(lambda: served_by(server, "r1"), 20, 0.05, what="r1 in the router")
-    assert server.routed._speeds[WorkerId("r1")].prefill_tok_s == FAKE_SPEEDS.prefill_tok_s  # seeded at join
+    seeded = server.routed.membership.meter(WorkerId("r1"))  # at join
+    assert seeded.prefill_tok_s == FAKE_SPEEDS.prefill_tok_s
     metrics = generate_latest(server.router.metrics.registry).decode()
     assert 'strata_worker_info{cpu_cores="' in metrics and 'worker="r1"' in metrics
     assert 'strata_worker_prefill_tokens_per_second{worker="r1"} 5000.0' in metrics
@@ -184,7 +185,7 @@ def stream_on(server: Server, worker_id: str, count: int, max_tokens: int) -> di
         outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
         sampling = SamplingParams(max_tokens=max_tokens)
         server.routed.submit(GenerationRequest(RequestId(request_id), [1, 2, 3], sampling), outputs.put)
-        if server.routed._in_flight[RequestId(request_id)].worker_id == worker_id:
+        if server.routed.flights.get(RequestId(request_id)).worker_id == worker_id:
             streams[request_id] = outputs
             if len(streams) == count:
                 return streams

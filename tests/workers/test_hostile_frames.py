@@ -17,7 +17,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvbm.curve import CurveKeys
+from cluster.curve import CurveKeys
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.router.config import RouterConfig
@@ -197,7 +197,7 @@ def test_a_bad_frame_on_a_server_link_drops_that_worker_and_its_requests_migrate
             GenerationRequest(RequestId("long"), [1, 2, 3], SamplingParams(max_tokens=40)), outputs.put
         )
         outputs.get(timeout=10)
-        victim = next(w for w in workers if w.worker_id == routed._in_flight[RequestId("long")].worker_id)
+        victim = next(w for w in workers if w.worker_id == routed.flights.get(RequestId("long")).worker_id)
         push(victim._channel.address.to_server, frame)  # the server's bound PULL endpoint of that link
         wait_for(lambda: not victim.alive, 10, 0.02, what="the link dropped")
         got = [outputs.get(timeout=10)]
