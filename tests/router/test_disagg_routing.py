@@ -236,3 +236,29 @@ def test_only_prefill_workers_alive_is_unhealthy() -> None:
     assert not routed.healthy
     aggregated = RoutedEngine([ScriptedWorker("w0", "both")], Router(RouterConfig(), KVIndex()), BLOCK, SALT)
     assert "not served disaggregated" in aggregated.incompatibility("m", replace(p0.info))
+
+
+class AbortedDuringSubmit(ScriptedWorker):
+    """The client aborts while this worker is taking the request; like an engine, it ignores an abort of a
+    request it does not have yet."""
+
+    routed: RoutedEngine
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self.routed.abort(request.request_id)
+        super().submit(request, sink)
+
+    def abort(self, request_id: RequestId) -> None:
+        if request_id in self.sinks:
+            self.aborted.append(request_id)
+
+
+def test_an_abort_while_a_worker_takes_the_request_reaches_that_worker() -> None:
+    worker = AbortedDuringSubmit("w0", "both")
+    routed = RoutedEngine([worker], Router(RouterConfig(), KVIndex()), BLOCK, SALT)
+    worker.routed = routed
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    routed.submit(request("r", 4), outputs.put)
+    assert worker.aborted == ["r"]
+    worker.answer("r", GenerationOutput(RequestId("r"), [], "", True, "abort", 4, 0, 0))
+    assert [o.finish_reason for o in drain(outputs)] == ["abort"] and len(routed.flights) == 0
