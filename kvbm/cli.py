@@ -8,7 +8,20 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
+
 DEFAULT_PORT = 7410  # the service's prefix-query port
+
+
+class ServiceOptions(msgspec.Struct, frozen=True):
+    """The service's parsed flags (each field's name is its flag's dest); seconds unless the name says."""
+
+    redis_url: str
+    host: str
+    port: int
+    metrics_port: int | None
+    lease_check_secs: float
+    cluster_secret_file: Path | None
 
 
 def add_service_flags(parser: argparse.ArgumentParser) -> None:
@@ -30,28 +43,33 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def service_key(args: argparse.Namespace) -> bytes:
+def service_options(args: argparse.Namespace) -> ServiceOptions:
+    """The typed options of the flags `add_service_flags` defined, once parsed."""
+    return msgspec.convert(args, ServiceOptions, from_attributes=True)
+
+
+def service_key(options: ServiceOptions) -> bytes:
     """The query port's key, from --cluster-secret-file or STRATA_CLUSTER_SECRET (kvbm's own CLI reads its
     environment here: the package runs without `server`); ValueError saying how to make a secret if neither."""
     from kvbm.auth import derive_key, load_secret
 
     secret = load_secret(
-        args.cluster_secret_file, os.environ.get("STRATA_CLUSTER_SECRET"), "the KVBM service"
+        options.cluster_secret_file, os.environ.get("STRATA_CLUSTER_SECRET"), "the KVBM service"
     )
     return derive_key(secret, "kvbm-service")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(options: ServiceOptions) -> None:
     """Run the service the flags describe until SIGINT/SIGTERM."""
     from kvbm.service import run_service
 
     run_service(
-        args.redis_url,
-        args.host,
-        args.port,
-        args.metrics_port,
-        lease_check_s=args.lease_check_secs,
-        auth_key=service_key(args),
+        options.redis_url,
+        options.host,
+        options.port,
+        options.metrics_port,
+        lease_check_s=options.lease_check_secs,
+        auth_key=service_key(options),
     )
 
 
@@ -61,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="kvbm", description="KVBM service: block index fed by worker events"
     )
     add_service_flags(parser)
-    args = parser.parse_args(argv)
+    options = service_options(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(args)
+        run(options)
     except ValueError as exc:
         parser.exit(2, f"kvbm: {exc}\n")

@@ -11,6 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server import settings
+from server.options import (
+    EngineFlags,
+    PlannerOptions,
+    ProfileOptions,
+    ServeOptions,
+    WorkerOptions,
+    from_flags,
+)
 from server.planner.cli import (
     add_embedded_planner_flags,
     add_planner_parser,
@@ -20,8 +28,11 @@ from server.planner.cli import (
 )
 
 if TYPE_CHECKING:
+    from kvbm.cli import ServiceOptions
     from kvbm.config import KVBMConfig
     from server.openai.limits import RequestLimits
+
+    Options = ServeOptions | WorkerOptions | PlannerOptions | ProfileOptions | ServiceOptions
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -193,15 +204,15 @@ def _request_limit_flags(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def request_limits(args: argparse.Namespace) -> RequestLimits:
+def request_limits(options: ServeOptions) -> RequestLimits:
     """The OpenAI frontend's RequestLimits of the --max-* request flags; ValueError names a bad flag."""
     from server.openai.limits import RequestLimits
 
     return RequestLimits(
-        max_request_bytes=args.max_request_bytes,
-        max_n=args.max_n,
-        max_prompts=args.max_prompts_per_request,
-        max_seqs=args.max_seqs_per_request,
+        max_request_bytes=options.max_request_bytes,
+        max_n=options.max_n,
+        max_prompts=options.max_prompts_per_request,
+        max_seqs=options.max_seqs_per_request,
     )
 
 
@@ -255,34 +266,37 @@ def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     )
 
 
-def cluster_secret(args: argparse.Namespace, needed_by: str | None) -> bytes | None:
+def cluster_secret(options: ServeOptions | WorkerOptions, needed_by: str | None) -> bytes | None:
     """The cluster secret from --cluster-secret-file or STRATA_CLUSTER_SECRET; ValueError if `needed_by` (the
     flag or command that needs it) is set and there is none, saying how to make one."""
     from kvbm.auth import load_secret
 
-    return load_secret(args.cluster_secret_file, settings.cluster_secret(), needed_by)
+    return load_secret(options.cluster_secret_file, settings.cluster_secret(), needed_by)
 
 
-def triton_access(args: argparse.Namespace) -> dict[str, object]:
+def triton_access(options: ServeOptions) -> dict[str, object]:
     """TritonSettings fields of the access-control and gRPC TLS flags; ValueError names the flag at fault."""
     from server.triton import GrpcSSL, Restriction
 
     ssl = None
-    if args.grpc_use_ssl or args.grpc_use_ssl_mutual:
-        if not (args.grpc_server_cert and args.grpc_server_key):
+    if options.grpc_use_ssl or options.grpc_use_ssl_mutual:
+        if not (options.grpc_server_cert and options.grpc_server_key):
             raise ValueError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
         ssl = GrpcSSL(
-            args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert, args.grpc_use_ssl_mutual
+            options.grpc_server_cert,
+            options.grpc_server_key,
+            options.grpc_root_cert,
+            options.grpc_use_ssl_mutual,
         )
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+    if bool(options.ssl_keyfile) != bool(options.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     return {
-        "access_token": args.access_token,
+        "access_token": options.access_token,
         "http_restricted": tuple(
-            Restriction.parse("--http-restricted-api", v) for v in args.http_restricted_api
+            Restriction.parse("--http-restricted-api", v) for v in options.http_restricted_api
         ),
         "grpc_restricted": tuple(
-            Restriction.parse("--grpc-restricted-protocol", v) for v in args.grpc_restricted_protocol
+            Restriction.parse("--grpc-restricted-protocol", v) for v in options.grpc_restricted_protocol
         ),
         "grpc_ssl": ssl,
     }
@@ -422,41 +436,43 @@ def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
     add_service_flags(p)
 
 
-def kvbm_config(args: argparse.Namespace, secret: bytes | None) -> KVBMConfig | None:
-    """The KVBM tiers of the --kvbm-* flags (shared by `strata serve` and `strata worker`); None with --no-kvbm.
-    G4 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses G4 without one)."""
+def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> KVBMConfig | None:
+    """The KVBM tiers of the --kvbm-* flags and --redis-url (`strata serve` and `strata worker`); None with
+    --no-kvbm. G4 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses G4 without
+    one)."""
     from kvbm.auth import derive_key
     from kvbm.config import KVBMConfig
 
-    if not args.kvbm:
+    tiers = options.tiers
+    if not tiers.kvbm:
         return None
     kvbm = KVBMConfig(
-        host_cache_gb=args.kvbm_host_cache_gb,
-        disk_cache_gb=args.kvbm_disk_cache_gb,
-        disk_path=args.kvbm_disk_path,
-        redis_url=args.redis_url,
-        write_through=args.kvbm_write_through,
-        redis_ttl_s=args.kvbm_redis_ttl_secs,
-        redis_cache_gb=args.kvbm_redis_cache_gb,
-        cache_id=args.kvbm_cache_id,
-        keep_host_cache=args.kvbm_keep_host_cache,
-        flush_budget_s=args.kvbm_flush_secs,
+        host_cache_gb=tiers.kvbm_host_cache_gb,
+        disk_cache_gb=tiers.kvbm_disk_cache_gb,
+        disk_path=tiers.kvbm_disk_path,
+        redis_url=options.redis_url,
+        write_through=tiers.kvbm_write_through,
+        redis_ttl_s=tiers.kvbm_redis_ttl_secs,
+        redis_cache_gb=tiers.kvbm_redis_cache_gb,
+        cache_id=tiers.kvbm_cache_id,
+        keep_host_cache=tiers.kvbm_keep_host_cache,
+        flush_budget_s=tiers.kvbm_flush_secs,
         g4_key=derive_key(secret, "g4-mac") if secret else None,
     )
     kvbm.validate()
     return kvbm
 
 
-def engine_overrides(args: argparse.Namespace) -> dict[str, int]:
+def engine_overrides(flags: EngineFlags) -> dict[str, int]:
     """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests and
     --max-num-batched-tokens."""
     return {
         key: value
         for key, value in (
-            ("max_model_len", args.context_length),
-            ("max_concurrent_requests", args.max_concurrent_requests),
-            ("max_queued_requests", args.max_queued_requests),
-            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("max_model_len", flags.context_length),
+            ("max_concurrent_requests", flags.max_concurrent_requests),
+            ("max_queued_requests", flags.max_queued_requests),
+            ("max_num_batched_tokens", flags.max_num_batched_tokens),
         )
         if value is not None
     }
@@ -474,6 +490,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_options(args: argparse.Namespace) -> Options:
+    """The typed options of the parsed command (server/options.py): what each command's entry point receives."""
+    if args.command == "kvbm":
+        from kvbm.cli import service_options
+
+        return service_options(args)
+    commands = {
+        "serve": ServeOptions,
+        "worker": WorkerOptions,
+        "planner": PlannerOptions,
+        "profile": ProfileOptions,
+    }
+    return from_flags(commands[args.command], args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # imports no torch: the OpenMP setting below still applies
     if args.command == "worker":
@@ -487,34 +518,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "serve":
+    return run(command_options(args))
+
+
+def run(options: Options) -> int:
+    """Run the command `options` are of; its exit code."""
+    if isinstance(options, ServeOptions):
         from server.serve import serve
 
-        return serve(args)
-    if args.command == "worker":
+        return serve(options)
+    if isinstance(options, WorkerOptions):
         from server.workers.remote_worker import run_worker
 
         try:
-            secret = cluster_secret(args, "strata worker (its TCP ports admit only servers that hold it)")
-            overrides, kvbm = engine_overrides(args), kvbm_config(args, secret)
+            secret = cluster_secret(options, "strata worker (its TCP ports admit only servers that hold it)")
+            overrides, kvbm = engine_overrides(options.engine), kvbm_config(options, secret)
         except ValueError as exc:
             logging.getLogger("strata").error("%s", exc)
             return 2
-        return run_worker(args, overrides, kvbm, secret)
-    if args.command == "planner":
-        return run_planner(args)
-    if args.command == "profile":
-        return run_profile(args, engine_overrides(args))
-    if args.command == "kvbm":
-        from kvbm.cli import run
+        return run_worker(options, overrides, kvbm, secret)
+    if isinstance(options, PlannerOptions):
+        return run_planner(options)
+    if isinstance(options, ProfileOptions):
+        return run_profile(options, engine_overrides(options.engine))
+    from kvbm.cli import run as run_service
 
-        try:
-            run(args)
-        except ValueError as exc:  # no cluster secret: the message says how to make one
-            logging.getLogger("strata").error("%s", exc)
-            return 2
-        return 0
-    return 2
+    try:
+        run_service(options)
+    except ValueError as exc:  # no cluster secret: the message says how to make one
+        logging.getLogger("strata").error("%s", exc)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

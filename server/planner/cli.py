@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from server import settings
+from server.options import PlannerOptions, ProfileOptions, SLAFlags
 from server.planner.predict import PREDICTORS
 
 log = logging.getLogger(__name__)
@@ -134,30 +135,35 @@ def add_profile_parser(
     engine_flags(p.add_argument_group("engine overrides (as `strata worker` takes them)"))
 
 
-def run_profile(args: argparse.Namespace, overrides: dict[str, int]) -> int:
+def run_profile(options: ProfileOptions, overrides: dict[str, int]) -> int:
     from server.engine.llm_engine import LLMEngine
     from server.planner.profile import profile_worker, save, table
     from server.workers.remote_worker import model_engine_config
 
     try:
-        config = model_engine_config(args.model_repository, args.model, overrides)
+        config = model_engine_config(options.model_repository, options.model, overrides)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     engine = LLMEngine(config)
     try:
         profile = profile_worker(
-            engine, args.prompt_lengths, args.concurrency, args.contexts, args.decode_tokens, args.repeats
+            engine,
+            options.prompt_lengths,
+            options.concurrency,
+            options.contexts,
+            options.decode_tokens,
+            options.repeats,
         )
     finally:
         engine.close()
-    save(profile, args.output)
+    save(profile, options.output)
     print(table(profile))
-    print(f"written to {args.output}")
+    print(f"written to {options.output}")
     return 0
 
 
-def run_planner(args: argparse.Namespace) -> int:
+def run_planner(options: PlannerOptions) -> int:
     """`strata planner` until SIGTERM/SIGINT. Exit code 2 for a bad flag or profile (the message names it)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
@@ -167,16 +173,18 @@ def run_planner(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry()
     try:
-        config, profile = planner_config(args, args.model, args.profile, not args.aggregated)
-        connector, leadership = _connector(args)
+        config, profile = planner_config(options.sla, options.model, options.profile, not options.aggregated)
+        connector, leadership = _connector(options)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    thresholds = HttpThresholds(args.disagg_url, args.model, args.api_key) if args.disagg_url else None
-    planner = Planner(config, profile, ScrapeSource(args.metrics_url), connector, PlannerMetrics.create(registry),
-                      leadership, thresholds)  # fmt: skip
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=registry)
+    thresholds = (
+        HttpThresholds(options.disagg_url, options.model, options.api_key) if options.disagg_url else None
+    )
+    planner = Planner(config, profile, ScrapeSource(options.metrics_url), connector,
+                      PlannerMetrics.create(registry), leadership, thresholds)  # fmt: skip
+    if options.metrics_port:
+        start_http_server(options.metrics_port, registry=registry)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -185,7 +193,7 @@ def run_planner(args: argparse.Namespace) -> int:
     return 0
 
 
-def planner_config(args: argparse.Namespace, model: str, profile: Path | None, disaggregated: bool):
+def planner_config(sla: SLAFlags, model: str, profile: Path | None, disaggregated: bool):
     """The PlannerConfig and WorkerProfile of the SLA flags (`strata planner`, `strata serve --planner`);
     ValueError names a missing or bad flag."""
     from server.planner.planner import PlannerConfig
@@ -193,19 +201,19 @@ def planner_config(args: argparse.Namespace, model: str, profile: Path | None, d
     from server.planner.sizing import Bounds, Targets
 
     for flag in ("ttft_target", "itl_target", "adjustment_interval"):
-        if getattr(args, flag) is None:
+        if getattr(sla, flag) is None:
             raise ValueError(f"the planner needs --{flag.replace('_', '-')}")
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.scale_down_intervals < 1:
-        raise ValueError(f"--scale-down-intervals must be 1 or more, got {args.scale_down_intervals}")
-    if not 0 <= args.min_workers <= args.max_workers <= args.max_total_workers:
+        if getattr(sla, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(sla, flag)}")
+    if sla.scale_down_intervals < 1:
+        raise ValueError(f"--scale-down-intervals must be 1 or more, got {sla.scale_down_intervals}")
+    if not 0 <= sla.min_workers <= sla.max_workers <= sla.max_total_workers:
         raise ValueError("expected 0 <= --min-workers <= --max-workers <= --max-total-workers")
-    bounds = Bounds(args.min_workers, args.max_workers, max(args.min_workers, 1), args.max_workers,
-                    args.max_total_workers)  # fmt: skip
-    config = PlannerConfig(model, Targets(args.ttft_target, args.itl_target), bounds, args.adjustment_interval,
-                           args.predictor, disaggregated, scale_down_intervals=args.scale_down_intervals,
-                           follow_last=args.follow_last)  # fmt: skip
+    bounds = Bounds(sla.min_workers, sla.max_workers, max(sla.min_workers, 1), sla.max_workers,
+                    sla.max_total_workers)  # fmt: skip
+    config = PlannerConfig(model, Targets(sla.ttft_target, sla.itl_target), bounds, sla.adjustment_interval,
+                           sla.predictor, disaggregated, scale_down_intervals=sla.scale_down_intervals,
+                           follow_last=sla.follow_last)  # fmt: skip
     if profile is None:
         raise ValueError(
             "the planner needs a worker profile (--planner-profile; write one with `strata profile`)"
@@ -213,28 +221,29 @@ def planner_config(args: argparse.Namespace, model: str, profile: Path | None, d
     return config, load(profile)
 
 
-def _connector(args: argparse.Namespace):
-    if args.connector == "kubernetes":
+def _connector(options: PlannerOptions):
+    if options.connector == "kubernetes":
         from server.planner.kubernetes import KubernetesConnector, KubernetesLeadership
 
-        deployments = dict(_role_name(value) for value in args.deployment)
-        connector = KubernetesConnector.from_cluster(args.namespace, deployments, args.dry_run)
-        identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+        deployments = dict(_role_name(value) for value in options.deployment)
+        connector = KubernetesConnector.from_cluster(options.namespace, deployments, options.dry_run)
+        identity = options.identity or os.environ.get("POD_NAME") or socket.gethostname()
         leadership = KubernetesLeadership.from_cluster(
-            args.namespace, args.lease_name or f"strata-planner-{args.model}", identity
+            options.namespace, options.lease_name or f"strata-planner-{options.model}", identity
         )
         return connector, leadership
     from server.planner.local import LocalConnector, RedisLeadership
 
-    if args.model_repository is None or args.redis_url is None:
+    if options.model_repository is None or options.redis_url is None:
         raise ValueError("--connector local needs --model-repository and --redis-url")
-    connector = LocalConnector(args.model_repository, args.model, args.redis_url, shlex.split(args.worker_args),
-                               exit_timeout_s=args.exit_timeout_secs)  # fmt: skip
-    if args.dry_run:
+    connector = LocalConnector(options.model_repository, options.model, options.redis_url,
+                               shlex.split(options.worker_args), exit_timeout_s=options.exit_timeout_secs)  # fmt: skip
+    if options.dry_run:
         raise ValueError(
             "--dry-run is for --connector kubernetes; the local connector acts or is not started"
         )
-    return connector, RedisLeadership(args.redis_url, args.model, lease_s=3 * args.adjustment_interval)
+    lease_s = 3 * options.sla.adjustment_interval
+    return connector, RedisLeadership(options.redis_url, options.model, lease_s=lease_s)
 
 
 class HttpThresholds:

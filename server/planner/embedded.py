@@ -12,7 +12,6 @@ has let them go.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import threading
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry
 
 from server.engine.api import Engine
+from server.options import ServeOptions
 from server.planner.cli import planner_config
 from server.planner.local import LocalConnector, RedisLeadership
 from server.planner.metrics import PlannerMetrics
@@ -36,25 +36,25 @@ class EmbeddedPlanner:
 
     @classmethod
     def start(
-        cls, args: argparse.Namespace, engines: Mapping[str, Engine], registry: CollectorRegistry
+        cls, options: ServeOptions, engines: Mapping[str, Engine], registry: CollectorRegistry
     ) -> EmbeddedPlanner:
-        """Plan `args.planner` from now on (serve's flag checks already required --accept-remote-workers);
+        """Plan `options.planner` from now on (serve's flag checks already required --accept-remote-workers);
         ValueError names the flag at fault."""
-        model = args.planner
+        model = options.planner
         engine = engines.get(model)
         if engine is None:
             raise ValueError(
                 f"--planner {model}: no LLM model of that name is served (served: {sorted(engines)})"
             )
         disagg = getattr(engine, "disagg", None)
-        config, profile = planner_config(args, model, args.planner_profile, disaggregated=disagg is not None)
-        worker_args = shlex.split(args.planner_worker_args)
-        if args.cluster_secret_file is not None:
-            worker_args += ["--cluster-secret-file", str(args.cluster_secret_file)]
-        repository = next(r for r in args.model_repository if (r / model).is_dir())
-        connector = LocalConnector(repository, model, args.redis_url, worker_args,
-                                   exit_timeout_s=args.exit_timeout_secs)  # fmt: skip
-        leadership = RedisLeadership(args.redis_url, model, lease_s=3 * config.interval_s)
+        config, profile = planner_config(options.sla, model, options.planner_profile, disagg is not None)
+        worker_args = shlex.split(options.planner_worker_args)
+        if options.cluster_secret_file is not None:
+            worker_args += ["--cluster-secret-file", str(options.cluster_secret_file)]
+        repository = next(r for r in options.model_repository if (r / model).is_dir())
+        connector = LocalConnector(repository, model, options.redis_url, worker_args,
+                                   exit_timeout_s=options.exit_timeout_secs)  # fmt: skip
+        leadership = RedisLeadership(options.redis_url, model, lease_s=3 * config.interval_s)
         planner = Planner(config, profile, RegistrySource(registry), connector, PlannerMetrics.create(registry),
                           leadership, disagg)  # fmt: skip
         embedded = cls(planner, connector)

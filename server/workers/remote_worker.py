@@ -58,6 +58,7 @@ from server.workers.worker import (
 )
 
 if TYPE_CHECKING:  # the vLLM venv runs this module too, and has no tritonclient (model_config's protobufs)
+    from server.options import WorkerOptions
     from server.repository.model_config import ModelSource
 
 log = logging.getLogger(__name__)
@@ -180,54 +181,54 @@ class RemoteWorker:
 
 
 def run_worker(
-    args: argparse.Namespace, overrides: dict[str, Any], kvbm: KVBMConfig | None, cluster_secret: bytes
+    flags: WorkerOptions, overrides: dict[str, Any], kvbm: KVBMConfig | None, cluster_secret: bytes
 ) -> int:
-    """`strata worker` (the CLI parses the flags into `args`, the engine `overrides`, the `kvbm` tiers and the
+    """`strata worker` (the CLI parses the flags into `flags`, the engine `overrides`, the `kvbm` tiers and the
     cluster secret): build the model's engine as `strata serve` would, calibrate, register, serve until
     SIGTERM/SIGINT. Exit code 2 for a bad flag or model (the message names it). A model with backend vllm runs
     under --vllm-python: this process re-executes itself there (`_vllm_worker`)."""
     from server.repository.model_config import VLLM
 
     try:
-        source = _llm_model(args.model_repository, args.model)
-        redis.Redis.from_url(args.redis_url, socket_connect_timeout=2).ping()
+        source = _llm_model(flags.model_repository, flags.model)
+        redis.Redis.from_url(flags.redis_url, socket_connect_timeout=2).ping()
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     except redis.RedisError as exc:
-        log.error("--redis-url %s: cannot reach Redis: %s", args.redis_url, exc)
+        log.error("--redis-url %s: cannot reach Redis: %s", flags.redis_url, exc)
         return 2
-    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    advertise = args.advertise_host or (socket.gethostname() if args.host == "0.0.0.0" else args.host)
+    worker_id = flags.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    advertise = flags.advertise_host or (socket.gethostname() if flags.host == "0.0.0.0" else flags.host)
     options = RemoteWorkerOptions(
         worker_id,
-        args.redis_url,
-        args.host,
+        flags.redis_url,
+        flags.host,
         advertise,
-        args.port,
-        args.lease_secs,
-        exit_timeout_s=args.exit_timeout_secs,
+        flags.port,
+        flags.lease_secs,
+        exit_timeout_s=flags.exit_timeout_secs,
         curve=link_keys(cluster_secret),
     )
-    forward = args.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
+    forward = flags.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
     if source.backend == VLLM:
-        return _vllm_worker(args, source, overrides, kvbm, cluster_secret, options, forward)
+        return _vllm_worker(flags, source, overrides, kvbm, cluster_secret, options, forward)
     try:
-        config = _engine_config(source, args.model, overrides)
+        config = _engine_config(source, flags.model, overrides)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     try:  # disaggregated handoffs: shared memory with workers of this host, a CURVE-authenticated pull across
-        transfer = KVTransferConfig(cluster_secret, args.host, advertise, args.kv_transfer_port).build()
+        transfer = KVTransferConfig(cluster_secret, flags.host, advertise, flags.kv_transfer_port).build()
     except OSError as exc:
-        log.error("--kv-transfer-port %d: %s", args.kv_transfer_port, exc)
+        log.error("--kv-transfer-port %d: %s", flags.kv_transfer_port, exc)
         return 2
     from server.engine.llm_engine import LLMEngine
 
     events = ChannelEvents(None) if forward else None
     connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
     engine = LLMEngine(config, connector, transfer)
-    return serve_engine(engine, args.role, options, events, connector.request_announce if forward else None)
+    return serve_engine(engine, flags.role, options, events, connector.request_announce if forward else None)
 
 
 def serve_engine(
@@ -277,7 +278,7 @@ class VLLMLaunch(msgspec.Struct, frozen=True):
 
 
 def _vllm_worker(
-    args: argparse.Namespace,
+    flags: WorkerOptions,
     source: ModelSource,
     overrides: dict[str, Any],
     kvbm: KVBMConfig | None,
@@ -287,27 +288,27 @@ def _vllm_worker(
 ) -> int:
     """A vLLM-backend model: its engine arguments checked here, vLLM run here if this Python has it, else this
     process becomes `--vllm-python -m server.workers.remote_worker` (same pid: signals reach it unchanged)."""
-    if args.role != "both" and kvbm is None:
-        log.error("--role %s: backend vllm hands KV over through the KVBM tiers; drop --no-kvbm", args.role)
+    if flags.role != "both" and kvbm is None:
+        log.error("--role %s: backend vllm hands KV over through the KVBM tiers; drop --no-kvbm", flags.role)
         return 2
     try:
         config = VLLMConfig.from_json(source.path / str(source.versions[-1]) / source.model_filename)
     except ValueError as exc:
-        log.error("--model %s: %s", args.model, exc)
+        log.error("--model %s: %s", flags.model, exc)
         return 2
-    config.model_name = args.model
+    config.model_name = flags.model
     config.apply_overrides(overrides)
     launch = VLLMLaunch(
         config.worker_args(kvbm), options.worker_id, options.redis_url, options.host, options.advertise_host,
-        options.port, options.lease_s, options.exit_timeout_s, forward, args.role, cluster_secret.hex(),
+        options.port, options.lease_s, options.exit_timeout_s, forward, flags.role, cluster_secret.hex(),
     )  # fmt: skip
     if importlib.util.find_spec("vllm") is not None:
         return _serve_vllm(launch)
-    if not args.vllm_python:
+    if not flags.vllm_python:
         log.error(
             "--model %s: backend vllm needs a venv with vLLM: give --vllm-python (or STRATA_VLLM_PYTHON); "
             "`make vllm` builds .venv-vllm",
-            args.model,
+            flags.model,
         )
         return 2
     payload = msgspec.json.encode(launch)
@@ -319,12 +320,12 @@ def _vllm_worker(
     os.set_inheritable(read, True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
-    command = [args.vllm_python, "-m", "server.workers.remote_worker", "--launch-fd", str(read)]
-    log.info("backend vllm: continuing under %s", args.vllm_python)
+    command = [flags.vllm_python, "-m", "server.workers.remote_worker", "--launch-fd", str(read)]
+    log.info("backend vllm: continuing under %s", flags.vllm_python)
     try:
-        os.execve(args.vllm_python, command, env)
+        os.execve(flags.vllm_python, command, env)
     except OSError as exc:
-        log.error("--vllm-python %s: %s", args.vllm_python, exc)
+        log.error("--vllm-python %s: %s", flags.vllm_python, exc)
         return 2
 
 

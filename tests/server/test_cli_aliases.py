@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import build_parser, engine_overrides
+from server.cli import build_parser, command_options, engine_overrides
 
 COMMANDS = {
     "serve": ["serve", "--model-repository", "repo"],
@@ -21,4 +21,5 @@ def test_max_model_len_and_max_num_seqs_are_the_context_length_and_concurrency_o
         [*COMMANDS[command], "--context-length", "1024", "--max-concurrent-requests", "8"]
     )
     expected = {"max_model_len": 1024, "max_concurrent_requests": 8}
-    assert engine_overrides(vllm_names) == engine_overrides(strata_names) == expected
+    overrides = [engine_overrides(command_options(args).engine) for args in (vllm_names, strata_names)]
+    assert overrides == [expected, expected]
