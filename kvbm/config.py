@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import re
+import typing
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 GIB = 1 << 30
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(pattern="^[^/]+$", description="a non-empty name without '/'")]
 
 
 class KVBMConfigError(ValueError):
@@ -16,8 +23,7 @@ class KVBMConfigError(ValueError):
         self.field = field
 
 
-@dataclass(slots=True)
-class KVBMConfig:
+class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Sizes are GiB of block payload; a tier sized 0 (or a Redis url of None) is off.
 
     host_cache_gb      G2: POSIX shared-memory pool shared by every worker on the node (--kvbm-host-cache-gb)
@@ -41,43 +47,43 @@ class KVBMConfig:
                        "g4-mac")); required with redis_url: Redis is shared storage, not trusted storage
     """
 
-    host_cache_gb: float = 1.0
-    disk_cache_gb: float = 0.0
+    host_cache_gb: NonNegative = 1.0
+    disk_cache_gb: NonNegative = 0.0
     disk_path: Path = Path(".strata-cache/kvbm")
     redis_url: str | None = None
-    redis_cache_gb: float = 0.0
-    redis_ttl_s: int = 0
+    redis_cache_gb: NonNegative = 0.0
+    redis_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
     write_through: bool = False
-    disk_min_uses: int = 1
+    disk_min_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
     disk_fsync: bool = False
-    cache_id: str = "default"
+    cache_id: Name = "default"
     keep_host_cache: bool = False
-    flush_budget_s: float = 5.0
-    g4_key: bytes | None = field(default=None, repr=False)
+    flush_budget_s: NonNegative = 5.0
+    g4_key: bytes | None = None  # never in repr
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "g4_key")
+        return f"KVBMConfig({fields}, g4_key={'<set>' if self.g4_key else None})"
 
     def validate(self) -> None:
-        for name in ("host_cache_gb", "disk_cache_gb", "redis_cache_gb"):
-            if getattr(self, name) < 0:
-                raise KVBMConfigError(name, "must be >= 0 GiB")
-        if self.redis_ttl_s < 0:
-            raise KVBMConfigError("redis_ttl_s", "must be >= 0 seconds")
-        if self.flush_budget_s < 0:
-            raise KVBMConfigError("flush_budget_s", "must be >= 0 seconds")
-        if self.disk_min_uses < 1:
-            raise KVBMConfigError("disk_min_uses", "must be >= 1")
+        """Raise KVBMConfigError naming the field of a value of the wrong type or out of range, or of G4 without
+        its key. A `disk_path` given as a string becomes a Path."""
+        self.disk_path = Path(self.disk_path)
+        try:
+            msgspec.convert(msgspec.structs.asdict(self), KVBMConfig)
+        except msgspec.ValidationError as exc:
+            field, message = _field_problem(exc)
+            raise KVBMConfigError(field, message) from None
         if self.redis_url and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
             raise KVBMConfigError(
                 "redis_url",
                 "G4 blocks are signed with a key derived from the cluster secret; "
                 "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)",
             )
-        if not self.cache_id or "/" in self.cache_id:
-            raise KVBMConfigError("cache_id", "must be a non-empty name without '/'")
-        self.disk_path = Path(self.disk_path)
 
     def to_json(self) -> dict[str, object]:
         """JSON values (the path as a string, the G4 key as hex) for a worker under another Python."""
-        values = asdict(self)
+        values = msgspec.structs.asdict(self)
         values["disk_path"] = str(self.disk_path)
         values["g4_key"] = self.g4_key.hex() if self.g4_key is not None else None
         return values
@@ -93,3 +99,18 @@ class KVBMConfig:
     def capacity_blocks(self, size_gb: float, block_bytes: int) -> int:
         """How many whole blocks of `block_bytes` fit in `size_gb` GiB."""
         return int(size_gb * GIB) // block_bytes
+
+
+def _field_problem(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """The KVBMConfig field of a msgspec validation error and what is wrong ("must be >= 0.0", or the field's
+    description); the short form of server.errors.field_problem (kvbm imports nothing of server)."""
+    problem, _, path = str(exc).partition(" - at `$.")
+    field = path.rstrip("`")
+    types = {f.name: f.type for f in msgspec.structs.fields(KVBMConfig)}
+    meta = next(
+        (m for m in typing.get_args(types.get(field)) if isinstance(m, msgspec.Meta) and m.description), None
+    )
+    bound = re.fullmatch(r"Expected `[^`]+` ([<>]=? .+)", problem)
+    if meta is not None:
+        return field, f"must be {meta.description}"
+    return field, f"must be {bound[1]}" if bound else problem[:1].lower() + problem[1:]

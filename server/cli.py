@@ -208,7 +208,7 @@ def request_limits(options: ServeOptions) -> RequestLimits:
     """The OpenAI frontend's RequestLimits of the --max-* request flags; ValueError names a bad flag."""
     from server.openai.limits import RequestLimits
 
-    return RequestLimits(
+    return RequestLimits.checked(
         max_request_bytes=options.max_request_bytes,
         max_n=options.max_n,
         max_prompts=options.max_prompts_per_request,

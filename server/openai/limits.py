@@ -7,12 +7,12 @@ could hold, with a 400 naming the field. The `strata serve` flags set `RequestLi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine.api import Engine, RequestError, check_prompt_chars
+from server.errors import PositiveInt, field_problem
 from server.openai import protocol as p
 from server.openai.serving import OpenAIError
 
@@ -24,20 +24,23 @@ FLAGS = {  # RequestLimits field -> the `strata serve` flag that sets it
 }
 
 
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """Per-request bounds of the OpenAI frontend (each a `strata serve` flag, see FLAGS)."""
+class RequestLimits(msgspec.Struct, frozen=True):
+    """Per-request bounds of the OpenAI frontend (each a `strata serve` flag, see FLAGS); `checked` builds one
+    from the flags' values."""
 
-    max_request_bytes: int = 16 * 1024 * 1024  # HTTP body, bytes
-    max_n: int = 128  # choices per prompt (OpenAI's own limit)
-    max_prompts: int = 256  # prompts in one /v1/completions request
-    max_seqs: int = 256  # n x prompts: engine sequences one request starts
+    max_request_bytes: PositiveInt = 16 * 1024 * 1024  # HTTP body, bytes
+    max_n: PositiveInt = 128  # choices per prompt (OpenAI's own limit)
+    max_prompts: PositiveInt = 256  # prompts in one /v1/completions request
+    max_seqs: PositiveInt = 256  # n x prompts: engine sequences one request starts
 
-    def __post_init__(self) -> None:
-        for name, flag in FLAGS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{flag}: must be a positive integer, got {value!r}")
+    @classmethod
+    def checked(cls, **limits: int) -> RequestLimits:
+        """The limits of these field values; ValueError naming the flag of one that is not a positive integer."""
+        try:
+            return msgspec.convert(limits, cls)
+        except msgspec.ValidationError as exc:
+            field, problem = field_problem(exc, cls, limits)
+            raise ValueError(f"{FLAGS.get(field, field)}: {problem}") from None
 
 
 def check_request(request: p.SamplingFields, limits: RequestLimits, engine: Engine | None) -> None:

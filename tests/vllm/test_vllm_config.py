@@ -43,8 +43,10 @@ def test_a_model_folder_next_to_model_json_resolves(tmp_path):
     ("body", "expected"),
     [
         ('{"model": "x",\n  oops}', ":2:"),
-        ("[1, 2]", "expected a JSON object"),
-        ({"dtype": "float32"}, "model: a non-empty string is required"),
+        ("[1, 2]", "expected `object`, got `array`"),
+        ({"dtype": "float32"}, "model: missing (required), must be a non-empty string"),
+        ({"model": ""}, "model: must be a non-empty string (a local model folder), got ''"),
+        ({"model": "x", "max_num_seqs": 0}, "max_num_seqs: must be a positive integer, got 0"),
         ({"model": "x", "kv_events_config": {}}, "kv_events_config: set by Strata"),
     ],
 )
