@@ -178,42 +178,20 @@ def check_prompt_chars(field: str, num_chars: int, max_model_len: int) -> None:
         )
 
 
-class RemoteDecode(msgspec.Struct, array_like=True):
-    """Disaggregated serving, prefill side: compute the prompt and its first token, then hand the prompt's KV to
-    the decode worker instead of decoding (the last output carries a `KVHandoff`). A first token that ends the
-    request (a stop, max_tokens 1) finishes it here as usual."""
-
-    decode_host: str  # where the decode worker runs: shared memory on this host, the network otherwise
-
-
-class KVHandoff(msgspec.Struct, array_like=True):
-    """Disaggregated serving: what a prefill engine computed, for the decode engine that continues the request.
-    `block_hashes` are the prompt's full blocks in order (the request's salt chain); the decode engine fetches
-    them through `transport` at `location` (kvbm/transfer.py) and recomputes whatever it cannot read."""
-
-    transport: str  # shm | tcp | kvbm (in the KVBM tiers: G2 on one node, G4 across) | none (recompute)
-    location: str
-    block_hashes: list[int]
-    block_bytes: int
-    token_ids: list[int]  # output tokens the prefill engine generated and reported (the first token)
-    num_cached_tokens: int  # prompt tokens the prefill engine found cached (what the client is told)
-
-
 class GenerationRequest(msgspec.Struct, array_like=True):
     """One prompt to continue. The prompt is already tokenized (the caller applied any chat template).
 
     `cache_salt`: requests share prefix-cache blocks (any tier) only when their salts are equal, None included
     (`kvbm.block_hash.request_salt`); a tenant's salt keeps others from probing its prompts through cached tokens.
-    `remote_decode` (to a prefill worker) and `remote_prefill` (to a decode worker) are set by the router in
-    disaggregated serving; clients never set them.
+    `kv_transfer_params`: set by the router in disaggregated serving, never by clients; opaque here, read only by
+    the engine's KV transfer connector (`kvbm.transfer_params`: what to hand off, or what to continue from).
     """
 
     request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_salt: str | None = None
-    remote_decode: RemoteDecode | None = None
-    remote_prefill: KVHandoff | None = None
+    kv_transfer_params: bytes | None = None
 
 
 class GenerationOutput(msgspec.Struct, array_like=True):
@@ -229,12 +207,10 @@ class GenerationOutput(msgspec.Struct, array_like=True):
     num_output_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": an internal failure, already logged
     retryable: bool = False  # with "error": the request did not fail, its worker died; a router may resume it
-    # disaggregated serving: the prefill engine's last output (finished, no finish_reason) carries the handoff;
-    # the send side's and the decode engine's receive side's transfer time and bytes are reported once each
-    # (integers: each costs one byte in every other output's message)
-    kv_handoff: KVHandoff | None = None
-    kv_transfer_us: int = 0
-    kv_transfer_bytes: int = 0
+    # disaggregated serving: opaque to all but the KV transfer connector's halves (see `kvbm.transfer_params`): a
+    # prefill engine's last output (finished, no finish_reason) says where the prompt's KV went, a decode engine's
+    # first output after reading it reports the read
+    kv_transfer_params: bytes | None = None
 
 
 OutputSink = Callable[[GenerationOutput], None]
@@ -380,8 +356,8 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
 def continuation(request: GenerationRequest, generated_token_ids: Sequence[int]) -> GenerationRequest:
     """The request that generates the rest of `request`'s answer once `generated_token_ids` are out: its prompt is
     the prompt followed by those tokens, its max_tokens what is left of them and its min_tokens too (never below
-    0); the id, cache salt, seed, stop strings and every other sampling field are the request's. The router's
-    `remote_decode`/`remote_prefill` are dropped: the continuation runs whole on whichever engine takes it.
+    0); the id, cache salt, seed, stop strings and every other sampling field are the request's. Its
+    `kv_transfer_params` are dropped: the continuation runs whole on whichever engine takes it.
 
     Invariant (tokens): len(generated_token_ids) + continuation.sampling.max_tokens == request.sampling.max_tokens,
     and the continuation's prompt ends with generated_token_ids. A greedy continuation's tokens are the ones the
@@ -401,6 +377,5 @@ def continuation(request: GenerationRequest, generated_token_ids: Sequence[int])
         request,
         prompt_token_ids=[*request.prompt_token_ids, *generated_token_ids],
         sampling=rest,
-        remote_decode=None,
-        remote_prefill=None,
+        kv_transfer_params=None,
     )

@@ -166,10 +166,10 @@ class EngineCore:
 
     def _hand_off(self, seq: Sequence) -> None:
         """A prefill-only request has its first token: hand its KV off and finish it here with the handoff."""
-        handoff, sent = self.kv_transfer.hand_off(seq)
+        params = self.kv_transfer.hand_off(seq)
         self.scheduler.remove(seq)
         self._on_finished(seq.request_id)
-        self.outputs.emit(seq, finished=True, handoff=handoff, transfer=sent)
+        self.outputs.emit(seq, finished=True, kv_transfer_params=params)
 
     def fail(self, seqs: list[Sequence], err: Exception) -> None:
         """Finish `seqs` with finish_reason "error"; their clients see the exception's type and message."""

@@ -1,13 +1,15 @@
 """Disaggregated prefill/decode for Strata's engine, as a KV connector with two halves (vLLM v1's shape).
 
-The router decides (server/router/disagg.py). Scheduler half, on the caller's thread at submit: a request with
-`remote_decode` is marked to hand off; a request with `remote_prefill` (a `KVHandoff`) is brought to where its
+The router decides (server/router/disagg.py) and says so in the request's opaque `kv_transfer_params`
+(`kvbm.transfer_params`). Scheduler half, on the caller's thread at submit: a request with `RemoteDecode` params
+is marked to hand off; a request with `KVHandoff` params is brought to where its
 prefill engine left it (the prefill's tokens reported, its detokenizer holding back what the prefill's held back,
 a seeded generator past the prefill's draws) and its blocks are fetched on the `kv-fetch` thread before it joins
 the engine's inbox; the block manager reads them into pool rows when the scheduler admits it. Worker half, on
 the engine thread: once a handed-off request has its first token, `hand_off` sends the prompt's full blocks
-toward the decode worker (one gather write) and describes them. The core sees only `wants_hand_off` and
-`hand_off`; a sequence's transfer fields live in its `KVTransferState`.
+toward the decode worker (one gather write) and describes them in the last output's params; a decode engine's
+first output after the read carries `KVReceived`. The core sees only `wants_hand_off` and `hand_off` (and
+bytes); a sequence's transfer fields live in its `KVTransferState`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ import torch
 
 from kvbm.api import KVConnector
 from kvbm.transfer import KVTransfer
-from server.engine.api import GenerationRequest, KVHandoff, RequestError
+from kvbm.transfer_params import (
+    KVHandoff,
+    KVReceived,
+    KVTransferParams,
+    RemoteDecode,
+    encode_transfer_params,
+    request_params,
+)
+from server.engine.api import GenerationRequest, RequestError
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import KVTransferState, Sequence
 
@@ -50,36 +60,35 @@ class KVTransferConnector:
 
     # ---- scheduler half (the caller's thread) ----
 
-    def validate(self, request: GenerationRequest) -> None:
-        handoff = request.remote_prefill
-        if handoff is not None and (
-            len(handoff.token_ids) >= request.sampling.max_tokens
-            or not all(0 <= t < self.vocab_size for t in handoff.token_ids)
-        ):
-            raise RequestError("remote_prefill", "token_ids must be fewer than max_tokens, in the vocabulary")
+    def validate(self, request: GenerationRequest) -> RemoteDecode | KVHandoff | None:
+        """The request's transfer params, checked; RequestError("kv_transfer_params") naming what is wrong."""
+        try:
+            return request_params(request.kv_transfer_params, request.sampling.max_tokens, self.vocab_size)
+        except ValueError as err:
+            raise RequestError("kv_transfer_params", str(err)) from None
 
-    def prepare(self, seq: Sequence, request: GenerationRequest) -> None:
+    def prepare(self, seq: Sequence, params: RemoteDecode | KVHandoff | None) -> None:
         """Give `seq` its transfer state: to hand off after its first token, or resumed from a handoff."""
-        if request.remote_decode is not None:
-            seq.kv_transfer = KVTransferState(decode_host=request.remote_decode.decode_host)
-        handoff = request.remote_prefill
-        if handoff is None:
+        if isinstance(params, RemoteDecode):
+            seq.kv_transfer = KVTransferState(decode_host=params.decode_host)
+        if not isinstance(params, KVHandoff):
             return
         seq.kv_transfer = KVTransferState()
-        seq.num_reported_tokens = len(handoff.token_ids)
-        seq.num_cached_tokens = handoff.num_cached_tokens
-        for token_id in handoff.token_ids:
+        seq.num_reported_tokens = len(params.token_ids)
+        seq.num_cached_tokens = params.num_cached_tokens
+        for token_id in params.token_ids:
             seq.detokenizer.add_token(token_id)
         seq.detokenizer.take_text(finished=False)
         if seq.generator is not None and seq.sampling.temperature > 0:
             draw = torch.empty(self.vocab_size, device=self.device)
-            for _ in handoff.token_ids:  # the sampler draws one vocab-sized row of noise per token
+            for _ in params.token_ids:  # the sampler draws one vocab-sized row of noise per token
                 draw.exponential_(generator=seq.generator)
 
     @staticmethod
-    def needs_fetch(handoff: KVHandoff | None) -> bool:
-        """ "kvbm": the blocks are in the KVBM tiers, found by the connector at admission; "none": recompute."""
-        return handoff is not None and handoff.transport not in ("none", "kvbm")
+    def needs_fetch(params: KVTransferParams | None) -> bool:
+        """A handoff to fetch before admission (transport "kvbm": the blocks are in the KVBM tiers, found by the
+        connector at admission; "none": recompute)."""
+        return isinstance(params, KVHandoff) and params.transport not in ("none", "kvbm")
 
     def fetch_then(self, seq: Sequence, handoff: KVHandoff, enqueue: Callable[[Sequence], bool]) -> None:
         """Open `seq`'s handoff on the fetch thread, then `enqueue(seq)` (a failed fetch enqueues it to
@@ -111,9 +120,9 @@ class KVTransferConnector:
     def wants_hand_off(seq: Sequence) -> bool:
         return seq.kv_transfer is not None and seq.kv_transfer.decode_host is not None
 
-    def hand_off(self, seq: Sequence) -> tuple[KVHandoff, tuple[float, int]]:
-        """Send the prompt's full blocks (computed and registered) toward the decode worker. Returns the handoff
-        and (seconds, bytes) sent; a failed send hands off nothing and the decode worker recomputes."""
+    def hand_off(self, seq: Sequence) -> bytes:
+        """Send the prompt's full blocks (computed and registered) toward the decode worker; returns the
+        encoded `KVHandoff` for the last output. A failed send hands off nothing: the decode worker recomputes."""
         num_blocks = seq.num_prompt_tokens // seq.block_size
         hashes, rows = seq.block_hashes[:num_blocks], self.block_manager.rows
         started, transport, location = time.perf_counter(), "none", ""
@@ -136,11 +145,21 @@ class KVTransferConnector:
                 log.exception(
                     "request %s: offloading its KV failed; the decode worker recomputes", seq.request_id
                 )
-        sent = (time.perf_counter() - started, num_blocks * self.block_bytes if transport != "none" else 0)
         handoff = KVHandoff(
-            transport, location, list(hashes), self.block_bytes, seq.output_token_ids, seq.num_cached_tokens
-        )
-        return handoff, sent
+            transport, location, list(hashes), self.block_bytes, seq.output_token_ids, seq.num_cached_tokens,
+            sent_us=round((time.perf_counter() - started) * 1e6),
+            sent_bytes=num_blocks * self.block_bytes if transport != "none" else 0,
+        )  # fmt: skip
+        return encode_transfer_params(handoff)
+
+    @staticmethod
+    def take_received(seq: Sequence) -> bytes | None:
+        """The encoded `KVReceived` of a read handoff, once (the output that reports it takes it)."""
+        transfer = seq.kv_transfer
+        if transfer is None or transfer.received is None:
+            return None
+        (seconds, nbytes), transfer.received = transfer.received, None
+        return encode_transfer_params(KVReceived(round(seconds * 1e6), nbytes))
 
     def close(self) -> None:
         if self._fetcher is not None:

@@ -19,6 +19,7 @@ import torch
 from kvbm.api import KVConnector
 from kvbm.block_hash import request_salt
 from kvbm.transfer import KVTransfer
+from kvbm.transfer_params import KVHandoff, RemoteDecode
 from server.engine.api import (
     EngineOverloaded,
     GenerationRequest,
@@ -121,17 +122,16 @@ class LLMEngine:
         return self._chat_tokenizer.encode(rendered, add_special_tokens=False)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
-        self._validate(request)
-        params = request.sampling
-        handoff = request.remote_prefill
-        resumed = handoff.token_ids if handoff is not None else []
+        params = self._validate(request)
+        resumed = params.token_ids if isinstance(params, KVHandoff) else []  # a prefill engine's first token
+        sampling = request.sampling
         seq = Seq(
             request_id=request.request_id, token_ids=[*request.prompt_token_ids, *resumed],
-            num_prompt_tokens=len(request.prompt_token_ids), sampling=params, sink=sink,
-            detokenizer=Detokenizer(self.tokenizer, params.stop), block_size=self.config.block_size,
-            salt=request_salt(self.salt, request.cache_salt), generator=_generator(params.seed, self.model.device),
+            num_prompt_tokens=len(request.prompt_token_ids), sampling=sampling, sink=sink,
+            detokenizer=Detokenizer(self.tokenizer, sampling.stop), block_size=self.config.block_size,
+            salt=request_salt(self.salt, request.cache_salt), generator=_generator(sampling.seed, self.model.device),
         )  # fmt: skip
-        self.kv_transfer.prepare(seq, request)
+        self.kv_transfer.prepare(seq, params)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("engine is shut down")
@@ -144,8 +144,8 @@ class LLMEngine:
                     f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
                 )
             self._active[request.request_id] = seq
-            if self.kv_transfer.needs_fetch(handoff):
-                self.kv_transfer.fetch_then(seq, handoff, self._enqueue_fetched)
+            if self.kv_transfer.needs_fetch(params):
+                self.kv_transfer.fetch_then(seq, params, self._enqueue_fetched)
             else:
                 self._inbox.append(seq)
                 self._cond.notify()
@@ -159,10 +159,11 @@ class LLMEngine:
             self._cond.notify()
             return True
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def _validate(self, request: GenerationRequest) -> RemoteDecode | KVHandoff | None:
+        """Raise RequestError for a request that can never run; return its KV transfer params."""
         prompt = request.prompt_token_ids
         validate_request(self, request, self.model.shape.vocab_size)
-        self.kv_transfer.validate(request)
+        params = self.kv_transfer.validate(request)
         pool_tokens = self.block_manager.num_blocks * self.config.block_size
         if len(prompt) + 1 > pool_tokens:
             raise RequestError(
@@ -172,6 +173,7 @@ class LLMEngine:
             raise RequestError(
                 "max_tokens", f"prompt + max_tokens must fit the KV pool ({pool_tokens} tokens)"
             )
+        return params
 
     def abort(self, request_id: RequestId) -> None:
         with self._cond:

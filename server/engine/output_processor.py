@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from server.engine.api import FinishReason, GenerationOutput, KVHandoff
+from server.engine.api import FinishReason, GenerationOutput
+from server.engine.kv_transfer import KVTransferConnector
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -40,18 +41,15 @@ class OutputProcessor:
         finished: bool,
         reason: FinishReason | None = None,
         error: str | None = None,
-        handoff: KVHandoff | None = None,
-        transfer: tuple[float, int] | None = None,
+        kv_transfer_params: bytes | None = None,
     ) -> bool:
-        """Send what `seq` added since its last output (nothing if it added nothing and is not finished). A
-        handoff output is finished without a reason, its text what an unfinished output would carry (the decode
-        engine holds back the rest). `transfer`: (seconds, bytes) of a KV handoff. A detokenizer failure raises
-        unless `finished` (then the text is ""); returns False if the sink of an unfinished request failed (logged:
-        the caller aborts the request)."""
-        if transfer is None and seq.kv_transfer is not None and seq.kv_transfer.received is not None:
-            transfer, seq.kv_transfer.received = seq.kv_transfer.received, None
+        """Send what `seq` added since its last output (nothing if it added nothing and is not finished). An
+        output finished without a reason is a handoff (`kv_transfer_params` say where the KV went): its text is
+        what an unfinished output would carry (the decode engine holds back the rest). A read handoff's report
+        goes with the next output. A detokenizer failure raises unless `finished` (then the text is ""); returns
+        False if the sink of an unfinished request failed (logged: the caller aborts the request)."""
         try:
-            text = seq.detokenizer.take_text(finished and handoff is None)
+            text = seq.detokenizer.take_text(finished and reason is not None)
         except Exception:
             if not finished:
                 raise
@@ -60,12 +58,13 @@ class OutputProcessor:
         new_ids = seq.output_token_ids[seq.num_reported_tokens :]
         if not (new_ids or text or finished):
             return True
+        if kv_transfer_params is None:
+            kv_transfer_params = KVTransferConnector.take_received(seq)
         seq.num_reported_tokens = seq.num_output_tokens
         output = GenerationOutput(
             request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens, error=error, kv_handoff=handoff,
-            kv_transfer_us=round(transfer[0] * 1e6) if transfer else 0, kv_transfer_bytes=transfer[1] if transfer else 0,
+            num_output_tokens=seq.num_output_tokens, error=error, kv_transfer_params=kv_transfer_params,
         )  # fmt: skip
         try:
             seq.sink(output)

@@ -9,7 +9,6 @@ request is a 500 with the engine's reason (exception type and message; traceback
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+from pydantic import BaseModel
 
 from server.engine.api import (
     SAMPLING_FIELDS,
@@ -392,8 +392,9 @@ class _CompletionChunks:
         )
 
 
-def _sse(model: Any) -> str:
-    return f"data: {json.dumps(p.dump(model), separators=(',', ':'))}\n\n"
+def _sse(model: BaseModel) -> str:
+    """One server-sent event: the model serialized once, in pydantic's Rust serializer (compact UTF-8 JSON)."""
+    return f"data: {model.model_dump_json()}\n\n"
 
 
 def _accumulate(choice: _Choice, output: GenerationOutput) -> None:

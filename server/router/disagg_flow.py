@@ -1,9 +1,10 @@
 """Disaggregated serving's flow (the rule deciding where to prefill is disagg.py).
 
 At submit the decode worker is routed as any worker is without disaggregation; when the rule says so, a prefill
-worker (the prefill router's pick) takes the request with `remote_decode`, prefills, samples the first token and
-ends with a `KVHandoff`. The client sees that token at once; then the request goes to the decode worker with
-`remote_prefill=handoff`, or to the next best when that one is gone or refuses (its host's engine reads the
+worker (the prefill router's pick) takes the request with `RemoteDecode` transfer params (kvbm/transfer_params.py),
+prefills, samples the first token and ends with a `KVHandoff` in its last output's params. The client sees that
+token at once; then the request goes to the decode worker with the handoff as its params, or to the next best
+when that one is gone or refuses (its host's engine reads the
 blocks, another host's recomputes them). A prefill worker that dies hands the request to another (each request up
 to `RouterConfig.migration_limit` times), else to the decode worker, which prefills it itself.
 """
@@ -17,10 +18,19 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvbm.block_hash import BlockHash
-from server.engine.api import GenerationOutput, KVHandoff, OutputSink, RemoteDecode, RequestId
+from kvbm.transfer_params import (
+    KVHandoff,
+    KVReceived,
+    KVTransferParams,
+    RemoteDecode,
+    decode_transfer_params,
+    encode_transfer_params,
+)
+from server.engine.api import GenerationOutput, OutputSink, RequestId
 from server.router.disagg import DisaggRule
 from server.router.flight import Flight, Flights, submit_to
 from server.router.membership import Membership
+from server.router.metrics import RouterMetrics
 from server.router.placement import REFUSALS, Unplaced, place
 from server.router.router import RouteDecision, Router
 from server.router.state import RequestState
@@ -81,7 +91,9 @@ class DisaggFlow:
         request = flight.request
         decode = self.workers.get(flight.decode_worker_id)
         host = decode.info.hardware.host if decode is not None and decode.info.hardware else ""
-        prefill_request = msgspec.structs.replace(request, remote_decode=RemoteDecode(host))
+        prefill_request = msgspec.structs.replace(
+            request, kv_transfer_params=encode_transfer_params(RemoteDecode(host))
+        )
         prefill_sink = self._prefill_sink(flight, sink)
 
         def offer(worker_id: WorkerId) -> None:
@@ -106,8 +118,9 @@ class DisaggFlow:
 
     def _prefill_sink(self, flight: Flight, sink: OutputSink) -> OutputSink:
         def prefill_sink(output: GenerationOutput) -> None:
-            if output.kv_handoff is not None:  # the first token: show it, then decode where the router chose
-                self._handed_off(flight, output, output.kv_handoff, sink)
+            handoff = _handoff_of(output)
+            if handoff is not None:  # the first token: show it, then decode where the router chose
+                self._handed_off(flight, output, handoff, sink)
             elif output.retryable and flight.state is RequestState.PREFILLING_REMOTE:  # the worker died
                 self._prefill_again(flight, sink)
             else:
@@ -124,13 +137,11 @@ class DisaggFlow:
     ) -> None:
         self._prefill_done(flight, RequestState.HANDOFF)
         metrics = self.router.metrics
-        if output.kv_transfer_bytes:
+        if handoff.sent_bytes:
             model = self.workers.model_name
-            metrics.kv_transfer_bytes.labels(model, handoff.transport).inc(output.kv_transfer_bytes)
-            metrics.kv_transfer_seconds.labels(model, "send").observe(output.kv_transfer_us / 1e6)
-        shown = msgspec.structs.replace(
-            output, finished=False, kv_handoff=None, kv_transfer_us=0, kv_transfer_bytes=0
-        )
+            metrics.kv_transfer_bytes.labels(model, handoff.transport).inc(handoff.sent_bytes)
+            metrics.kv_transfer_seconds.labels(model, "send").observe(handoff.sent_us / 1e6)
+        shown = msgspec.structs.replace(output, finished=False, kv_transfer_params=None)
         flight.record(shown)
         self.flights.first_token(flight.request_id, shown)
         sink(shown)
@@ -158,7 +169,11 @@ class DisaggFlow:
         if flight.state is RequestState.ABORTED:  # the client left while the prefill ran
             self.flights.end(flight, sink, "abort", None)
             return
-        resumed = request if handoff is None else msgspec.structs.replace(request, remote_prefill=handoff)
+        resumed = (
+            request
+            if handoff is None
+            else msgspec.structs.replace(request, kv_transfer_params=encode_transfer_params(handoff))
+        )
         state, between = (
             (RequestState.ROUTED, RequestState.QUEUED)
             if handoff is None
@@ -204,3 +219,26 @@ class DisaggFlow:
         self.router.metrics.disagg_prefills.labels(
             self.workers.model_name, "remote" if remote else "local", reason
         ).inc()
+
+
+def count_received(metrics: RouterMetrics, model: str, output: GenerationOutput) -> None:
+    """strata_disagg_kv_transfer_seconds{side="receive"}: a decode worker's report of the handoff it read."""
+    params = _params_of(output)
+    if isinstance(params, KVReceived) and params.received_bytes:
+        metrics.kv_transfer_seconds.labels(model, "receive").observe(params.received_us / 1e6)
+
+
+def _handoff_of(output: GenerationOutput) -> KVHandoff | None:
+    """The handoff a prefill worker's last output carries, if it handed the request off."""
+    params = _params_of(output)
+    return params if isinstance(params, KVHandoff) else None
+
+
+def _params_of(output: GenerationOutput) -> KVTransferParams | None:
+    if output.kv_transfer_params is None:
+        return None
+    try:
+        return decode_transfer_params(output.kv_transfer_params)
+    except ValueError:
+        logger.exception("request %s: unreadable KV transfer params; ignored", output.request_id)
+        return None

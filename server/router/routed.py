@@ -31,7 +31,7 @@ from server.engine.api import (
     validate_cache_salt,
 )
 from server.router.disagg import DisaggRule
-from server.router.disagg_flow import DisaggFlow
+from server.router.disagg_flow import DisaggFlow, count_received
 from server.router.flight import Flight, Flights, submit_to
 from server.router.membership import Membership, RoutableWorker
 from server.router.migration import migrate
@@ -190,10 +190,8 @@ class RoutedEngine:
 
         def routed_sink(output: GenerationOutput) -> None:
             flight = self.flights.get(request_id)
-            if output.kv_transfer_bytes:  # a decode worker read a prefill worker's handoff
-                self.router.metrics.kv_transfer_seconds.labels(self.model_name, "receive").observe(
-                    output.kv_transfer_us / 1e6
-                )
+            if output.kv_transfer_params is not None:  # a decode worker read a prefill worker's handoff
+                count_received(self.router.metrics, self.model_name, output)
             if flight is not None:
                 migrated = output.retryable and migrate(
                     flight, output, routed_sink, self.router, self.membership, self.flights

@@ -12,9 +12,10 @@ same relay forwards. The relay publishes to `events` (the link to the server's i
 in the KVBM config, to the standalone KVBM service's stream under this worker's lease, as Strata's engine does.
 Everything else is the model.json's engine arguments, checked here against the installed vLLM.
 
-Disaggregated serving hands KV over through the KVBM tiers: a request with `remote_decode` runs for one token and
-finishes with a `KVHandoff` (transport "kvbm") naming its prompt's full blocks, which StrataKVConnector wrote through
-to the tiers in the steps that computed them; a request with `remote_prefill` runs its prompt plus the prefill's
+Disaggregated serving hands KV over through the KVBM tiers (the request's `kv_transfer_params`, see
+kvbm/transfer_params.py): a request with `RemoteDecode` params runs for one token and finishes with a `KVHandoff`
+(transport "kvbm") naming its prompt's full blocks, which StrataKVConnector wrote through to the tiers in the
+steps that computed them; a request with `KVHandoff` params runs its prompt plus the prefill's
 token, and the decode worker's connector loads those blocks (from the node's G2, or G4) where vLLM would prefill
 them. Unlike Strata's engine, a seeded sampler restarts on the decode worker (vLLM takes no generator state).
 """
@@ -38,13 +39,20 @@ from kvbm.channel import RedisWorkerChannel
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink
 from kvbm.redis_link import RedisLink
+from kvbm.transfer_params import (
+    KVHandoff,
+    KVReceived,
+    RemoteDecode,
+    decode_transfer_params,
+    encode_transfer_params,
+    request_params,
+)
 from server.engine.api import (
     EngineOverloaded,
     EngineResources,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
-    KVHandoff,
     OutputSink,
     PoolStats,
     RequestError,
@@ -234,12 +242,10 @@ class VLLMEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         validate_request(self, request, self._vocab)
-        handoff = request.remote_prefill
-        if handoff is not None and (
-            len(handoff.token_ids) >= request.sampling.max_tokens
-            or not all(0 <= t < self._vocab for t in handoff.token_ids)
-        ):
-            raise RequestError("remote_prefill", "token_ids must be fewer than max_tokens, in the vocabulary")
+        try:
+            request_params(request.kv_transfer_params, request.sampling.max_tokens, self._vocab)
+        except ValueError as err:
+            raise RequestError("kv_transfer_params", str(err)) from None
 
     def _start(self, request: GenerationRequest, sink: OutputSink) -> None:
         task = self._loop.create_task(self._generate(request, sink))
@@ -259,13 +265,14 @@ class VLLMEngine:
     async def _generate(self, request: GenerationRequest, sink: OutputSink) -> None:
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
-        handoff = request.remote_prefill
+        params = decode_transfer_params(request.kv_transfer_params)  # checked at submit
+        handoff = params if isinstance(params, KVHandoff) else None
         resumed = handoff.token_ids if handoff is not None else []  # decode side: the prefill's first token
         rest = continuation(request, resumed)  # the request itself unless it resumes a handoff
         sampling = rest.sampling
         emitted = len(resumed)
         cached = 0
-        prefill_only = request.remote_decode is not None and sampling.max_tokens > 1
+        prefill_only = isinstance(params, RemoteDecode) and sampling.max_tokens > 1
         if prefill_only:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         first = True
@@ -285,12 +292,13 @@ class VLLMEngine:
                 )  # fmt: skip
                 if prefill_only and out.finished and reason == "length":  # not a stop: decode continues it
                     output.finish_reason = None
-                    output.kv_handoff = self._handoff(request, list(completion.token_ids), cached)
-                    if output.kv_handoff.transport == "kvbm":  # written through while computed: no send time
-                        output.kv_transfer_bytes = len(output.kv_handoff.block_hashes) * self._block_bytes
+                    handoff_out = self._handoff(request, list(completion.token_ids), cached)
+                    output.kv_transfer_params = encode_transfer_params(handoff_out)
                 elif resumed and first:  # the prompt blocks this worker did not compute (its G1, the tiers)
                     reused = (out.num_cached_tokens or 0) // self.block_layout.block_size
-                    output.kv_transfer_bytes = reused * self._block_bytes
+                    output.kv_transfer_params = encode_transfer_params(
+                        KVReceived(0, reused * self._block_bytes)
+                    )
                 first = False
                 sink(output)
                 if out.finished:
@@ -319,7 +327,8 @@ class VLLMEngine:
             request.prompt_token_ids, layout.block_size, request_salt(layout.salt, request.cache_salt)
         )
         transport = "kvbm" if self._connector is not None and hashes else "none"
-        return KVHandoff(transport, "", list(hashes), self._block_bytes, token_ids, cached)
+        sent = len(hashes) * self._block_bytes if transport == "kvbm" else 0  # written through: no send time
+        return KVHandoff(transport, "", list(hashes), self._block_bytes, token_ids, cached, sent_bytes=sent)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

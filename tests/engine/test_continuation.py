@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.engine.api import (
-    GenerationRequest,
-    KVHandoff,
-    RemoteDecode,
-    RequestId,
-    SamplingParams,
-    continuation,
-)
+from kvbm.transfer_params import KVHandoff, RemoteDecode, encode_transfer_params
+from server.engine.api import GenerationRequest, RequestId, SamplingParams, continuation
 
 
 def _request(max_tokens: int = 10, min_tokens: int = 4) -> GenerationRequest:
@@ -42,15 +36,12 @@ def test_the_request_is_left_as_it_was() -> None:
 
 
 def test_the_router_fields_are_dropped() -> None:
-    handoff = KVHandoff("shm", "somewhere", [1], 64, [7], 0)
-    for request in (
-        GenerationRequest(
-            RequestId("p"), [1, 2], SamplingParams(max_tokens=4), remote_decode=RemoteDecode("h")
-        ),
-        GenerationRequest(RequestId("d"), [1, 2], SamplingParams(max_tokens=4), remote_prefill=handoff),
-    ):
-        rest = continuation(request, [7])
-        assert rest.remote_decode is None and rest.remote_prefill is None
+    for params in (RemoteDecode("h"), KVHandoff("shm", "somewhere", [1], 64, [7], 0)):
+        raw = encode_transfer_params(params)
+        request = GenerationRequest(
+            RequestId("p"), [1, 2], SamplingParams(max_tokens=4), kv_transfer_params=raw
+        )
+        assert continuation(request, [7]).kv_transfer_params is None
 
 
 @pytest.mark.parametrize("done", [10, 11])

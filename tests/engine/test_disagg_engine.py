@@ -16,12 +16,42 @@ from conftest import LONG_TEXT, engine_config, greedy, run
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.transfer import SHM_DIR, KVTransfer, ShmTransport
+from kvbm.transfer_params import (
+    KVHandoff,
+    KVReceived,
+    RemoteDecode,
+    decode_transfer_params,
+    encode_transfer_params,
+)
 from kvbm.transfer_tcp import TcpTransport
-from server.engine.api import GenerationOutput, GenerationRequest, RemoteDecode, RequestId, SamplingParams
+from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import iterate_outputs
 
 HOST = socket.gethostname()
+
+
+def prefill_only(request: GenerationRequest, host: str = HOST, **changes) -> GenerationRequest:
+    """What the router sends a prefill worker: hand the KV off to `host` after the first token."""
+    params = encode_transfer_params(RemoteDecode(host))
+    return msgspec.structs.replace(request, kv_transfer_params=params, **changes)
+
+
+def resumed(request: GenerationRequest, handoff: KVHandoff, **changes) -> GenerationRequest:
+    """What the router sends the decode worker after the handoff."""
+    return msgspec.structs.replace(request, kv_transfer_params=encode_transfer_params(handoff), **changes)
+
+
+def handoff_of(output: GenerationOutput) -> KVHandoff | None:
+    params = decode_transfer_params(output.kv_transfer_params)
+    assert params is None or isinstance(params, KVHandoff)
+    return params
+
+
+def received_bytes(output: GenerationOutput) -> int:
+    params = decode_transfer_params(output.kv_transfer_params)
+    assert params is None or isinstance(params, KVReceived)
+    return params.received_bytes if params is not None else 0
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +64,12 @@ def disaggregated(
     prefill: LLMEngine, decode: LLMEngine, request: GenerationRequest
 ) -> tuple[list[int], str, list]:
     """Run `request` prefill-side on `prefill`, the rest on `decode`: (tokens, text, outputs as the client saw)."""
-    first = run(prefill, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    first = run(prefill, prefill_only(request))
     shown = [first]
-    if first.kv_handoff is None:  # the first token ended it
+    if handoff_of(first) is None:  # the first token ended it
         return first.new_token_ids, first.new_text, shown
     assert first.finished and first.finish_reason is None
-    rest = run(decode, msgspec.structs.replace(request, remote_prefill=first.kv_handoff))
+    rest = run(decode, resumed(request, handoff_of(first)))
     shown.append(rest)
     return first.new_token_ids + rest.new_token_ids, first.new_text + rest.new_text, shown
 
@@ -70,15 +100,15 @@ def test_the_handoff_carries_the_prompt_blocks_and_is_removed_once_read(engine, 
     ids = engine.encode("Report 7. " + LONG_TEXT * 3 + "Summary:")  # several 512-token chunks; not cached yet
     first = run(engine, greedy(ids, "blocks", max_tokens=8, ignore_eos=True))
     request = greedy(ids, "blocks-d", max_tokens=8, ignore_eos=True)
-    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
-    handoff = out.kv_handoff
+    out = run(engine, prefill_only(request))
+    handoff = handoff_of(out)
     assert handoff.transport == "shm" and len(handoff.block_hashes) == len(ids) // 16
-    assert out.kv_transfer_bytes == len(handoff.block_hashes) * handoff.block_bytes > 0
+    assert handoff.sent_bytes == len(handoff.block_hashes) * handoff.block_bytes > 0
     assert (SHM_DIR / handoff.location).exists()
-    outputs = list(iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=handoff), 120))
+    outputs = list(iterate_outputs(decoder, resumed(request, handoff), 120))
     assert not (SHM_DIR / handoff.location).exists()
-    assert outputs[0].kv_transfer_bytes == out.kv_transfer_bytes  # every block read, none recomputed
-    assert sum(o.kv_transfer_bytes for o in outputs[1:]) == 0  # reported once
+    assert received_bytes(outputs[0]) == handoff.sent_bytes  # every block read, none recomputed
+    assert sum(received_bytes(o) for o in outputs[1:]) == 0  # reported once
     assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == first.new_token_ids
     assert (
         outputs[-1].num_cached_tokens == out.num_cached_tokens
@@ -89,18 +119,14 @@ def test_a_lost_or_foreign_handoff_is_recomputed(engine, decoder):
     ids = engine.encode(LONG_TEXT + "In short:")
     alone = run(engine, greedy(ids, "lost-a", max_tokens=12))
     request = greedy(ids, "lost", max_tokens=12)
-    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
-    (SHM_DIR / out.kv_handoff.location).unlink()  # gone (e.g. swept after its TTL)
-    outputs = list(
-        iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=out.kv_handoff), 120)
-    )
+    out = run(engine, prefill_only(request))
+    (SHM_DIR / handoff_of(out).location).unlink()  # gone (e.g. swept after its TTL)
+    outputs = list(iterate_outputs(decoder, resumed(request, handoff_of(out)), 120))
     assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == alone.new_token_ids
-    assert sum(o.kv_transfer_bytes for o in outputs) == 0
-    other_host = run(engine, msgspec.structs.replace(request, request_id=RequestId("lost-2"),
-                                                     remote_decode=RemoteDecode("another-host")))  # fmt: skip
-    assert other_host.kv_handoff.transport == "none"  # no network transport in this process
-    rest = run(decoder, msgspec.structs.replace(request, request_id=RequestId("lost-3"),
-                                                remote_prefill=other_host.kv_handoff))  # fmt: skip
+    assert sum(received_bytes(o) for o in outputs) == 0
+    other_host = run(engine, prefill_only(request, "another-host", request_id=RequestId("lost-2")))
+    assert handoff_of(other_host).transport == "none"  # no network transport in this process
+    rest = run(decoder, resumed(request, handoff_of(other_host), request_id=RequestId("lost-3")))
     assert other_host.new_token_ids + rest.new_token_ids == alone.new_token_ids
 
 
@@ -121,18 +147,16 @@ def test_stop_strings_utf8_and_seeded_sampling_continue_as_one_engine(engine, de
 
 def test_a_first_token_that_ends_the_request_finishes_on_the_prefill_engine(engine):
     ids = engine.encode("The capital of France is")
-    out = run(
-        engine, msgspec.structs.replace(greedy(ids, "one", max_tokens=1), remote_decode=RemoteDecode(HOST))
-    )
-    assert out.kv_handoff is None and out.finish_reason == "length" and len(out.new_token_ids) == 1
+    out = run(engine, prefill_only(greedy(ids, "one", max_tokens=1)))
+    assert handoff_of(out) is None and out.finish_reason == "length" and len(out.new_token_ids) == 1
 
 
 def test_a_decode_request_aborted_while_its_kv_is_fetched_ends_once(decoder, engine):
     ids = engine.encode(LONG_TEXT)
     request = greedy(ids, "ab", max_tokens=30)
-    out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode(HOST)))
+    out = run(engine, prefill_only(request))
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
-    decoder.submit(msgspec.structs.replace(request, remote_prefill=out.kv_handoff), outputs.put)
+    decoder.submit(resumed(request, handoff_of(out)), outputs.put)
     decoder.abort(request.request_id)
     seen = [outputs.get(timeout=60)]
     while not seen[-1].finished:
@@ -155,9 +179,9 @@ def test_without_a_transport_the_blocks_go_through_the_kvbm_tiers(engine, tmp_pa
         LLMEngine(engine_config(), receiver) as decode,
     ):
         request = greedy(ids, "tiers", max_tokens=10)
-        out = run(prefill, msgspec.structs.replace(request, remote_decode=RemoteDecode("another-host")))
-        assert out.kv_handoff.transport == "kvbm"
-        rest = run(decode, msgspec.structs.replace(request, remote_prefill=out.kv_handoff))
+        out = run(prefill, prefill_only(request, "another-host"))
+        assert handoff_of(out).transport == "kvbm"
+        rest = run(decode, resumed(request, handoff_of(out)))
     onboarded = receiver.metrics.registry.get_sample_value(
         "kvbm_onboard_blocks_total", {"direction": "G2->G1"}
     )
@@ -177,13 +201,24 @@ def test_across_hosts_the_decode_engine_pulls_the_blocks_over_tcp(engine, decode
         ids = engine.encode("Report 9. " + LONG_TEXT * 2)
         alone = run(engine, greedy(ids, "tcp-a", max_tokens=12))
         request = greedy(ids, "tcp", max_tokens=12)
-        out = run(engine, msgspec.structs.replace(request, remote_decode=RemoteDecode("decode-host")))
-        assert out.kv_handoff.transport == "tcp" and out.kv_handoff.location.startswith("tcp://127.0.0.1:")
-        outputs = list(
-            iterate_outputs(decoder, msgspec.structs.replace(request, remote_prefill=out.kv_handoff), 120)
-        )
-        assert outputs[0].kv_transfer_bytes == out.kv_transfer_bytes > 0
+        out = run(engine, prefill_only(request, "decode-host"))
+        handoff = handoff_of(out)
+        assert handoff.transport == "tcp" and handoff.location.startswith("tcp://127.0.0.1:")
+        outputs = list(iterate_outputs(decoder, resumed(request, handoff), 120))
+        assert received_bytes(outputs[0]) == handoff.sent_bytes > 0
         assert out.new_token_ids + [t for o in outputs for t in o.new_token_ids] == alone.new_token_ids
     finally:
         sender.close()
         receiver.close()
+
+
+def test_malformed_or_misplaced_transfer_params_are_refused_naming_the_field(engine):
+    from server.engine.api import RequestError
+
+    request = greedy(engine.encode("Hello"), "bad-params", max_tokens=4)
+    handoff = KVHandoff("shm", "x", [], 64, [1, 2, 3, 4], 0)  # as many tokens as max_tokens: nothing left
+    for raw in (b"\xc1", encode_transfer_params(KVReceived(1, 2)), encode_transfer_params(handoff)):
+        with pytest.raises(RequestError) as refused:
+            engine.submit(msgspec.structs.replace(request, kv_transfer_params=raw), lambda output: None)
+        assert refused.value.field == "kv_transfer_params"
+    assert engine.is_idle()

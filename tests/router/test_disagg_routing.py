@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from kvbm.index import KVIndex
+from kvbm.transfer_params import KVHandoff, RemoteDecode, decode_transfer_params, encode_transfer_params
 from server.engine.api import (
     EngineOverloaded,
     GenerationOutput,
     GenerationRequest,
     KVBlockLayout,
-    KVHandoff,
     OutputSink,
     PoolStats,
     RequestId,
@@ -102,9 +102,13 @@ def request(name: str, tokens: int, max_tokens: int = 8) -> GenerationRequest:
 
 
 def handoff_output(name: str, first: int = 7) -> GenerationOutput:
-    handoff = KVHandoff("shm", "strata-kvx-1-0123456789abcdef-0", [1, 2], 64, [first], 0)
-    return GenerationOutput(RequestId(name), [first], "x", True, None, 20, 0, 1, kv_handoff=handoff,
-                            kv_transfer_us=1500, kv_transfer_bytes=128)  # fmt: skip
+    handoff = KVHandoff("shm", "strata-kvx-1-0123456789abcdef-0", [1, 2], 64, [first], 0, 1500, 128)
+    return GenerationOutput(RequestId(name), [first], "x", True, None, 20, 0, 1,
+                            kv_transfer_params=encode_transfer_params(handoff))  # fmt: skip
+
+
+def params_of(sent: GenerationRequest):
+    return decode_transfer_params(sent.kv_transfer_params)
 
 
 def drain(outputs: queue.SimpleQueue) -> list[GenerationOutput]:
@@ -129,16 +133,16 @@ def test_a_long_prompt_is_prefilled_remotely_and_continues_on_the_decode_worker(
     routed.submit(request("r", 20), outputs.put)
     prefiller = p0 if p0.requests else p1
     sent = prefiller.requests[0]
-    assert sent.remote_decode is not None and sent.remote_decode.decode_host == "node-a"
+    assert params_of(sent) == RemoteDecode("node-a")
     assert queue_depth(routed) == 1 and prefill_count(routed, "remote", "long_prompt") == 1
     prefiller.answer("r", handoff_output("r"))
     first = drain(outputs)
-    assert [(o.new_token_ids, o.finished, o.kv_handoff) for o in first] == [
+    assert [(o.new_token_ids, o.finished, o.kv_transfer_params) for o in first] == [
         ([7], False, None)
     ]  # shown at once
     assert queue_depth(routed) == 0
     resumed = d0.requests[0]
-    assert resumed.remote_prefill.token_ids == [7] and resumed.remote_decode is None
+    assert params_of(resumed).token_ids == [7]
     d0.answer("r", GenerationOutput(RequestId("r"), [8], "y", True, "length", 20, 0, 2))
     assert [o.new_token_ids for o in drain(outputs)] == [[8]]
     registry = routed.router.metrics.registry
@@ -156,7 +160,7 @@ def test_short_prompts_and_a_full_queue_prefill_on_the_decode_worker(
     routed, (p0, p1, d0) = cluster()
     routed.disagg_flow.queue_depth = queued
     routed.submit(request("r", tokens), lambda output: None)
-    assert d0.requests[0].remote_decode is None and d0.requests[0].remote_prefill is None
+    assert d0.requests[0].kv_transfer_params is None
     assert not p0.requests and not p1.requests
     assert prefill_count(routed, "local", reason) == 1
 
@@ -176,7 +180,7 @@ def test_refusing_prefill_workers_are_passed_over_then_the_decode_worker_prefill
     p0.refuse = EngineOverloaded("full")
     p1.refuse = EngineOverloaded("full")
     routed.submit(request("r", 20), lambda output: None)
-    assert not p0.requests and not p1.requests and d0.requests[0].remote_prefill is None
+    assert not p0.requests and not p1.requests and d0.requests[0].kv_transfer_params is None
     assert prefill_count(routed, "local", "prefill_failed") == 1 and queue_depth(routed) == 0
 
 
@@ -188,7 +192,7 @@ def test_a_dead_prefill_worker_hands_the_request_to_the_other_then_to_the_decode
     first.die()
     assert second.requests and not drain(outputs)  # prefilled again elsewhere; the client saw nothing
     second.die()
-    assert d0.requests[0].remote_prefill is None  # no prefill worker left: locally
+    assert d0.requests[0].kv_transfer_params is None  # no prefill worker left: locally
     assert prefill_count(routed, "local", "prefill_failed") == 1 and queue_depth(routed) == 0
     d0.answer("r", GenerationOutput(RequestId("r"), [5], "z", True, "length", 20, 0, 1))
     assert [o.finish_reason for o in drain(outputs)] == ["length"]
@@ -198,7 +202,10 @@ def test_no_prefill_worker_alive_is_the_aggregated_fallback_and_a_joining_one_is
     routed, (p0, d0) = cluster(prefill=1)
     p0.die()
     routed.submit(request("a", 20), lambda output: None)
-    assert prefill_count(routed, "local", "no_prefill_worker") == 1 and d0.requests[-1].remote_prefill is None
+    assert (
+        prefill_count(routed, "local", "no_prefill_worker") == 1
+        and d0.requests[-1].kv_transfer_params is None
+    )
     joined = ScriptedWorker("p9", "prefill")
     routed.add_worker(joined)
     routed.submit(request("b", 20), lambda output: None)
@@ -212,7 +219,7 @@ def test_a_decode_worker_gone_at_handoff_passes_the_request_to_another() -> None
     chosen, other = (d0, d1) if routed.flights.get(RequestId("r")).decode_worker_id == "d0" else (d1, d0)
     chosen.die()
     p0.answer("r", handoff_output("r"))
-    assert other.requests[0].remote_prefill is not None
+    assert isinstance(params_of(other.requests[0]), KVHandoff)
     other.answer("r", GenerationOutput(RequestId("r"), [8], "y", True, "length", 20, 0, 2))
     assert [o.new_token_ids for o in drain(outputs)] == [[7], [8]]
 

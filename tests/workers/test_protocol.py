@@ -84,7 +84,7 @@ def test_an_output_is_one_short_array() -> None:
     frame = Codec(ToWorker).encode(TO_SERVER[6])
     assert msgspec.msgpack.decode(frame) == [
         "Out",
-        ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True, None, 0, 0],
+        ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True, None],
     ]
 
 
