@@ -32,10 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.peers import strata_server, vllm_server  # noqa: E402
-from bench.routing import TRACE  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.servers import strata_openai, use_run_secret, vllm_server  # noqa: E402
+from harness.trace import add_trace_flags, read_trace  # noqa: E402
 from server.engine.config import DEFAULT_MODEL  # noqa: E402
 from server.engine.loader import prepare_model  # noqa: E402
 
@@ -51,8 +50,7 @@ METRICS = (
 
 def trace_slice(args: argparse.Namespace, path: Path) -> int:
     """Write the slice in aiperf's mooncake_trace format; returns its number of prompt blocks."""
-    lines = TRACE.read_text().splitlines()[args.start : args.start + args.requests]
-    rows = [json.loads(line) for line in lines]
+    rows = read_trace()[args.start : args.start + args.requests]
     first, last = rows[0]["timestamp"], rows[-1]["timestamp"]
     scale = args.duration_s * 1000 / max(last - first, 1)
     with path.open("w") as out:
@@ -136,10 +134,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--start", type=int, default=6000, help="first request of the slice (trace order)")
     parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--block-tokens", type=int, default=16)
-    parser.add_argument("--max-blocks", type=int, default=64, help="prompt blocks kept (a prefix of the ids)")
+    add_trace_flags(parser, block_tokens=16, max_blocks=64, duration_s=90.0)
     parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--duration-s", type=float, default=90.0)
     parser.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -150,6 +146,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None, help="copy aiperf's artifacts of every run here")
     args = parser.parse_args()
     args.aiperf = os.path.abspath(args.aiperf)
+    use_run_secret()
     folder = prepare_model(DEFAULT_MODEL).folder
     results: dict[str, list[dict[str, float]]] = {"vllm": [], "strata": []}
     with tempfile.TemporaryDirectory(prefix="aiperf-replay-") as scratch:
@@ -159,7 +156,11 @@ def main() -> None:
         for rep in range(args.reps):
             order = ["vllm", "strata"] if rep % 2 == 0 else ["strata", "vllm"]
             for system in order if args.vllm_python else ["strata"]:
-                servers = vllm_server(args, folder) if system == "vllm" else strata_server(args)
+                servers = (
+                    vllm_server(args.vllm_python, folder, args.dtype, args.threads)
+                    if system == "vllm"
+                    else strata_openai(args.dtype, args.threads, args.strata_args.split())
+                )
                 with servers as server:
                     out = tmp / f"{system}-{rep}"
                     results[system].append(run_aiperf(args, server.url, tmp / "trace.jsonl", tmp / "hf", out))

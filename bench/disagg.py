@@ -7,9 +7,9 @@
 The default sweep takes ~19 minutes on 2 cores: each server start loads and calibrates (~40-60 s), and a run
 lasts its arrivals plus the drain of what queued.
 
-Configurations, each a fresh `strata serve` per rate (tests.conftest.start_strata: free ports, wait for
+Configurations, each a fresh `strata serve` per rate (harness.servers.start_strata: free ports, wait for
 readiness, SIGTERM at the end) from a private copy of the example repository whose model.json sets one torch
-thread per worker (bench/serve_replay.make_repository), G1-only prefix caching (--no-kvbm) so no run starts warm:
+thread per worker (harness.servers.smollm2_repository), G1-only prefix caching (--no-kvbm) so no run starts warm:
     aggregated      --workers 2: two workers, each prefills and decodes what the router gives it
     disaggregated   --prefill-workers 1 --decode-workers 1 --max-local-prefill-length N --max-prefill-queue-size Q:
                     a prompt whose part not cached on the decode worker is longer than N tokens is prefilled on
@@ -26,13 +26,13 @@ for every rate): arrivals form a Poisson process at the rate; each arrival is a 
 --long-share, else the next short conversation turn.
   short  the Mooncake conversation trace (bench/data/mooncake), all requests of its first --conversations
          conversations with at least --min-turns turns, in trace order: one hash id = one 16-token KV block of deterministic token ids
-         (bench/routing.py), at most --short-max-blocks blocks, so turns of one conversation and the shared system
+         (harness/trace.py), at most --short-max-blocks blocks, so turns of one conversation and the shared system
          prompt (hash id 0) are prefix hits; output = the trace's output length clamped to
          [--short-min-output, --short-max-output] tokens, so decoding dominates these requests.
   long   --long-min-tokens..--long-max-tokens (uniform) seeded random token ids, unique so never cached, with
          --long-output output tokens: prefill-heavy prompts that arrive while the short turns are decoding.
 Requests per rate: rate x --duration-s, or --requests. Every request is streamed over /v1/completions with a
-token-id prompt, temperature 0 and ignore_eos (bench/serve_replay.stream_completion), one client thread each.
+token-id prompt, temperature 0 and ignore_eos (harness.load.stream_completion), one client thread each.
 
 Numbers, per configuration and rate:
   TTFT p50/p90       submit -> first streamed chunk, all requests (short and long also apart in the JSON)
@@ -47,11 +47,11 @@ Numbers, per configuration and rate:
                      (remote/long_prompt; local/short_prompt, queue_full, no_prefill_worker, prefill_failed)
   transfer GB/s      strata_disagg_kv_transfer_bytes_total / strata_disagg_kv_transfer_seconds_sum, per side
                      (send: the prefill worker's write; receive: the decode worker's read into its pool)
-Ratios are disaggregated / aggregated at the same rate. Goals: ITL p90 ratio <= 0.5, TTFT p50 ratio <= 1.3,
-throughput ratio >= 0.9. Disaggregation "pays off" at a rate when its ITL p90 is lower and the TTFT and
-throughput goals hold; the report names the rates where it pays off, the first higher rate where it stops
-(`stops_paying_off_at_rate`, null if none) and the conditional rule's decisions there (else at the top rate).
-Prints a table per rate and one JSON line.
+Percentiles interpolate linearly (harness/stats.py). Ratios are disaggregated / aggregated at the same rate.
+Goals: ITL p90 ratio <= 0.5, TTFT p50 ratio <= 1.3, throughput ratio >= 0.9. Disaggregation "pays off" at a rate
+when its ITL p90 is lower and the TTFT and throughput goals hold; the report names the rates where it pays off,
+the first higher rate where it stops (`stops_paying_off_at_rate`, null if none) and the conditional rule's
+decisions there (else at the top rate). Prints a table per rate and one JSON line.
 """
 
 from __future__ import annotations
@@ -60,72 +60,32 @@ import argparse
 import itertools
 import json
 import os
-import random
-import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
-from bench.serve_replay import StreamTiming, drive, make_repository, summarize  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.disagg import (  # noqa: E402
+    BLOCK_TOKENS,
+    ITL_GOAL,
+    THROUGHPUT_GOAL,
+    TTFT_GOAL,
+    Request,
+    build_workload,
+    compare,
+    disagg_metrics,
+    stop_rate,
+)
+from harness.load import StreamTiming, drive, summarize  # noqa: E402
+from harness.metrics import scrape  # noqa: E402
+from harness.servers import MODEL_CACHE, smollm2_repository, start_strata, use_run_secret  # noqa: E402
+from harness.stats import percentile  # noqa: E402
+from harness.trace import add_trace_flags  # noqa: E402
 from kvbm.host_pool import remove_segments  # noqa: E402
-from tests.conftest import start_strata  # noqa: E402
 
 CONFIGS = ("aggregated", "disaggregated")
 VLLM_CONFIGS = ("vllm-aggregated", "vllm-disaggregated")
-ITL_GOAL, TTFT_GOAL, THROUGHPUT_GOAL = 0.5, 1.3, 0.9  # disaggregated / aggregated
-_SAMPLE = re.compile(r"^(strata_disagg_\w+?)(?:\{([^}]*)\})? (\S+)$", re.M)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    arrival_s: float  # at rate 1 request/s; divided by the rate
-    prompt: list[int]  # token ids
-    max_tokens: int
-    long: bool
-
-
-def short_turns(args: argparse.Namespace, count: int) -> list[tuple[list[int], int]]:
-    """(prompt, max_tokens) of the first `count` turns of the chosen conversations, in trace order."""
-    turns = load_conversations(TRACE, args.conversations, args.min_turns, args.short_max_output)
-    if len(turns) < count:
-        raise ValueError(
-            f"{count} short turns wanted, {args.conversations} conversations of >= {args.min_turns} turns have "
-            f"{len(turns)}: raise --conversations"
-        )
-    return [
-        (
-            [t for block_id in turn.hash_ids[: args.short_max_blocks] for t in _block_tokens(block_id, 16)],
-            max(args.short_min_output, turn.output_tokens),
-        )
-        for turn in turns[:count]
-    ]
-
-
-def build_workload(args: argparse.Namespace, count: int) -> list[Request]:
-    """`count` requests at rate 1; the first k are the same for any count >= k (so rates share a prefix)."""
-    rng = random.Random(args.seed)
-    arrivals: list[tuple[float, list[int] | None]] = []  # (time, the long prompt or None for a short turn)
-    clock = 0.0
-    for _ in range(count):
-        clock += rng.expovariate(1.0)
-        long_prompt = None
-        if rng.random() < args.long_share:
-            length = rng.randint(args.long_min_tokens, args.long_max_tokens)
-            long_prompt = [rng.randrange(1000, 41_000) for _ in range(length)]
-        arrivals.append((clock, long_prompt))
-    shorts = iter(short_turns(args, sum(prompt is None for _, prompt in arrivals)))
-    return [
-        Request(arrival_s, prompt, args.long_output, True)
-        if prompt is not None
-        else Request(arrival_s, *next(shorts), False)
-        for arrival_s, prompt in arrivals
-    ]
 
 
 def server_flags(config: str, args: argparse.Namespace, cache_id: str) -> list[str]:
@@ -160,61 +120,23 @@ def vllm_repository(root: Path) -> Path:
     return root / "repository"
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The value at quantile q of sorted `values` (nearest rank, as serve_replay.summarize); NaN if empty."""
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 def latency_summary(timings: list[StreamTiming], requests: list[Request]) -> dict[str, Any]:
-    """serve_replay.summarize, plus ITL p90/p99 (ms), TTFT by kind (s), the long prompts' first gap (ms) and
+    """harness.load.summarize, plus ITL p90/p99 (ms), TTFT by kind (s), the long prompts' first gap (ms) and
     tokens per chunk gap."""
     result = summarize(timings)
     ok = [(t, r) for t, r in zip(timings, requests, strict=True) if t.error is None and t.first_token]
-    gaps = sorted(b - a for t, _ in ok for a, b in itertools.pairwise(t.chunk_times))
-    for q in (0.5, 0.9, 0.99):
-        result[f"itl_p{round(q * 100)}_ms"] = round(percentile(gaps, q) * 1000, 1)
+    gaps = [b - a for t, _ in ok for a, b in itertools.pairwise(t.chunk_times)]
+    for q in (50, 90, 99):
+        result[f"itl_p{q}_ms"] = round(percentile(gaps, q) * 1000, 1)
     token_gaps = sum(max(0, t.completion_tokens - 1) for t, _ in ok)
     result["tokens_per_chunk"] = round(token_gaps / max(1, len(gaps)), 2)
     for kind, long in (("short", False), ("long", True)):
-        ttft = sorted(t.first_token - t.submitted for t, r in ok if r.long == long)
-        result[f"ttft_p50_{kind}_s"] = round(percentile(ttft, 0.5), 3)
-    first_gaps = sorted(
-        t.chunk_times[1] - t.chunk_times[0] for t, r in ok if r.long and len(t.chunk_times) > 1
-    )
-    result["long_first_gap_p50_ms"] = round(percentile(first_gaps, 0.5) * 1000, 1)
+        ttft = [t.first_token - t.submitted for t, r in ok if r.long == long]
+        result[f"ttft_p50_{kind}_s"] = round(percentile(ttft, 50), 3)
+    first_gaps = [t.chunk_times[1] - t.chunk_times[0] for t, r in ok if r.long and len(t.chunk_times) > 1]
+    result["long_first_gap_p50_ms"] = round(percentile(first_gaps, 50) * 1000, 1)
     result["makespan_s"] = round(max(t.finished for t in timings) - min(t.submitted for t in timings), 1)
     return result
-
-
-def disagg_metrics(text: str) -> dict[str, Any]:
-    """The strata_disagg_* series of a /metrics page: prefill decisions by where/reason, transfer bytes, seconds
-    and GB/s per side, and the prefill queue gauge (an empty `prefills` for a server without prefill workers)."""
-    prefills: dict[str, int] = {}
-    transfer_bytes = 0.0
-    seconds: dict[str, float] = {}
-    transfers: dict[str, int] = {}
-    queue = None
-    for name, label_text, value in _SAMPLE.findall(text):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
-        if name == "strata_disagg_prefills_total":
-            prefills[f"{labels.get('where')}/{labels.get('reason')}"] = int(float(value))
-        elif name == "strata_disagg_kv_transfer_bytes_total":
-            transfer_bytes += float(value)
-        elif name == "strata_disagg_kv_transfer_seconds_sum":
-            seconds[labels.get("side", "?")] = float(value)
-        elif name == "strata_disagg_kv_transfer_seconds_count":
-            transfers[labels.get("side", "?")] = int(float(value))
-        elif name == "strata_disagg_prefill_queue":
-            queue = float(value)
-    gb_s = {side: round(transfer_bytes / 1e9 / s, 2) for side, s in seconds.items() if s > 0}
-    return {
-        "prefills": prefills,
-        "transfer_gb": round(transfer_bytes / 1e9, 3),
-        "transfers": transfers,
-        "transfer_seconds": {side: round(s, 4) for side, s in seconds.items()},
-        "transfer_gb_s": gb_s,
-        "prefill_queue_at_end": queue,
-    }
 
 
 def run_one(config: str, rate: float, requests: list[Request], args: argparse.Namespace) -> dict[str, Any]:
@@ -232,12 +154,20 @@ def run_one(config: str, rate: float, requests: list[Request], args: argparse.Na
                 for key, value in saved.items():
                     os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         else:
-            server = start_strata(make_repository(root, args), root, *flags)
-        url = f"http://127.0.0.1:{server.openai_port}"
+            repository = smollm2_repository(
+                root,
+                block_size=BLOCK_TOKENS,
+                num_kv_blocks=args.kv_blocks,
+                num_threads=1,
+                cache_dir=args.model_cache,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
+            server = start_strata(repository, root, *flags)
+        url = server.openai_url
         try:
-            timings = drive(url, schedule, duration_s=schedule[-1][0])  # already at its rate: no compression
+            timings = drive(url, schedule)  # already at its rate: no compression
             result = latency_summary(timings, requests)
-            result |= disagg_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+            result |= disagg_metrics(scrape(url))
         except Exception:
             print(f"{config} server log tail:\n{server.log()[-4000:]}", file=sys.stderr)
             raise
@@ -248,27 +178,6 @@ def run_one(config: str, rate: float, requests: list[Request], args: argparse.Na
             Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
             (Path(args.keep_logs) / f"{config}-{rate:g}.log").write_text(server.log())
     return result
-
-
-def compare(aggregated: dict[str, Any], disaggregated: dict[str, Any]) -> dict[str, Any]:
-    """Ratios disaggregated / aggregated, which goals hold, and whether disaggregation pays off."""
-
-    def ratio(key: str) -> float:
-        base = aggregated[key]
-        return round(disaggregated[key] / base, 3) if base else float("nan")
-
-    ratios = {
-        "itl_p90": ratio("itl_p90_ms"),
-        "ttft_p50": ratio("ttft_p50_s"),
-        "throughput": ratio("throughput_tok_s"),
-    }
-    goals = {
-        "itl_p90": ratios["itl_p90"] <= ITL_GOAL,
-        "ttft_p50": ratios["ttft_p50"] <= TTFT_GOAL,
-        "throughput": ratios["throughput"] >= THROUGHPUT_GOAL,
-    }
-    pays_off = ratios["itl_p90"] < 1.0 and goals["ttft_p50"] and goals["throughput"]
-    return {"ratios": ratios, "goals_met": goals, "pays_off": pays_off}
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -303,24 +212,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def stop_rate(runs: list[dict[str, Any]]) -> float | None:
-    """The lowest rate, above one where disaggregation paid off, at which it no longer does (None: no such rate).
-    Below the first paying rate the two configurations tie: prefills rarely meet decodes there."""
-    paid = False
-    for row in runs:
-        if "comparison" not in row:
-            continue
-        if row["comparison"]["pays_off"]:
-            paid = True
-        elif paid:
-            return row["rate"]
-    return None
-
-
 def scale_note(args: argparse.Namespace) -> str:
     return (
         f"SmolLM2-135M fp32, 2 worker processes x 1 torch thread, {args.kv_blocks} KV blocks of "
-        f"{args.block_tokens} tokens each, step budget {args.max_num_batched_tokens} tokens, G1 only; "
+        f"{BLOCK_TOKENS} tokens each, step budget {args.max_num_batched_tokens} tokens, G1 only; "
         f"Poisson arrivals, {args.long_share:.0%} long prompts of {args.long_min_tokens}-{args.long_max_tokens} "
         f"unique tokens ({args.long_output} output tokens), the rest Mooncake conversation turns "
         f"(>= {args.min_turns} turns; 1 hash id = 16 tokens, <= {args.short_max_blocks} blocks; "
@@ -426,10 +321,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-min-tokens", type=int, default=1024)
     parser.add_argument("--long-max-tokens", type=int, default=2048)
     parser.add_argument("--long-output", type=int, default=8, help="output tokens of a long prompt")
-    parser.add_argument("--conversations", type=int, default=64, help="short turns: whole conversations")
-    parser.add_argument(
-        "--min-turns", type=int, default=2, help="short turns: conversations with this many turns"
-    )
+    add_trace_flags(parser, conversations=64, min_turns=2)  # of the short turns
     parser.add_argument(
         "--short-max-blocks", type=int, default=4, help="16-token blocks kept of a short prompt"
     )
@@ -439,9 +331,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="engine step budget, tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-logs", default="", help="directory for each run's server log")
-    parser.add_argument(
-        "--model-cache", default=str(Path(__file__).resolve().parent.parent / ".strata-cache" / "models")
-    )
+    parser.add_argument("--model-cache", default=str(MODEL_CACHE))
     parser.add_argument("--quick", action="store_true", help="smoke run: one rate (0.5 req/s), 40 s")
     parser.add_argument(
         "--vllm-python",
@@ -451,14 +341,15 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if any(c.startswith("vllm-") for c in args.configs.split(",")) and not args.vllm_python:
         parser.error("the vllm-* configurations need --vllm-python (or STRATA_VLLM_PYTHON)")
-    args.block_tokens, args.threads_per_worker = 16, 1  # make_repository's fields: one block = one hash id
     if args.quick:
         args.rates, args.duration_s = "0.5", 40.0  # 20 requests, 3 of them long (seed 0)
     return args
 
 
 def main() -> None:
-    report = bench(parse_args())
+    args = parse_args()
+    use_run_secret()
+    report = bench(args)
     print_report(report)
     print(json.dumps(report))
 

@@ -12,9 +12,10 @@
 
     .venv/bin/python bench/engines.py --vllm-python .venv-vllm/bin/python [--reps 1] [--duration-s 90]
 
-The workload: bench/peers.py's figures (prefill of 128/512/2048-token prompts, decode at batch 1, 8 and 32
-concurrent streams, a repeated 2048-token prompt), then the Mooncake conversation replay of `bench/routing.py
-replay-serve` (token-id prompts, one trace hash id = --block-tokens tokens, arrivals compressed to --duration-s).
+The workload: bench/peers.py's figures (harness/figures.py: prefill of 128/512/2048-token prompts, decode at
+batch 1, 8 and 32 concurrent streams, a repeated 2048-token prompt), then the Mooncake conversation replay of
+`bench/routing_replay_serve.py` (token-id prompts, one trace hash id = --block-tokens tokens, arrivals compressed
+to --duration-s).
 Every engine runs SmolLM2 from the same HF folder in the same dtype, prefix caching on, KV blocks of
 --block-tokens (vLLM on CPU needs a multiple of 32). Threads: one engine uses both cores (a, b, e); two workers
 use one each, as `strata serve` splits the cores by default (c: each vLLM worker's process tree on a core of its
@@ -40,15 +41,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.peers import Server, Workload, interleaved, vllm_server, wait_quiet  # noqa: E402
-from bench.routing import trace_prompts  # noqa: E402
-from bench.serve_replay import drive, make_repository, summarize  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.figures import Workload, interleaved, wait_quiet  # noqa: E402
+from harness.load import drive, summarize  # noqa: E402
+from harness.servers import Server, smollm2_repository, start_strata, use_run_secret, vllm_server  # noqa: E402
+from harness.trace import add_trace_flags, trace_prompts  # noqa: E402
 from kvbm.host_pool import remove_segments  # noqa: E402
 from server.engine.config import DEFAULT_MODEL  # noqa: E402
 from server.engine.loader import prepare_model  # noqa: E402
-from tests.conftest import start_strata  # noqa: E402
 
 CONFIGS = ("vllm", "vllm-1core", "strata-vllm-1", "strata-vllm-2", "strata-2", "strata-1")
 VLLM_CONFIG = 'backend: "vllm"\ninstance_group [ { count: %d kind: KIND_MODEL } ]\n'
@@ -73,16 +73,14 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 def strata_repository(root: Path, args: argparse.Namespace, threads: int) -> Path:
     """Strata's engine with the same KV bytes and block size as the vLLM engines, `threads` per engine."""
-    options = argparse.Namespace(
-        block_tokens=args.block_tokens, kv_blocks=args.kv_bytes // (args.block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN),
-        threads_per_worker=threads, model_cache=None, max_num_batched_tokens=2048,
-    )  # fmt: skip
-    repository = make_repository(root, options)
-    model_json = repository / "smollm2" / "1" / "model.json"
-    config = json.loads(model_json.read_text())
-    config.update(dtype=args.dtype)
-    model_json.write_text(json.dumps(config, indent=2))
-    return repository
+    return smollm2_repository(
+        root,
+        block_size=args.block_tokens,
+        num_kv_blocks=args.kv_bytes // (args.block_tokens * SMOLLM2_KV_BYTES_PER_TOKEN),
+        num_threads=threads,
+        max_num_batched_tokens=2048,
+        dtype=args.dtype,
+    )
 
 
 @contextmanager
@@ -125,13 +123,12 @@ def run_config(name: str, args: argparse.Namespace, folder: Path, prompts: list)
 @contextmanager
 def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Server]:
     """The server of configuration `name`, up until the block ends."""
-    if name in ("vllm", "vllm-1core"):  # vLLM's OpenAI server (bench/peers.py starts it, its threads bound)
+    if name in ("vllm", "vllm-1core"):  # vLLM's OpenAI server, its threads bound
         threads = 1 if name == "vllm-1core" else 2
-        peers_args = argparse.Namespace(vllm_python=args.vllm_python, dtype=args.dtype, threads=threads)
         flags = ["--block-size", str(args.block_tokens), "--kv-cache-memory-bytes", str(args.kv_bytes)]
         # else its usage never reports cached_tokens (hit rate 0)
         flags.append("--enable-prompt-tokens-details")
-        with vllm_server(peers_args, folder, flags) as server:
+        with vllm_server(args.vllm_python, folder, args.dtype, threads, flags) as server:
             yield server
         return
     with tempfile.TemporaryDirectory(prefix=f"strata-engines-{name}-") as tmp:
@@ -155,14 +152,14 @@ def serving(name: str, args: argparse.Namespace, folder: Path) -> Iterator[Serve
                 repository, root / "run", *flags, *args.strata_args.split(), ready_timeout_s=900
             )
         try:
-            yield Server(f"http://127.0.0.1:{server.openai_port}", server.process.pid)
+            yield Server(server.openai_url, server.process.pid)
         finally:
             server.stop()
             remove_segments(root.name)
 
 
 def run_interleaved(names: list[str], args: argparse.Namespace, folder: Path, prompts: list) -> dict:
-    """Every server up at once: peers' figures sample by sample in turns (bench/peers.py `interleaved`), then
+    """Every server up at once: peers' figures sample by sample in turns (harness.figures.interleaved), then
     each replay in turn, once the others are quiet, --replay-reps times (the order reversed every rep; each rep
     under a cache salt of its own, so that it starts as cold as the first): medians."""
     with ExitStack() as stack:
@@ -225,16 +222,13 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--block-tokens", type=int, default=32)
     parser.add_argument("--kv-bytes", type=int, default=512 << 20, help="KV pool per engine")
     parser.add_argument(
         "--replay-only", action="store_true", help="skip the prefill/decode/concurrent figures"
     )
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--min-turns", type=int, default=3)
-    parser.add_argument("--max-output", type=int, default=16)
-    parser.add_argument("--max-blocks", type=int, default=24, help="prompt blocks kept (a prefix of the ids)")
-    parser.add_argument("--duration-s", type=float, default=90.0)
+    add_trace_flags(  # --block-tokens is every engine's KV block size too (vLLM on CPU: a multiple of 32)
+        parser, conversations=12, min_turns=3, max_output=16, max_blocks=24, block_tokens=32, duration_s=90.0
+    )
     parser.add_argument(
         "--strata-args",
         default="",
@@ -250,6 +244,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or STRATA_VLLM_PYTHON): the Python of a venv with vLLM (make vllm)")
+    use_run_secret()
     folder = prepare_model(DEFAULT_MODEL).folder
     prompts, _oracle, _sources = trace_prompts(args)
     scale = (

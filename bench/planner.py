@@ -40,14 +40,15 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.routing import TRACE, _block_tokens, load_conversations  # noqa: E402
-from bench.serve_replay import StreamTiming, stream_completion  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.load import StreamTiming, drive  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
+from harness.servers import smollm2_repository, start_strata, use_run_secret  # noqa: E402
+from harness.stats import percentile  # noqa: E402
+from harness.trace import add_trace_flags, load_conversations, prompt_tokens  # noqa: E402
+from harness.waiting import wait_for  # noqa: E402
 from server.planner.profile import load as load_profile  # noqa: E402
 from server.planner.sizing import Bounds, Load, Targets, aggregated_workers  # noqa: E402
-from tests.conftest import copy_models, start_strata  # noqa: E402
-from tests.kvbm.kvbm_testing import RedisServer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = (0.3, 0.15, 0.15, 0.15)  # low, ramp up, high, ramp down; the rest is low again
@@ -76,24 +77,13 @@ def arrivals(duration: float, low: float, high: float, seed: int) -> list[float]
 
 
 def workload(args: argparse.Namespace, times: list[float]) -> list[tuple[float, list[int], int]]:
-    turns = load_conversations(TRACE, 800, 2, args.max_output)
+    turns = load_conversations(800, 2, args.max_output, args.max_blocks)
     if len(turns) < len(times):
         raise SystemExit(f"{len(times)} requests wanted, the trace slice has {len(turns)}")
     return [
-        (t, [tok for block in turn.hash_ids[: args.max_blocks] for tok in _block_tokens(block, 16)],
-         max(4, turn.output_tokens))
+        (t, prompt_tokens(turn.hash_ids, 16), max(4, turn.output_tokens))
         for t, turn in zip(times, turns, strict=False)
-    ]  # fmt: skip
-
-
-def make_repository(root: Path) -> Path:
-    repository = copy_models(root / "repository", "smollm2")
-    model_json = repository / "smollm2" / "1" / "model.json"
-    config = json.loads(model_json.read_text())
-    # dtype: the example's (the tests' copies pin fp32)
-    config.update(num_threads=1, max_num_batched_tokens=512, dtype="auto")
-    model_json.write_text(json.dumps(config, indent=2))
-    return repository
+    ]
 
 
 def profile(repository: Path, path: Path) -> None:
@@ -163,9 +153,9 @@ def run(
         fixed = start_workers(repository, redis.url, args.min_workers if name == "fixed-min" else args.max_workers,
                               tmp / name)  # fmt: skip
     expected = args.min_workers if name != "fixed-max" else args.max_workers
-    deadline = time.monotonic() + 180
-    while server.log().count("joined") < expected and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for(
+        lambda: server.log().count("joined") >= expected, 180, interval=0.5, what=f"{expected} workers joined"
+    )
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
 
@@ -176,7 +166,8 @@ def run(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    timings = drive(f"http://127.0.0.1:{server.openai_port}", requests)
+    started = time.perf_counter()  # drive's clock starts here: the ramp's time 0
+    timings = relative(drive(server.openai_url, requests), started)
     stop.set()
     sampler.join()
     log = server.log()
@@ -188,26 +179,9 @@ def run(
     return summarize(name, timings, samples, requests, args) | {"scaling_log": _decisions(log)}
 
 
-def drive(url: str, requests: list[tuple[float, list[int], int]]) -> list[StreamTiming]:
-    import httpx
-
-    timings, threads = [], []
-    with httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256)) as client:
-        started = time.perf_counter()
-        for arrival_s, prompt, max_tokens in requests:
-            delay = started + arrival_s - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            timing = StreamTiming(time.perf_counter())
-            timings.append(timing)
-            thread = threading.Thread(
-                target=stream_completion, args=(client, url, prompt, max_tokens, timing)
-            )
-            thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()
-    for timing in timings:  # to seconds since the run started, for the timeline
+def relative(timings: list[StreamTiming], started: float) -> list[StreamTiming]:
+    """The timings in seconds since `started` (perf_counter s), for the timeline."""
+    for timing in timings:
         for attr in ("first_token", "finished"):
             if getattr(timing, attr) is not None:
                 setattr(timing, attr, getattr(timing, attr) - started)
@@ -224,8 +198,8 @@ def request_itl(timing: StreamTiming) -> float | None:
 
 def summarize(name: str, timings, samples, requests, args) -> dict:
     ok = [t for t in timings if t.error is None and t.first_token is not None]
-    ttft = sorted(t.first_token - t.submitted for t in ok)
-    itl = sorted(v for t in ok if (v := request_itl(t)) is not None)
+    ttft = [t.first_token - t.submitted for t in ok]
+    itl = [v for t in ok if (v := request_itl(t)) is not None]
     met = sum(
         1 for t in ok
         if t.first_token - t.submitted <= args.ttft_target and (request_itl(t) or 0.0) <= args.itl_target
@@ -233,14 +207,11 @@ def summarize(name: str, timings, samples, requests, args) -> dict:
     window = max(samples[-1][0], 1.0) if samples else 1.0
     worker_s = sum(count for _, count in samples)  # one sample a second
 
-    def q(values: list[float], share: float) -> float:
-        return round(values[min(len(values) - 1, int(share * len(values)))], 3) if values else float("nan")
-
     return {
         "run": name, "requests": len(timings), "errors": len(timings) - len(ok),
         "sla_attainment": round(met / max(1, len(timings)), 4),
-        "ttft_p50_s": q(ttft, 0.5), "ttft_p90_s": q(ttft, 0.9),
-        "itl_p50_s": q(itl, 0.5), "itl_p90_s": q(itl, 0.9),
+        "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p90_s": round(percentile(ttft, 90), 3),
+        "itl_p50_s": round(percentile(itl, 50), 3), "itl_p90_s": round(percentile(itl, 90), 3),
         "worker_seconds": worker_s, "window_s": round(window, 1),
         "workers_timeline": samples,
         "requests_timeline": [(round(t.submitted, 2), round((t.first_token or t.finished) - t.submitted, 3),
@@ -304,8 +275,7 @@ def main() -> None:
     parser.add_argument(
         "--low-share", type=float, default=0.4, help="of one worker's capacity at the targets"
     )
-    parser.add_argument("--max-blocks", type=int, default=24, help="prompt cap, blocks of 16 tokens")
-    parser.add_argument("--max-output", type=int, default=32)
+    add_trace_flags(parser, max_blocks=24, max_output=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--runs", default="fixed-min,fixed-max,planner")
     parser.add_argument(
@@ -318,10 +288,12 @@ def main() -> None:
         help="take the runs not made now from this earlier report (same profile and seed)",
     )
     args = parser.parse_args()
+    use_run_secret()
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="plan") as scratch:
         tmp = Path(scratch)
-        repository = make_repository(tmp)
+        # dtype: the example's (copy_models pins fp32)
+        repository = smollm2_repository(tmp, num_threads=1, max_num_batched_tokens=512, dtype="auto")
         profile_path = args.profile or RESULTS / "planner-profile.json"
         if args.profile is None:
             profile(repository, profile_path)

@@ -18,16 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.trace import TRACE, read_trace  # noqa: E402
 from server.planner.predict import PREDICTORS, make_predictor  # noqa: E402
-
-TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
 def series(trace: Path, interval_s: float) -> dict[str, list[float]]:
     """Per interval: request rate, mean prompt and output tokens (an empty interval repeats the last means)."""
-    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    rows = read_trace(trace)
     buckets: dict[int, list[dict]] = {}
     for row in rows:
         buckets.setdefault(int(row["timestamp"] / 1000 / interval_s), []).append(row)

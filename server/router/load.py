@@ -55,7 +55,7 @@ class WorkerLoad:
         """The worker's last report (every heartbeat) shows `threshold` of its KV held by running requests:
         anything routed here now waits for one of them to finish. Requests the router sent that have not started
         hold no KV; they load the cost as pending prefill instead (counting them here turned conversations away
-        from the worker holding their prefix during every burst, see bench/routing.py replay-serve)."""
+        from the worker holding their prefix during every burst, see bench/routing_replay_serve.py)."""
         capacity = self.stats.kv_capacity_blocks
         return capacity > 0 and self.stats.active_blocks >= threshold * capacity
 

@@ -154,7 +154,7 @@ class Router:
         self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix], g4: int
     ) -> None:
         """One line per decision: each worker's reusable prefix, load (this request already counted on its
-        worker), relative speeds, and whether it was skipped as busy. Read by bench/routing.py replay-serve
+        worker), relative speeds, and whether it was skipped as busy. Read by bench/routing_replay_serve.py
         --keep-logs to tell where cache hits were lost."""
         with self._lock:
             others = {

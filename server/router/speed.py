@@ -24,7 +24,7 @@ class SpeedMeter:
     A sample must be big enough for throughput to dominate the fixed cost of a request (a round trip, a step's
     setup, attention over the cached context): a prompt found almost all in cache prefills a handful of tokens
     in a step-sized time, which would make the worker holding a conversation look several times slower than the
-    others and send the conversation's next turns elsewhere (bench/routing.py replay-serve's decision log shows
+    others and send the conversation's next turns elsewhere (bench/routing_replay_serve.py's decision log shows
     it)."""
 
     alpha: float = 0.2

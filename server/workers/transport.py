@@ -1,7 +1,7 @@
 """The link between the server and one worker: two ZMQ PUSH/PULL sockets, over unix domain sockets (ipc) for
 a worker the server spawned, over TCP for a worker on another host (`strata worker`).
 
-Why ZMQ and not `multiprocessing.Pipe` (bench/routing.py transport; medians of 3 interleaved rounds on 2 busy
+Why ZMQ and not `multiprocessing.Pipe` (bench/worker_transport.py; medians of 3 interleaved rounds on 2 busy
 cores, which vary 2x between runs): the hot path is worker -> server, one GenerationOutput per generated token per
 request, and there this channel carries 100-140k msg/s against the Pipe's 20-30k (pickled), with 5-7 us of the engine
 thread per send against 30-50 us: a ZMQ send only queues the message for ZMQ's I/O thread, so a slow reader never

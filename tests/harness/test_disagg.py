@@ -1,10 +1,10 @@
-"""The pure parts of bench/disagg.py: the workload, the /metrics parser and the verdict."""
+"""The workload and the verdict of bench/disagg.py (harness/disagg.py), and its /metrics reading."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench.disagg import build_workload, compare, disagg_metrics, stop_rate
+from harness.disagg import build_workload, compare, disagg_metrics, stop_rate
 
 
 def _args(**overrides: object) -> argparse.Namespace:

@@ -1,18 +1,11 @@
-"""The pure parts of bench/chaos.py: victim choice, outage spans, RSS growth, the malformed requests, prompts."""
+"""The rules of bench/chaos.py (harness/chaos.py): victim choice, outage spans, RSS growth, the malformed requests."""
 
 from __future__ import annotations
 
 import json
 import random
 
-from bench.chaos import (
-    REMOTE_ID,
-    Liveness,
-    malformed_requests,
-    pick_victim,
-    prompt_set,
-    rss_growth,
-)
+from harness.chaos import REMOTE_ID, Liveness, malformed_requests, pick_victim, rss_growth
 
 
 def test_pick_victim_spares_the_last_worker_and_the_last_local_one() -> None:
@@ -58,11 +51,3 @@ def test_malformed_requests_are_what_they_say() -> None:
     assert json.loads(requests["top_p 1.5"][1])["top_p"] == 1.5
     assert requests["messages a string"][0] == "/v1/chat/completions"
     assert len(requests["body of 1 MiB"][1]) >= 2**20
-
-
-def test_prompt_set_is_deterministic_distinct_and_shares_prefixes() -> None:
-    prompts = prompt_set(conversations=4, max_blocks=6)
-    assert prompts == prompt_set(conversations=4, max_blocks=6)
-    assert len({tuple(p) for p in prompts}) == len(prompts)
-    assert all(len(p) % 16 == 0 and len(p) <= 6 * 16 for p in prompts)
-    assert len({tuple(p[:16]) for p in prompts}) == 1  # every conversation starts with the system prompt
