@@ -74,7 +74,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     fused_ops: bool = True  # CPU: RMSNorm, RoPE + KV write, SiLU*up by the compiled kernels; false: torch ops
     # CPU bf16 (AVX512-BF16 or AMX): prefill attention by the compiled kernel; false: SDPA
     prefill_kernel: bool = True
-    # CPU bf16 (AVX512-BF16): linear layers by the compiled kernel; false: oneDNN (see linear.py)
+    # CPU bf16 (AVX512-BF16, where AMX is not usable): linear layers by the compiled kernel; false: oneDNN (linear.py)
     linear_kernel: bool = True
 
     def validate(self, source: str = "EngineConfig") -> None:

@@ -12,9 +12,10 @@
 // against oneDNN's packed bf16 GEMM: 1 row 7.9-8.6 -> 6.5 ms (33 GB/s, the memory's), 8 rows 8.7-11.1 -> 6.4,
 // 32 rows 15.0-17.6 -> 11.0, 64 rows 24.9-25.7 -> 18.5, 512 rows 133 -> 126, 2048 rows 542 -> 527 (824 GFLOP/s).
 //
-// Built where the compiler targets AVX512-BF16 without AMX; elsewhere `bf16_linear_available()` is false and
-// linear.py keeps oneDNN (or F.linear). On AMX CPUs oneDNN's GEMM runs on AMX tiles, several times this kernel's
-// peak for prefill, and this kernel has not been measured against it there, so oneDNN keeps those.
+// Built wherever the compiler targets AVX512-BF16 (AMX CPUs have it too, so the kernel is built and tested there);
+// elsewhere `bf16_linear_available()` is false and linear.py keeps oneDNN (or F.linear). The engine does not use it
+// where AMX is usable (server/engine/builder.py): oneDNN's GEMM runs on AMX tiles there, several times this
+// kernel's peak for prefill, and this kernel has not been measured against it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,7 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define STRATA_LINEAR_BF16 1
 #include <immintrin.h>
 #endif
