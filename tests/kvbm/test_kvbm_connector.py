@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbm_testing import G4_KEY, RedisServer, make_kv_cache, small_layout, tier_of
+from kvbm_testing import G4_KEY, make_kv_cache, small_layout, tier_of
 
+from harness.redis_server import RedisServer
 from kvbm.api import BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig

@@ -6,8 +6,9 @@ import time
 
 import numpy as np
 import redis
-from kvbm_testing import G4_KEY, RedisServer
+from kvbm_testing import G4_KEY
 
+from harness.redis_server import RedisServer
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
 from kvbm.redis_link import RedisLink

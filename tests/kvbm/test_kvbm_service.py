@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from kvbm_testing import CLUSTER_SECRET, G4_KEY, RedisServer, make_kv_cache, small_layout, spawned_offload
+from kvbm_testing import CLUSTER_SECRET, G4_KEY, make_kv_cache, small_layout, spawned_offload
 
+from harness.redis_server import RedisServer
 from kvbm.agent import build_connector
 from kvbm.api import BlockRemoved, BlockStored
 from kvbm.auth import AuthError, derive_key
@@ -119,7 +120,7 @@ def test_workers_reannounce_when_the_stream_was_lost(redis_url: str, worker: KVB
 def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) -> None:
     """`python -m kvbm` (what `strata kvbm` runs) as a real process, queried with KVIndexClient, stopped by SIGTERM."""
 
-    from kvbm_testing import free_port
+    from harness.ports import free_port
 
     port = free_port()
     root = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
+from harness.waiting import wait_for
 from kvbm.transfer import KVTransfer, ShmTransport, TransferError
 from kvbm.transfer_tcp import TcpTransport, _header, transfer_keys
-from tests.conftest import wait_for
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 OTHER_SECRET = b"fedcba9876543210fedcba9876543210"

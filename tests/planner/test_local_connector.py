@@ -13,8 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from harness.servers import copy_models, start_strata
+from harness.waiting import wait_for
 from server.planner.local import LocalConnector, RedisLeadership
-from tests.conftest import copy_models, start_strata, wait_for
 
 
 def test_one_planner_holds_the_redis_lease(redis_url) -> None:

@@ -10,13 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.servers import run_cli
 from server.openai.metrics import FrontendMetrics
 from server.planner.metrics import PlannerMetrics
 from server.planner.observe import Observation, RegistrySource, ScrapeSource, Snapshot
 from server.planner.planner import Planner, PlannerConfig
 from server.planner.predict import Arima, Auto, Constant, MovingAverage, make_predictor
 from server.planner.sizing import Bounds, DecodePoint, PrefillPoint, Targets, WorkerProfile
-from tests.conftest import run_cli
 
 MODEL = "m"
 TARGETS = Targets(ttft_s=1.0, itl_s=0.05)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.servers import EXAMPLE_REPOSITORY
 from server import backends
 from server.backends.staging import RUNNER
 from server.repository.manager import ControlMode, RepositoryManager
 from server.repository.scan import BrokenModel, ModelSource, read_model, scan
-from tests.conftest import EXAMPLE_REPOSITORY
 
 GOOD = """name: "m"
 backend: "python"

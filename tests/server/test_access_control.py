@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import copy_models
+from harness.servers import copy_models
 
 pytestmark = pytest.mark.slow
 

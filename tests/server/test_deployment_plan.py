@@ -8,9 +8,9 @@ import os
 
 import pytest
 
+from harness.servers import copy_models
 from server.deployment import LLMDeployment, LLMServing
 from server.repository.scan import read_model
-from tests.conftest import copy_models
 
 CORES = len(os.sched_getaffinity(0))
 

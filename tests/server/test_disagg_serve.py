@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import copy_models, run_cli, start_strata
+from harness.servers import copy_models, run_cli, start_strata
 
 pytestmark = pytest.mark.slow
 

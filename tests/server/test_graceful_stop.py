@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.servers import copy_models
 from kvbm.config import GIB
 from kvbm.disk_pool import PAGE, RECORD
 from kvbm.host_pool import SHM_DIR
-from tests.conftest import copy_models
 
 pytestmark = pytest.mark.slow
 

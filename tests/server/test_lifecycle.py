@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import tritonclient.http as httpclient
 
-from tests.conftest import copy_models, free_port, wait_for
+from harness.ports import free_port
+from harness.servers import copy_models
+from harness.waiting import wait_for
 
 
 def descendants(pid: int) -> set[int]:

@@ -12,7 +12,8 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.conftest import copy_models, start_strata, wait_for
+from harness.servers import copy_models, start_strata
+from harness.waiting import wait_for
 
 PROMPT = "The three primary colors are"
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from harness.ports import free_port
 from server.backends.llm import bind_engine
 from server.engine.api import EngineOverloaded, EngineUnavailable, GenerationRequest, OutputSink, RequestId
 from server.triton import TritonServer, TritonSettings
-from tests.conftest import free_port
 
 REFUSALS = {
     "full": EngineOverloaded("full: 1 requests are waiting (max_queued_requests); retry later", 2.0),

@@ -9,7 +9,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from tests.conftest import copy_models, wait_for
+from harness.servers import copy_models
+from harness.waiting import wait_for
 
 
 def status(url: str) -> int | None:

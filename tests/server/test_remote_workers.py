@@ -14,7 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import ROOT, copy_models, run_cli, start_strata, wait_for
+from harness.servers import ROOT, copy_models, run_cli, start_strata
+from harness.waiting import wait_for
 
 
 def test_cluster_links_refuse_to_start_without_a_secret_and_say_how_to_make_one(

@@ -11,7 +11,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import copy_models, wait_for
+from harness.servers import copy_models
+from harness.waiting import wait_for
 
 RAISING_MODEL = """
 import triton_python_backend_utils as pb_utils

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import copy_models, start_strata
+from harness.servers import copy_models, start_strata
 
 MODELS = ("add_sub", "string_upper", "torch_linear")
 

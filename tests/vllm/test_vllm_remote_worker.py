@@ -19,10 +19,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from harness.servers import ROOT, start_strata
+from harness.waiting import wait_for
 from kvbm.host_pool import remove_segments
 from server.engine.config import DEFAULT_MODEL
 from server.engine.loader import prepare_model
-from tests.conftest import ROOT, start_strata, wait_for
 from tests.server.test_workers import metric_lines
 from tests.vllm.test_vllm_workers import TRITON_CONFIG
 

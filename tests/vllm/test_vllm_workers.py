@@ -16,10 +16,11 @@ import uuid
 import openai
 import pytest
 
+from harness.servers import copy_models, start_strata
+from harness.waiting import wait_for
 from kvbm.host_pool import remove_segments
 from server.engine.config import DEFAULT_MODEL
 from server.engine.loader import prepare_model
-from tests.conftest import copy_models, start_strata, wait_for
 from tests.server.test_workers import metric_lines, running
 
 pytestmark = pytest.mark.slow

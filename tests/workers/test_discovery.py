@@ -16,6 +16,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
+from harness.waiting import wait_for
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
@@ -34,7 +35,6 @@ from server.workers.registry import (
 from server.workers.remote import RemoteEngine
 from server.workers.transport import Channel
 from server.workers.worker import WorkerSpec
-from tests.conftest import wait_for
 from tests.workers.worker_fakes import CURVE, FAKE_SPEEDS, SALT, StepEngine, run_remote_step_worker
 
 LEASE_S = 1.5

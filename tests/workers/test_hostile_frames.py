@@ -18,6 +18,7 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.curve import CurveKeys
+from harness.waiting import wait_for
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.router.config import RouterConfig
@@ -30,7 +31,6 @@ from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.workers.remote_worker import RemoteWorker, RemoteWorkerOptions
 from server.workers.transport import link_keys
 from server.workers.worker import WorkerSpec, describe
-from tests.conftest import wait_for
 from tests.workers.worker_fakes import CURVE, FAKE_SPEEDS, SALT, StepEngine
 
 LEASE_S = 1.5

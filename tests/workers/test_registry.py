@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from harness.waiting import wait_for
 from server.workers.protocol import WorkerInfo
 from server.workers.registry import (
     Directory,
@@ -19,7 +20,6 @@ from server.workers.registry import (
     registrations_key,
 )
 from server.workers.transport import ChannelAddress
-from tests.conftest import wait_for
 
 MODEL = "step"
 

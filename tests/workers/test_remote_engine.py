@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
+from harness.waiting import wait_for
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
 from server.engine.api import (
@@ -37,7 +38,6 @@ from server.router.router import Router
 from server.workers.protocol import WorkerId
 from server.workers.remote import RemoteEngine, WorkerDied, spawn_workers
 from server.workers.worker import WorkerSpec
-from tests.conftest import wait_for
 from tests.workers.worker_fakes import SALT, StepEngine, broken_factory
 
 
