@@ -7,6 +7,7 @@ the engine fails here, not in a review.
 from __future__ import annotations
 
 import pkgutil
+import re
 import subprocess
 import sys
 import tomllib
@@ -53,3 +54,12 @@ def test_the_protocol_and_the_frontend_load_without_the_engine():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['server.engine.api']"
+
+
+def test_neither_tests_nor_benchmarks_put_the_other_on_sys_path():
+    """import-linter sees `from bench...`, not a folder put on sys.path and imported by its bare module name."""
+    for folder, other in (("tests", "bench"), ("bench", "tests")):
+        route = re.compile(rf"sys\.path\.\w+\(.*\b{other}\b")
+        for path in (ROOT / folder).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                assert not route.search(line), f"{path.relative_to(ROOT)}:{number}: {line}"
