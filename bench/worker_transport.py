@@ -56,9 +56,9 @@ class _DataclassOutput:
     num_output_tokens: int = 0
     error: str | None = None
     retryable: bool = False
-    kv_handoff: None = None  # the fields GenerationOutput gained since, so both rows send the same content
-    kv_transfer_us: int = 0
-    kv_transfer_bytes: int = 0
+    kv_transfer_params: bytes | None = (
+        None  # the fields GenerationOutput gained since, so both rows send the same content
+    )
 
 
 @dataclass(slots=True)
