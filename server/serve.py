@@ -56,14 +56,14 @@ def serve(options: ServeOptions) -> int:
     try:
         if options.allow_openai:
             check_ports_free(options.http_address, {"--openai-port": options.openai_port})
-        triton = TritonServer(triton_settings)
+        registry = CollectorRegistry()  # Strata's series, on the metrics port and the OpenAI port's /metrics
+        triton = TritonServer(triton_settings, registry)
     except PortInUse as exc:
         log.error("%s", exc)
         return 2
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.set())
-    registry = CollectorRegistry()
     deployment = LLMDeployment(serving, registry)
     manager = RepositoryManager(
         [r.resolve() for r in options.model_repository],

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
@@ -33,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from kvbm.host_pool import pid_alive
 from server import pytriton_patches, settings
+from server.metrics_endpoint import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,12 @@ class TritonSettings:
         return tokens.pop() if tokens else None
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check_ports_free(address: str, ports: dict[str, int]) -> None:
     """Fail fast, naming the flag and the port, instead of letting Triton wait out its startup timeout."""
     for flag, port in ports.items():
@@ -226,10 +234,15 @@ def _remove_tree(root: Path) -> None:
 
 
 class TritonServer:
-    """One Triton process with a fresh workspace; `store` is its model repository."""
+    """One Triton process with a fresh workspace; `store` is its model repository.
 
-    def __init__(self, config: TritonSettings) -> None:
+    Given `registry`, the metrics port is Strata's (server/metrics_endpoint.py: Triton's series, then the
+    registry's) and Triton's own metrics listen on a free loopback port; without one, Triton serves the port."""
+
+    def __init__(self, config: TritonSettings, registry: CollectorRegistry | None = None) -> None:
         self.config = config
+        self.registry = registry
+        self._metrics: MetricsEndpoint | None = None
         runtime = settings.runtime_dir()
         runtime.mkdir(parents=True, exist_ok=True)
         clean_stale_runs(runtime)
@@ -244,13 +257,15 @@ class TritonServer:
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
         c = self.config
+        triton_metrics = (c.address, c.metrics_port) if self.registry is None else ("127.0.0.1", _free_port())
         triton_config = TritonConfig(
             model_repository=self.store,
             http_address=c.address,
             grpc_address=c.address,
             http_port=c.http_port,
             grpc_port=c.grpc_port,
-            metrics_port=c.metrics_port,
+            metrics_address=triton_metrics[0],
+            metrics_port=triton_metrics[1],
             strict_readiness=c.strict_readiness,
             exit_on_error=False,  # a model staged before start that fails to load (StartupHold) is no reason to exit
             exit_timeout_secs=c.exit_timeout_secs,
@@ -267,6 +282,10 @@ class TritonServer:
             security_config=security,
         )
         self._triton.run()
+        if self.registry is not None:
+            url = f"http://{triton_metrics[0]}:{triton_metrics[1]}/metrics"
+            self._metrics = MetricsEndpoint(c.address, c.metrics_port, self.registry, url)
+            self._metrics.start()
         log.info("Triton serving: HTTP %d, gRPC %d, metrics %d", c.http_port, c.grpc_port, c.metrics_port)
 
     @property
@@ -346,6 +365,9 @@ class TritonServer:
 
     def stop(self) -> None:
         """Unload and stop Triton, then remove the workspace (staged symlinks first, never their targets)."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._triton is not None:
             for entry in list(self.store.iterdir()):
                 if entry.is_symlink() or entry.is_dir():

@@ -137,3 +137,5 @@ def test_triton_metrics_per_model_and_version(server):
     assert counts['model="add_sub",version="2"'] >= 1
     assert 'model="torch_linear",version="1"' in counts
     assert "nv_inference_queue_duration_us" in text
+    # Strata's own series on the same port (server/metrics_endpoint.py), as one exposition
+    assert "\nkvbm_index_blocks 0.0\n" in text and "# TYPE strata_router_decisions_total counter" in text
