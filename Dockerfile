@@ -10,6 +10,7 @@ WORKDIR /opt/strata
 COPY pyproject.toml Makefile README.md ./
 COPY server server
 COPY kvbm kvbm
+COPY cluster cluster
 COPY model_repository model_repository
 RUN make install models
 EXPOSE 8000 8001 8002 9000

@@ -58,6 +58,7 @@ import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repository: server, kvbm, harness
+from cluster.secret import derive_key  # noqa: E402
 from harness.redis_server import RedisServer  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 from harness.trace import (  # noqa: E402
@@ -69,7 +70,6 @@ from harness.trace import (  # noqa: E402
     prompt_tokens,
 )
 from kvbm.api import KVLayout  # noqa: E402
-from kvbm.auth import derive_key  # noqa: E402
 from kvbm.block_hash import BlockHash  # noqa: E402
 from kvbm.client import KVIndexClient  # noqa: E402
 from kvbm.config import GIB, KVBMConfig  # noqa: E402
@@ -79,9 +79,10 @@ from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.host_pool import HostPool  # noqa: E402
 from kvbm.redis_pool import RedisPool  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
+from kvbm.wire import service_keys  # noqa: E402
 
 SECRET = os.urandom(32)  # a throwaway cluster secret: G4 blocks are signed, the service's port authenticated
-G4_KEY, SERVICE_KEY = derive_key(SECRET, "g4-mac"), derive_key(SECRET, "kvbm-service")
+G4_KEY, SERVICE_KEYS = derive_key(SECRET, "g4-mac"), service_keys(SECRET)
 
 T = TypeVar("T")
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
@@ -244,12 +245,12 @@ def build_index(
 
 
 def bench_index(num_blocks: int, redis_url: str, rng: random.Random, queries: int = 3000) -> dict:
-    service = KVBMService(redis_url, port=0, auth_key=SERVICE_KEY)
+    service = KVBMService(redis_url, port=0, keys=SERVICE_KEYS)
     started = time.perf_counter()
     chains = build_index(service, num_blocks, rng)
     build_s = time.perf_counter() - started
     service.start()
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     picks = [rng.choice(chains) for _ in range(queries)]
     in_process = [_latency(service.index.query, hashes) for hashes in picks]
     over_tcp = [_latency(client.query, hashes) for hashes in picks]

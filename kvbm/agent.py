@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from cluster.redis_link import RedisLink
 from kvbm.channel import RedisWorkerChannel
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.events import EventSink
 from kvbm.metrics import KVBMMetrics
-from kvbm.redis_link import RedisLink
 
 
 def build_connector(
@@ -35,7 +35,7 @@ def build_connector(
     events: EventSink | None = index
     channel: RedisWorkerChannel | None = None
     if index is None and config.redis_url:
-        channel = RedisWorkerChannel(RedisLink(config.redis_url, metrics), worker_id, lease_ttl_s)
+        channel = RedisWorkerChannel(RedisLink(config.redis_url, metrics.redis_up), worker_id, lease_ttl_s)
         events = channel
     connector = KVBMConnector(config, worker_id, metrics, events)
     if channel is not None:

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
+from cluster.redis_link import RedisLink
 from kvbm.events import TierEvent
-from kvbm.redis_link import RedisLink
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,12 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from cluster.curve import CurveKeys
 
 DEFAULT_PORT = 7410  # the service's prefix-query port
 
@@ -48,15 +52,16 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
     return msgspec.convert(args, ServiceOptions, from_attributes=True)
 
 
-def service_key(options: ServiceOptions) -> bytes:
-    """The query port's key, from --cluster-secret-file or STRATA_CLUSTER_SECRET (kvbm's own CLI reads its
+def query_port_keys(options: ServiceOptions) -> CurveKeys:
+    """The query port's CURVE keys, from --cluster-secret-file or STRATA_CLUSTER_SECRET (kvbm's own CLI reads its
     environment here: the package runs without `server`); ValueError saying how to make a secret if neither."""
-    from kvbm.auth import derive_key, load_secret
+    from cluster.secret import load_secret
+    from kvbm.wire import service_keys
 
     secret = load_secret(
         options.cluster_secret_file, os.environ.get("STRATA_CLUSTER_SECRET"), "the KVBM service"
     )
-    return derive_key(secret, "kvbm-service")
+    return service_keys(secret)
 
 
 def run(options: ServiceOptions) -> None:
@@ -69,7 +74,7 @@ def run(options: ServiceOptions) -> None:
         options.port,
         options.metrics_port,
         lease_check_s=options.lease_check_secs,
-        auth_key=service_key(options),
+        keys=query_port_keys(options),
     )
 
 

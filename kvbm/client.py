@@ -1,71 +1,109 @@
-"""`KVIndexClient`: the standalone KVBM service's index, queried over TCP with the same `query` as `KVIndex`."""
+"""`KVIndexClient`: the standalone KVBM service's index, queried over ZMQ CURVE (wire.py) with the same `query` as
+`KVIndex`."""
 
 from __future__ import annotations
 
-import socket
 import threading
+import time
 from collections.abc import Sequence
 
-from kvbm.auth import client_handshake
+import msgspec
+import zmq
+
+from cluster.curve import CurveKeys, make_client
 from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport
-from kvbm.wire import encode_query, read_report
+from kvbm.wire import MAX_ANSWER_BYTES, MAX_QUERY_BLOCKS, PrefixAnswer, PrefixQuery
 
 
 class KVIndexClient:
-    """One persistent connection, reopened once if it broke; thread-safe (one query at a time). Each connection
-    first proves the cluster secret (`auth_key`, kvbm.auth.derive_key(secret, "kvbm-service")) and checks the
-    service's proof; kvbm.auth.AuthError (an OSError) if either fails."""
+    """One DEALER socket to the service at "host:port", a CURVE client of `keys` (`kvbm.wire.service_keys` of the
+    cluster secret); thread-safe (one query at a time).
 
-    def __init__(self, address: str, auth_key: bytes, timeout_s: float = 2.0) -> None:
-        self.auth_key = auth_key
+    Each query waits at most `timeout_s` in all, for a connection that passed the handshake and then for its
+    answer, and raises TimeoutError after it: a service that is down, unreachable or holds another cluster secret
+    costs a query one timeout, never a hang. ZMQ reconnects in the background (every 0.1 s), so a restarted
+    service answers the next query; an answer that comes after its query timed out is dropped by its `seq`."""
+
+    def __init__(self, address: str, keys: CurveKeys, timeout_s: float = 2.0) -> None:
         host, _, port = address.rpartition(":")
         self.address = (host or "127.0.0.1", int(port))
         self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
+        self._context = zmq.Context()
+        self._socket = self._connect(keys)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(PrefixAnswer)
         self._lock = threading.Lock()
+        self._seq = 0
         self._events_applied = 0
+
+    def _connect(self, keys: CurveKeys) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.immediate = True  # a query waits for a connection that passed the handshake, never queues unsent
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
+        make_client(sock, keys)
+        sock.connect(f"tcp://{self.address[0]}:{self.address[1]}")
+        return sock
 
     @property
     def events_applied(self) -> int:
         """The service index's event count as of the last answered query (0 before the first)."""
         return self._events_applied
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=self.timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            client_handshake(sock, self.auth_key)
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
     def query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
-        """Per worker the cumulative leading prefix per tier, and the G4 prefix; raises OSError if unreachable."""
+        """Per worker the cumulative leading prefix per tier, and the G4 prefix. Raises TimeoutError (an OSError)
+        if no answer came within `timeout_s`, ConnectionError if the answer does not decode, ValueError for a
+        query over `MAX_QUERY_BLOCKS`."""
+        if len(block_hashes) > MAX_QUERY_BLOCKS:
+            raise ValueError(f"a query of {len(block_hashes)} blocks exceeds {MAX_QUERY_BLOCKS}")
         with self._lock:
-            try:
-                return self._round_trip(block_hashes)
-            except OSError:  # a stale connection (service restarted): reconnect once
-                self.close_locked()
-                return self._round_trip(block_hashes)
+            deadline = time.monotonic() + self.timeout_s
+            self._seq += 1
+            self._send(PrefixQuery(self._seq, list(block_hashes)), deadline)
+            answer = self._receive(self._seq, deadline)
+            self._events_applied = answer.events_applied
+            return answer.report
 
-    def _round_trip(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
-        if self._sock is None:
-            self._sock = self._connect()
+    def _send(self, query: PrefixQuery, deadline: float) -> None:
+        if not self._socket.poll(_ms_until(deadline), zmq.POLLOUT):
+            raise TimeoutError(self._no_answer("no connection"))
         try:
-            self._sock.sendall(encode_query(block_hashes))
-            report, self._events_applied = read_report(self._sock)
-            return report
-        except OSError:
-            self.close_locked()
-            raise
+            self._socket.send(self._encoder.encode(query), zmq.NOBLOCK)
+        except zmq.Again:  # the connection dropped since the poll
+            raise TimeoutError(self._no_answer("the connection dropped")) from None
 
-    def close_locked(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _receive(self, seq: int, deadline: float) -> PrefixAnswer:
+        while self._socket.poll(_ms_until(deadline)):
+            frame = self._socket.recv()
+            try:
+                answer = self._decoder.decode(frame)
+            except msgspec.DecodeError as err:
+                raise ConnectionError(
+                    f"kvbm service {self._where}: an answer that does not decode: {err}"
+                ) from err
+            if answer.seq == seq:
+                return answer
+        raise TimeoutError(self._no_answer("no answer"))
+
+    @property
+    def _where(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def _no_answer(self, what: str) -> str:
+        return (
+            f"kvbm service {self._where}: {what} within {self.timeout_s:g} s (not running, unreachable, "
+            "or another cluster secret)"
+        )
 
     def close(self) -> None:
+        """Idempotent."""
         with self._lock:
-            self.close_locked()
+            if self._socket.closed:
+                return
+            self._socket.close()
+            self._context.term()
+
+
+def _ms_until(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -43,7 +43,7 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     flush_budget_s     on close, each process copies the G2 blocks it stored (the last one: also those whose
                        owners left without doing so) to its G3, coldest first, for at most this many seconds
                        (--kvbm-flush-secs); 0: no copy
-    g4_key             32-byte key that signs and verifies G4 blocks (kvbm.auth.derive_key(cluster secret,
+    g4_key             32-byte key that signs and verifies G4 blocks (cluster.secret.derive_key(cluster secret,
                        "g4-mac")); required with redis_url: Redis is shared storage, not trusted storage
     """
 

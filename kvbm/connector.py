@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cluster.redis_link import RedisLink
 from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import KVBMConfig
@@ -45,7 +46,6 @@ from kvbm.disk_pool import DiskPool
 from kvbm.events import G1, EventKind, EventSink, TierEvent
 from kvbm.host_pool import SHM_DIR, HostPool
 from kvbm.metrics import KVBMMetrics
-from kvbm.redis_link import RedisLink
 from kvbm.redis_pool import RedisPool
 from kvbm.tier import BlockTier, EvictedBlock
 
@@ -138,7 +138,8 @@ class KVBMConnector:
             path = cfg.disk_path / _file_name(self.worker_id)
             tiers.append(DiskPool(path, fingerprint, bb, disk_slots, self.metrics, cfg.disk_fsync))
         if cfg.redis_url:
-            link, slots = RedisLink(cfg.redis_url, self.metrics), cfg.capacity_blocks(cfg.redis_cache_gb, bb)
+            link = RedisLink(cfg.redis_url, self.metrics.redis_up)
+            slots = cfg.capacity_blocks(cfg.redis_cache_gb, bb)
             tiers.append(RedisPool(link, cfg.g4_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics))
         return tiers
 

@@ -46,18 +46,6 @@ class PrefixReport:
     workers: dict[str, WorkerPrefix] = field(default_factory=dict)
     g4: int = 0
 
-    def to_dict(self) -> dict:
-        return {
-            "num_blocks": self.num_blocks,
-            "g4": self.g4,
-            "workers": {w: [p.g1, p.g2, p.g3] for w, p in self.workers.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> PrefixReport:
-        workers = {w: WorkerPrefix(*lens) for w, lens in raw["workers"].items()}
-        return cls(num_blocks=raw["num_blocks"], workers=workers, g4=raw["g4"])
-
 
 class KVIndex:
     """In-process index (embedded mode, and the core of the standalone service); one lock guards every call."""

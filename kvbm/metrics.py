@@ -43,7 +43,7 @@ class KVBMMetrics:
         )
         self.auth_failures = Counter(
             "kvbm_service_auth_failures",
-            "Connections to the KVBM service's query port that did not prove the cluster secret",
+            "CURVE handshakes the KVBM service's query port refused (no or another cluster secret)",
             registry=reg,
         )
         self.events_rejected = Counter(

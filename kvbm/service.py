@@ -1,43 +1,40 @@
 """The standalone KVBM service (`strata kvbm`): follows the event Stream into a `KVIndex`, expires dead workers
-by their leases, and answers prefix queries over TCP (see wire.py; `KVIndexClient` is the client).
+by their leases, and answers prefix queries on its query port (query_port.py; `KVIndexClient` is the client).
 
 Rebuild after a restart: the service bumps `kvbm:service:epoch` and replays the stream from id 0; workers see the
 new epoch on their next heartbeat and re-announce what they hold, which also covers events trimmed from the
 stream. A worker whose lease key is gone is removed from the index within `lease_check_s` (O(1), see index.py).
 Embedded use (a router in the same process): `KVBMService(redis_url, port=None).start()` and query `.index`.
 
-The query port is authenticated: a connection that does not prove the cluster secret (kvbm.auth's handshake, key
-`derive_key(secret, "kvbm-service")`) within `HANDSHAKE_TIMEOUT_S` is closed before any query is read.
+The query port is ZMQ CURVE with keys from the cluster secret (`kvbm.wire.service_keys`): a client without the
+secret never completes the handshake, and every query and answer is encrypted and authenticated.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import socket
-import socketserver
 import threading
 import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvbm.auth import AuthError, server_handshake
+from cluster.curve import CurveKeys
+from cluster.redis_link import RedisLink
 from kvbm.channel import EPOCH_KEY, STREAM, agent_lease_key
 from kvbm.cli import DEFAULT_PORT
 from kvbm.events import TierEvent
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
-from kvbm.redis_link import RedisLink
-from kvbm.wire import encode_report, read_query
+from kvbm.query_port import QueryPort
 
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 60.0
-HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class KVBMService:
-    """Owns the index, a stream-follower thread, a lease-checker thread and (if `port` is set) a TCP server."""
+    """Owns the index, a stream-follower thread, a lease-checker thread and (if `port` is set) the query port."""
 
     def __init__(
         self,
@@ -47,19 +44,19 @@ class KVBMService:
         metrics: KVBMMetrics | None = None,
         lease_check_s: float = 0.5,
         max_workers: int = 64,
-        auth_key: bytes | None = None,
+        keys: CurveKeys | None = None,
     ) -> None:
-        """`auth_key` (kvbm.auth.derive_key(secret, "kvbm-service")) is required when `port` is set."""
-        if port is not None and auth_key is None:
-            raise ValueError("the KVBM service's query port needs the cluster secret (auth_key)")
-        self.auth_key = auth_key
+        """`keys` (`kvbm.wire.service_keys(cluster secret)`) are required when `port` is set (0: a free port)."""
+        if port is not None and keys is None:
+            raise ValueError("the KVBM service's query port needs the cluster secret's CURVE keys")
+        self.keys = keys
         self.metrics = metrics if metrics is not None else KVBMMetrics()
-        self.link = RedisLink(redis_url, self.metrics)
+        self.link = RedisLink(redis_url, self.metrics.redis_up)
         self.index = KVIndex(max_workers=max_workers, metrics=self.metrics)
         self.lease_check_s = lease_check_s
         self.last_id = b"0-0"
         self.address = (host, port)
-        self._server: socketserver.ThreadingTCPServer | None = None
+        self._port: QueryPort | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -70,11 +67,9 @@ class KVBMService:
             threading.Thread(target=self._lease_loop, name="kvbm-leases", daemon=True),
         ]
         if self.address[1] is not None:
-            self._server = _QueryServer(self.address, self.index, self.auth_key, self.metrics)
-            self.address = self._server.server_address[:2]
-            self._threads.append(
-                threading.Thread(target=self._server.serve_forever, name="kvbm-query", daemon=True)
-            )
+            self._port = QueryPort(self.index, self.keys, self.metrics, *self.address)
+            self.address = self._port.address
+            self._port.start()
         for thread in self._threads:
             thread.start()
         log.info("kvbm service: following %s, queries on %s", self.link.url, self.address)
@@ -140,50 +135,11 @@ class KVBMService:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._port is not None:
+            self._port.stop()
         for thread in self._threads:
             thread.join(timeout=5)
         self.link.close()
-
-
-class _QueryHandler(socketserver.BaseRequestHandler):
-    server: _QueryServer
-
-    def handle(self) -> None:
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        index = self.server.index
-        try:
-            self.request.settimeout(HANDSHAKE_TIMEOUT_S)
-            server_handshake(self.request, self.server.auth_key)
-            self.request.settimeout(None)
-        except (AuthError, OSError) as err:
-            log.warning("kvbm service: refused %s: %s", self.client_address, err)
-            self.server.metrics.auth_failures.inc()
-            return
-        while True:
-            try:
-                block_hashes = read_query(self.request)
-            except (ConnectionError, OSError):
-                return
-            except ValueError as err:
-                log.warning("kvbm service: bad query from %s: %s", self.client_address, err)
-                return
-            self.request.sendall(encode_report(index.query(block_hashes), index.events_applied))
-
-
-class _QueryServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(
-        self, address: tuple[str, int], index: KVIndex, auth_key: bytes, metrics: KVBMMetrics
-    ) -> None:
-        self.index = index
-        self.auth_key = auth_key
-        self.metrics = metrics
-        super().__init__(address, _QueryHandler)
 
 
 def run_service(
@@ -193,13 +149,13 @@ def run_service(
     metrics_port: int | None = None,
     registry: CollectorRegistry | None = None,
     lease_check_s: float = 0.5,
-    auth_key: bytes | None = None,
+    keys: CurveKeys | None = None,
 ) -> None:
     """Run the KVBM service until SIGINT/SIGTERM (the `strata kvbm` command). Metrics on `metrics_port` if set."""
     metrics = KVBMMetrics(registry)
     if metrics_port is not None:
         start_http_server(metrics_port, registry=metrics.registry)
-    service = KVBMService(redis_url, host, port, metrics, lease_check_s, auth_key=auth_key).start()
+    service = KVBMService(redis_url, host, port, metrics, lease_check_s, keys=keys).start()
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())

@@ -22,7 +22,7 @@ aborted, its worker died) costs the sender its buffer for `ttl_s`, swept on each
 thread. Each handoff is served once, then dropped.
 
 Who may fetch: the link is ZMQ CURVE with keys derived from the cluster secret (`transfer_keys`,
-the scheme of server/workers/transport.py, kept inside kvbm): the sender's ROUTER is a CURVE server whose ZAP
+the scheme of every TCP link, cluster/curve.py): the sender's ROUTER is a CURVE server whose ZAP
 handler admits only the one client key the secret gives, so a peer without the secret never completes the
 handshake and gets no byte of KV; every frame is encrypted and authenticated, both ways. A fetcher with
 another secret gets no answer and fails after `fetch_timeout_s`; the handoff stays for one with the right one.
@@ -48,10 +48,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
-from kvbm.auth import check_secret
-from kvbm.curve import AdmitOneKey, CurveKeys
+from cluster.curve import CurveKeys, admit_cluster, make_client, make_server
+from cluster.secret import check_secret
 from kvbm.transfer import KVSource, TransferError
 
 log = logging.getLogger(__name__)
@@ -116,10 +115,9 @@ class TcpTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._context = zmq.Context()
-        self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("zmq.auth"))
+        self._authenticator = admit_cluster(self._context, self.keys, _ZAP_DOMAIN, "KV fetch")
         self._wake_endpoint = f"inproc://kv-transfer-wake-{secrets.token_hex(8)}"
         try:
-            self._start_authenticator()
             self._server, self.port = self._bind(bind_host, port)
             self._wake = self._context.socket(zmq.PAIR)
             self._wake.bind(self._wake_endpoint)
@@ -134,21 +132,12 @@ class TcpTransport:
         self._thread = threading.Thread(target=self._serve, name="kv-transfer-tcp", daemon=True)
         self._thread.start()
 
-    def _start_authenticator(self) -> None:
-        self._authenticator.start()
-        self._authenticator.configure_curve_callback(
-            _ZAP_DOMAIN.decode(), credentials_provider=AdmitOneKey(self.keys.client_public, "KV fetch")
-        )
-
     def _bind(self, bind_host: str, port: int) -> tuple[zmq.Socket, int]:
         server = self._context.socket(zmq.ROUTER)
         server.linger = 0
         server.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
         server.ipv6 = ":" in bind_host  # an IPv6 address
-        server.curve_server = True
-        server.curve_publickey = self.keys.server_public
-        server.curve_secretkey = self.keys.server_secret
-        server.zap_domain = _ZAP_DOMAIN
+        make_server(server, self.keys, _ZAP_DOMAIN)
         try:
             server.bind(f"tcp://{_bracketed(bind_host)}:{port or '*'}")
         except zmq.ZMQError as err:
@@ -206,9 +195,7 @@ class TcpTransport:
             fetcher.linger = 0
             fetcher.ipv6 = host.startswith("[")
             fetcher.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
-            fetcher.curve_serverkey = self.keys.server_public
-            fetcher.curve_publickey = self.keys.client_public
-            fetcher.curve_secretkey = self.keys.client_secret
+            make_client(fetcher, self.keys)
             fetcher.connect(f"tcp://{host}:{match['port']}")
             fetcher.send(match["key"].encode(), zmq.NOBLOCK)
             if not fetcher.poll(int(self.fetch_timeout_s * 1000)):

@@ -1,54 +1,46 @@
-"""The KVBM service's query protocol over TCP (one persistent connection per client, requests in order).
+"""The KVBM service's query link: one typed message each way (msgpack, decoded by msgspec), over ZMQ CURVE.
 
-request   u32 little-endian block count n, then n x u64 little-endian block hashes
-response  u32 little-endian length m, then m bytes of JSON: PrefixReport.to_dict()
+    router: KVIndexClient (DEALER)  -- PrefixQuery(seq, block_hashes) -->  service: QueryPort (ROUTER)
+                                    <-- PrefixAnswer(seq, report, events_applied) --
+
+`seq` pairs an answer with its query: a client that gave up on a query (its timeout passed) drops that query's
+late answer instead of reading it as the next one's. The link's CURVE keys come from the cluster secret
+(`service_keys`); the service's socket is the CURVE server and admits only the cluster's client key
+(cluster/curve.py), so every frame is encrypted and authenticated and a peer without the secret sends none.
 """
 
 from __future__ import annotations
 
-import json
-import socket
-import struct
-from collections.abc import Sequence
+from typing import Annotated
 
-import numpy as np
+import msgspec
 
-from kvbm.block_hash import BlockHash
+from cluster.curve import CurveKeys
 from kvbm.index import PrefixReport
 
 MAX_QUERY_BLOCKS = 1 << 20
-_U32 = struct.Struct("<I")
+MAX_QUERY_BYTES = 9 * MAX_QUERY_BLOCKS + 64  # msgpack: at most 9 bytes per u64, a few for the map and seq
+MAX_ANSWER_BYTES = 1 << 24  # what a client reads of one answer (a few dozen bytes per worker)
+ZAP_DOMAIN = b"strata-kvbm"
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds no integer over 2**64 - 1
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    chunks, remaining = [], size
-    while remaining:
-        chunk = sock.recv(remaining)
-        if not chunk:
-            raise ConnectionError("kvbm service connection closed")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
+class PrefixQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which workers hold the leading blocks of `block_hashes`, on which tier (`KVIndex.query`)."""
+
+    seq: U64
+    block_hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_QUERY_BLOCKS)]
 
 
-def encode_query(block_hashes: Sequence[BlockHash]) -> bytes:
-    return _U32.pack(len(block_hashes)) + np.array(block_hashes, dtype="<u8").tobytes()
+class PrefixAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The index's report for query `seq`, and how many events the index had applied when it answered."""
+
+    seq: U64
+    report: PrefixReport
+    events_applied: int
 
 
-def read_query(sock: socket.socket) -> list[BlockHash]:
-    (count,) = _U32.unpack(recv_exact(sock, 4))
-    if count > MAX_QUERY_BLOCKS:
-        raise ValueError(f"query of {count} blocks exceeds {MAX_QUERY_BLOCKS}")
-    return np.frombuffer(recv_exact(sock, 8 * count), dtype="<u8").tolist()
-
-
-def encode_report(report: PrefixReport, events_applied: int) -> bytes:
-    body = json.dumps({**report.to_dict(), "events_applied": events_applied}, separators=(",", ":")).encode()
-    return _U32.pack(len(body)) + body
-
-
-def read_report(sock: socket.socket) -> tuple[PrefixReport, int]:
-    """(the report, how many events the service's index had applied when it answered)."""
-    (size,) = _U32.unpack(recv_exact(sock, 4))
-    raw = json.loads(recv_exact(sock, size))
-    return PrefixReport.from_dict(raw), int(raw.get("events_applied", 0))
+def service_keys(secret: bytes) -> CurveKeys:
+    """The CURVE keys of the query link: the service's socket is the CURVE server, every router a client."""
+    return CurveKeys.derive(secret, "kvbm-service-curve-server", "kvbm-service-curve-client")

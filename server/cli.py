@@ -269,7 +269,7 @@ def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 def cluster_secret(options: ServeOptions | WorkerOptions, needed_by: str | None) -> bytes | None:
     """The cluster secret from --cluster-secret-file or STRATA_CLUSTER_SECRET; ValueError if `needed_by` (the
     flag or command that needs it) is set and there is none, saying how to make one."""
-    from kvbm.auth import load_secret
+    from cluster.secret import load_secret
 
     return load_secret(options.cluster_secret_file, settings.cluster_secret(), needed_by)
 
@@ -440,7 +440,7 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
     """The KVBM tiers of the --kvbm-* flags and --redis-url (`strata serve` and `strata worker`); None with
     --no-kvbm. G4 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses G4 without
     one)."""
-    from kvbm.auth import derive_key
+    from cluster.secret import derive_key
     from kvbm.config import KVBMConfig
 
     tiers = options.tiers

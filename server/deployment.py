@@ -34,13 +34,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvbm.agent import build_connector
-from kvbm.auth import derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.client import KVIndexClient
 from kvbm.config import KVBMConfig
 from kvbm.index import KVIndex
 from kvbm.metrics import KVBMMetrics
 from kvbm.transfer import KVTransferConfig
+from kvbm.wire import service_keys
 from server.engine.api import Engine
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -281,9 +281,7 @@ class LLMDeployment:
             remotes = spawn_workers(worker_ids, spec, plan.roles, envs, event_sink=event_sink)
         lookup = self._index
         if standalone:
-            lookup = KVIndexClient(
-                self.serving.kvbm_service, derive_key(self.serving.cluster_secret, "kvbm-service")
-            )
+            lookup = KVIndexClient(self.serving.kvbm_service, service_keys(self.serving.cluster_secret))
         router = Router(self.serving.router, lookup, self._router_metrics)
         disaggregated = {}
         if plan.roles is not None:

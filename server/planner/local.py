@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbm.redis_lease import Leases, LeaseState
-from kvbm.redis_link import RedisLink
+from cluster.redis_lease import Leases, LeaseState
+from cluster.redis_link import RedisLink
 from server.planner.connector import ROLES
 
 log = logging.getLogger(__name__)

@@ -34,11 +34,11 @@ from typing import Any
 
 import msgspec
 
+from cluster.redis_link import RedisLink
 from kvbm.block_hash import block_hashes, model_salt, request_salt
 from kvbm.channel import RedisWorkerChannel
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink
-from kvbm.redis_link import RedisLink
 from kvbm.transfer_params import (
     KVHandoff,
     KVReceived,

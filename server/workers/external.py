@@ -29,7 +29,7 @@ from server.workers.transport import Channel, ChannelAddress
 
 logger = logging.getLogger(__name__)
 
-SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `server` and `kvbm`
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `server`, `kvbm` and `cluster`
 # the cores of a worker that the server gave cores of its own ("0,1"): the whole worker process tree runs there
 WORKER_CPUS_ENV = "STRATA_WORKER_CPUS"
 

@@ -13,7 +13,7 @@ A worker announces "join" when it registers and each time it is free again; serv
 (XREAD BLOCK) and claim a joining worker before connecting, so a worker has one server at a time (its PUSH
 socket would split outputs between two). A registration whose lease is gone (the worker was killed or lost
 Redis) is removed by the next server that looks, with a "leave" event; a live worker re-registers itself.
-Leases and claims are renewed and released only by their holder (kvbm.redis_lease): one whose lease lapsed and
+Leases and claims are renewed and released only by their holder (cluster.redis_lease): one whose lease lapsed and
 was taken by another worker or server meanwhile leaves it to that one.
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import msgspec
 import redis
 
-from kvbm.redis_lease import Leases, LeaseState
-from kvbm.redis_link import RedisLink
+from cluster.redis_lease import Leases, LeaseState
+from cluster.redis_link import RedisLink
 from server.workers.protocol import WorkerInfo
 from server.workers.transport import ChannelAddress
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvbm.curve import CurveKeys
+from cluster.curve import CurveKeys
 from kvbm.events import EventSink
 from server.engine.api import (
     EngineOverloaded,

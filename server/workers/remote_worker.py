@@ -37,9 +37,9 @@ import msgspec
 import redis
 import zmq
 
+from cluster.curve import CurveKeys
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
-from kvbm.curve import CurveKeys
 from kvbm.transfer import KVTransferConfig
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig

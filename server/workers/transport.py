@@ -18,7 +18,7 @@ round-robins between connected peers, so a bound worker must have exactly one se
 (discovery.py takes a claim in Redis before connecting).
 
 Who may connect: a TCP link (a remote worker) is ZMQ CURVE, with keys derived from the cluster secret
-(`link_keys`, kvbm/curve.py): the worker's sockets are CURVE servers that admit only the one client key the secret
+(`link_keys`, cluster/curve.py): the worker's sockets are CURVE servers that admit only the one client key the secret
 gives, so a peer without the secret never completes the handshake and not one of its frames reaches the
 decoder; every frame of an admitted peer is encrypted and authenticated. Why CURVE rather than an HMAC
 challenge at hello: a PULL socket fans in every connected peer, so a hello proof would not cover frames that
@@ -45,12 +45,13 @@ from dataclasses import dataclass
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvbm.curve import AdmitOneKey, CurveKeys
+from cluster.curve import CurveKeys, admit_cluster, make_client, make_server
 from server.workers.protocol import MAX_MESSAGE_BYTES, BadMessage, Codec, Message, ToServer, ToWorker
 
 logger = logging.getLogger(__name__)
 
 _REMOTE_SEND_TIMEOUT_MS = 1000
+_ZAP_DOMAIN = b"strata"
 _ZMQ_MAX_FACTOR = (
     4  # ZMQ_MAXMSGSIZE = 4 x the checked limit: oversized frames up to it get a log line and a count
 )
@@ -156,20 +157,11 @@ class Channel:
         server its client."""
         for sock in (self._out, self._in):
             if server_side:
-                sock.curve_serverkey = curve.server_public
-                sock.curve_publickey = curve.client_public
-                sock.curve_secretkey = curve.client_secret
+                make_client(sock, curve)
             else:
-                sock.curve_server = True
-                sock.curve_publickey = curve.server_public
-                sock.curve_secretkey = curve.server_secret
-                sock.zap_domain = b"strata"
+                make_server(sock, curve, _ZAP_DOMAIN)
         if not server_side:
-            self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("zmq.auth"))
-            self._authenticator.start()
-            self._authenticator.configure_curve_callback(
-                "strata", credentials_provider=AdmitOneKey(curve.client_public, "worker connection")
-            )
+            self._authenticator = admit_cluster(self._context, curve, _ZAP_DOMAIN, "worker connection")
 
     def send(self, message: Message) -> None:
         """Queue a message; dropped once the channel is closed (a worker's engine may still emit outputs for a

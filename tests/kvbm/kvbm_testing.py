@@ -3,19 +3,39 @@ real redis-server on a free port is harness.redis_server.RedisServer)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import TypeVar
 
 import numpy as np
 import torch
 
+from cluster.secret import derive_key
 from kvbm.api import KVLayout
-from kvbm.auth import derive_key
 
 T = TypeVar("T")
 
 CLUSTER_SECRET = b"test-cluster-secret-0123456789abcdef"
 G4_KEY = derive_key(CLUSTER_SECRET, "g4-mac")  # what a process given CLUSTER_SECRET signs G4 blocks with
+ZMTP_SIGNATURE = b"\xff" + bytes(7) + b"\x01\x7f"  # the first 10 bytes libzmq sends on every connection
+
+
+def old_style_query(block_hashes: list[int]) -> bytes:
+    """A query as the KVBM service's former plain-TCP port read it: u32 count, then u64 hashes (little-endian)."""
+    return len(block_hashes).to_bytes(4, "little") + b"".join(h.to_bytes(8, "little") for h in block_hashes)
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """Every byte the peer sends until it closes the connection (a reset counts as closed); TimeoutError if it
+    stays open past `timeout_s`."""
+    sock.settimeout(timeout_s)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        return received
+    return received
 
 
 def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Tensor:

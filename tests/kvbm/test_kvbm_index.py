@@ -79,11 +79,6 @@ def test_g4_prefix_is_for_anyone_and_expires() -> None:
     assert report.g4 == 2 and report.workers == {}
 
 
-def test_report_round_trips_through_dict() -> None:
-    report = PrefixReport(4, {"w": WorkerPrefix(1, 2, 3)}, 4)
-    assert PrefixReport.from_dict(report.to_dict()) == report
-
-
 def test_channel_coalesces_runs_of_similar_events() -> None:
     from kvbm.channel import coalesce
 

@@ -8,11 +8,11 @@ import numpy as np
 import redis
 from kvbm_testing import G4_KEY
 
+from cluster.redis_link import RedisLink
 from harness.redis_server import RedisServer
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics
-from kvbm.redis_link import RedisLink
-from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool
+from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool, block_mac
 
 BLOCK = 4096
 
@@ -26,7 +26,12 @@ def pool_for(
     url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, key: bytes = G4_KEY, **kwargs
 ) -> RedisPool:
     return RedisPool(
-        RedisLink(url, metrics, timeout_s=0.5), key, fingerprint, BLOCK, metrics=metrics, **kwargs
+        RedisLink(url, None if metrics is None else metrics.redis_up, timeout_s=0.5),
+        key,
+        fingerprint,
+        BLOCK,
+        metrics=metrics,
+        **kwargs,
     )
 
 
@@ -159,3 +164,12 @@ def test_a_get_larger_than_one_fetch_chunk_keeps_every_block_in_place(redis_url:
     ok, dests = read(pool, [int(h) for h in hashes])
     assert ok == [i != FETCH_CHUNK_BLOCKS + 1 for i in range(count)]
     assert all(np.array_equal(dests[i], blocks[i]) for i in range(count) if ok[i])
+
+
+def test_block_macs_bind_key_layout_hash_and_payload() -> None:
+    mac = block_mac(G4_KEY, 7, 42, b"payload")
+    assert len(mac) == 16
+    assert mac != block_mac(bytes(32), 7, 42, b"payload")
+    assert mac != block_mac(G4_KEY, 8, 42, b"payload")
+    assert mac != block_mac(G4_KEY, 7, 43, b"payload")
+    assert mac != block_mac(G4_KEY, 7, 42, b"payloaD")

@@ -1,4 +1,5 @@
-"""The standalone KVBM service over a real Redis: events over the Stream, TCP queries, leases, restart rebuild."""
+"""The standalone KVBM service over a real Redis: events over the Stream, queries over its port, leases, restart
+rebuild. The query link itself (CURVE, refusals, timeouts): test_kvbm_query_port.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ from pathlib import Path
 
 import pytest
 import redis
-from kvbm_testing import CLUSTER_SECRET, G4_KEY, make_kv_cache, small_layout, spawned_offload
+from kvbm_testing import (
+    CLUSTER_SECRET,
+    G4_KEY,
+    ZMTP_SIGNATURE,
+    make_kv_cache,
+    old_style_query,
+    read_until_closed,
+    small_layout,
+    spawned_offload,
+)
 
 from harness.redis_server import RedisServer
 from kvbm.agent import build_connector
 from kvbm.api import BlockRemoved, BlockStored
-from kvbm.auth import AuthError, derive_key
 from kvbm.block_hash import BlockHash
 from kvbm.channel import STREAM
 from kvbm.client import KVIndexClient
@@ -29,10 +38,10 @@ from kvbm.connector import KVBMConnector
 from kvbm.events import G1, G2, TierEvent
 from kvbm.index import WorkerPrefix
 from kvbm.service import KVBMService
-from kvbm.wire import encode_query
+from kvbm.wire import service_keys
 
 SPAWN = multiprocessing.get_context("spawn")
-SERVICE_KEY = derive_key(CLUSTER_SECRET, "kvbm-service")
+SERVICE_KEYS = service_keys(CLUSTER_SECRET)
 BLOCKS = [BlockHash(h) for h in range(1, 9)]
 
 
@@ -48,7 +57,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> fl
 
 @pytest.fixture
 def service(redis_url: str) -> Iterator[KVBMService]:
-    running = KVBMService(redis_url, port=0, lease_check_s=0.2, auth_key=SERVICE_KEY).start()
+    running = KVBMService(redis_url, port=0, lease_check_s=0.2, keys=SERVICE_KEYS).start()
     yield running
     running.stop()
 
@@ -71,7 +80,7 @@ def holds(service: KVBMService, worker_id: str, prefix: WorkerPrefix) -> Callabl
 
 def test_events_reach_the_service_and_client_queries_it(service: KVBMService, worker: KVBMConnector) -> None:
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     assert client.query(BLOCKS) == service.index.query(BLOCKS)
     assert client.query([]).num_blocks == 0
     client.close()
@@ -129,7 +138,7 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
         cwd=root,
         env={**os.environ, "STRATA_CLUSTER_SECRET": CLUSTER_SECRET.decode()},
     )
-    client = KVIndexClient(f"127.0.0.1:{port}", SERVICE_KEY)
+    client = KVIndexClient(f"127.0.0.1:{port}", SERVICE_KEYS)
 
     def answered() -> bool:
         try:
@@ -149,7 +158,7 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
 
 def test_client_reports_the_service_event_count(service: KVBMService, worker: KVBMConnector) -> None:
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
-    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEY)
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     assert client.events_applied == 0
     client.query(BLOCKS)
     assert client.events_applied == service.index.events_applied > 0
@@ -186,15 +195,18 @@ def test_a_client_without_the_secret_gets_no_answer_and_the_service_keeps_servin
 ) -> None:
     wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
     address = f"{service.address[0]}:{service.address[1]}"
-    intruder = KVIndexClient(address, derive_key(b"not-the-cluster-secret-at-all", "kvbm-service"))
-    with pytest.raises(AuthError):
+    intruder = KVIndexClient(address, service_keys(b"not-the-cluster-secret-at-all"), timeout_s=0.5)
+    with pytest.raises(TimeoutError):
         intruder.query(BLOCKS)
-    assert service.metrics.registry.get_sample_value("kvbm_service_auth_failures_total") >= 1
-    with socket.create_connection(service.address) as raw:  # a plain query, no handshake: closed unanswered
-        raw.sendall(encode_query(BLOCKS))
-        raw.settimeout(10)
-        assert raw.recv(1 << 16)[:13] == b"STRATA-AUTH-1" and raw.recv(1 << 16) == b""
-    client = KVIndexClient(address, SERVICE_KEY)
+    intruder.close()
+    registry = service.metrics.registry
+    wait_until(
+        lambda: registry.get_sample_value("kvbm_service_auth_failures_total") >= 1, 5, "a refusal counted"
+    )
+    with socket.create_connection(service.address) as raw:  # an old-style plain query: closed unanswered
+        raw.sendall(old_style_query(BLOCKS))
+        assert read_until_closed(raw, 5) in (b"", ZMTP_SIGNATURE)
+    client = KVIndexClient(address, SERVICE_KEYS)
     assert client.query(BLOCKS).workers["worker-a"] == WorkerPrefix(4, 8, 8)
     client.close()
 

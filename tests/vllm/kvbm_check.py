@@ -99,7 +99,7 @@ def service_main() -> None:
     model_folder, cache_id, redis_url = sys.argv[1:4]
     import redis
 
-    from kvbm.auth import derive_key
+    from cluster.secret import derive_key
     from kvbm.service import KVBMService
 
     args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,

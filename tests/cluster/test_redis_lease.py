@@ -1,10 +1,10 @@
-"""kvbm.redis_lease on a real Redis: each key is renewed or released only by the owner its value names."""
+"""cluster.redis_lease on a real Redis: each key is renewed or released only by the owner its value names."""
 
 from __future__ import annotations
 
 import redis
 
-from kvbm.redis_lease import Leases, LeaseState
+from cluster.redis_lease import Leases, LeaseState
 
 
 def test_renew_extends_its_own_takes_free_ones_and_leaves_anothers(redis_url) -> None:

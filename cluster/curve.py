@@ -1,6 +1,7 @@
 """ZMQ CURVE keys from the cluster secret, and the ZAP check that admits only the cluster's client key: the one
 scheme of Strata's TCP links (server <-> worker channels, server/workers/transport.py; KV handoffs between
-workers, kvbm/transfer_tcp.py), each link with its own key purposes.
+workers, kvbm/transfer_tcp.py; the KVBM service's query port, kvbm/query_port.py), each link with its own key
+purposes.
 
 The CURVE server side admits only the client key the secret gives, so a peer without the secret never completes
 the handshake (no frame of it reaches a decoder), and a peer that learnt the server's public key but not the
@@ -13,9 +14,10 @@ import logging
 from dataclasses import dataclass
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from kvbm.auth import derive_key
+from cluster.secret import derive_key
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,34 @@ class CurveKeys:
         return cls(
             zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret
         )
+
+
+def make_server(sock: zmq.Socket, keys: CurveKeys, zap_domain: bytes) -> None:
+    """Make `sock` (before it binds or connects) the link's CURVE server; the ZAP handler of `zap_domain`
+    (`admit_cluster`) checks each peer's key."""
+    sock.curve_server = True
+    sock.curve_publickey = keys.server_public
+    sock.curve_secretkey = keys.server_secret
+    sock.zap_domain = zap_domain
+
+
+def make_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make `sock` (before it connects or binds) a CURVE client of the link's server, with the cluster's client
+    key pair."""
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+def admit_cluster(context: zmq.Context, keys: CurveKeys, zap_domain: bytes, link: str) -> ThreadAuthenticator:
+    """Start the ZAP handler of `context`: its CURVE servers of `zap_domain` admit only the cluster's client
+    key (`link` names them in the log). Stop it before terminating the context."""
+    authenticator = ThreadAuthenticator(context, log=logging.getLogger("zmq.auth"))
+    authenticator.start()
+    authenticator.configure_curve_callback(
+        zap_domain.decode(), credentials_provider=AdmitOneKey(keys.client_public, link)
+    )
+    return authenticator
 
 
 class AdmitOneKey:

@@ -7,11 +7,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import redis
-
-from kvbm.metrics import KVBMMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,20 +18,27 @@ MIN_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 8.0
 
 
+class UpGauge(Protocol):
+    """Where the link reports whether Redis answered: 1 after a call that reached it, 0 after one that did not
+    (a Prometheus Gauge, such as the KVBM's `kvbm_redis_up`)."""
+
+    def set(self, value: float) -> None: ...
+
+
 class RedisLink:
     """Invariant: `call` returns `fn(client)` or `default`; Redis and socket errors are logged, never raised."""
 
     def __init__(
         self,
         url: str,
-        metrics: KVBMMetrics | None = None,
+        up_gauge: UpGauge | None = None,
         timeout_s: float = 2.0,
         connect_timeout_s: float = 0.25,
     ) -> None:
         """`timeout_s` bounds one socket read (a large MGET reply streams in many); `connect_timeout_s` bounds how
         long the engine thread can stall on an unreachable host once per backoff period."""
         self.url = url
-        self.metrics = metrics
+        self.up_gauge = up_gauge
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, health_check_interval=0
         )
@@ -70,8 +75,8 @@ class RedisLink:
             self._up = False
             self._retry_at = time.monotonic() + self._backoff
         self.client.connection_pool.disconnect()
-        if self.metrics is not None:
-            self.metrics.redis_up.set(0)
+        if self.up_gauge is not None:
+            self.up_gauge.set(0)
 
     def _mark_up(self) -> None:
         if not self._up:
@@ -79,8 +84,8 @@ class RedisLink:
                 self._up = True
                 self._backoff = MIN_BACKOFF_S
             log.info("redis %s reachable again", self.url)
-        if self.metrics is not None:
-            self.metrics.redis_up.set(1)
+        if self.up_gauge is not None:
+            self.up_gauge.set(1)
 
     def close(self) -> None:
         self.client.close()
