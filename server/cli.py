@@ -410,6 +410,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
         "for up to this long; what is left then resumes on another worker",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the worker's /metrics and its probes (/health, /v2/health/live, /v2/health/ready: not ready "
+        "while draining) over HTTP on this port, bound once the model is loaded (default: none)",
+    )
+    p.add_argument(
         "--kvbm-service",
         default=None,
         metavar="HOST:PORT",

@@ -9,11 +9,11 @@ cannot be read, the scrape still answers with Strata's, and a comment line says 
 from __future__ import annotations
 
 import logging
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from server.status_http import StatusServer
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +25,20 @@ class MetricsEndpoint:
         """Bind `address:port` now (OSError if taken); serve from `start` until `close`."""
         self.registry = registry
         self.triton_metrics_url = triton_metrics_url
-        self._server = ThreadingHTTPServer((address, port), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="strata-metrics", daemon=True)
+        self._server = StatusServer(address, port, {"/metrics": self._metrics}, "strata-metrics")
 
     def start(self) -> None:
-        self._thread.start()
+        self._server.start()
+
+    def close(self) -> None:
+        self._server.close()
 
     def scrape(self) -> bytes:
         """Triton's exposition, then Strata's."""
         return self._triton_part() + generate_latest(self.registry)
+
+    def _metrics(self) -> tuple[int, bytes, str]:
+        return 200, self.scrape(), CONTENT_TYPE_LATEST
 
     def _triton_part(self) -> bytes:
         try:
@@ -44,27 +48,3 @@ class MetricsEndpoint:
             log.warning("Triton's metrics at %s not read: %s", self.triton_metrics_url, err)
             return f"# Triton's series are missing from this scrape: {err}\n".encode()
         return text if text.endswith(b"\n") or not text else text + b"\n"
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
-
-
-def _handler(endpoint: MetricsEndpoint) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics is served on this port")
-                return
-            body = endpoint.scrape()
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # scrapes are not worth a log line each
-            return
-
-    return Handler

@@ -134,6 +134,7 @@ class WorkerOptions(msgspec.Struct, frozen=True):
     kv_transfer_port: int
     lease_secs: float
     exit_timeout_secs: int
+    metrics_port: int | None
     kvbm_service: str | None
     vllm_python: str | None
     engine: EngineFlags

@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import redis
 import zmq
+from prometheus_client import CollectorRegistry
 
 from cluster.curve import CurveKeys
 from kvbm.agent import build_connector
@@ -47,6 +48,7 @@ from server.vllm_engine.config import VLLMConfig
 from server.workers.external import SOURCE_ROOT
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
 from server.workers.registry import Registration, WorkerIdTaken, WorkerRecord
+from server.workers.status import WorkerStatus
 from server.workers.transport import Channel, ChannelAddress, link_keys
 from server.workers.worker import (
     MALFORMED,
@@ -80,6 +82,7 @@ class RemoteWorkerOptions:
     heartbeat_s: float = 0.5
     exit_timeout_s: float = 30.0  # drain on SIGTERM: finish requests this long before leaving
     curve: CurveKeys | None = None  # from the cluster secret: only servers that hold it can connect
+    metrics_port: int | None = None  # HTTP /metrics and probes (server/workers/status.py); None: none
 
 
 class RemoteWorker:
@@ -99,6 +102,7 @@ class RemoteWorker:
         self.info = info
         self.options = options
         self.stop = threading.Event()
+        self._registered = threading.Event()
         self.messages_rejected = 0  # frames that were not messages (each one dropped its sender's connection)
         self._events = events
         self._on_attach = on_attach
@@ -109,9 +113,14 @@ class RemoteWorker:
         record = WorkerRecord(options.worker_id, self.address.with_host(options.advertise_host), info)
         self.registration = Registration(options.redis_url, record, options.lease_s)
 
+    def ready(self) -> bool:
+        """Registered and not draining: servers may send it new requests."""
+        return self._registered.is_set() and not self.stop.is_set()
+
     def run(self) -> None:
         """Register, then serve one server after another until stopped; always deregister."""
         self.registration.register()
+        self._registered.set()
         log.info(
             "worker %s of %s registered at %s; %s",
             self.options.worker_id,
@@ -126,6 +135,7 @@ class RemoteWorker:
                     self._reopen()
                     self.registration.announce("join", "free again")
         finally:
+            self._registered.clear()
             self._channel.close()
             self.registration.deregister("worker stopped")
 
@@ -209,6 +219,7 @@ def run_worker(
         flags.lease_secs,
         exit_timeout_s=flags.exit_timeout_secs,
         curve=link_keys(cluster_secret),
+        metrics_port=flags.metrics_port,
     )
     forward = flags.kvbm_service is None  # else the KVBM agent publishes to Redis for the standalone service
     if source.backend == VLLM:
@@ -228,7 +239,8 @@ def run_worker(
     events = ChannelEvents(None) if forward else None
     connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
     engine = LLMEngine(config, connector, transfer)
-    return serve_engine(engine, flags.role, options, events, connector.request_announce if forward else None)
+    announce = connector.request_announce if forward else None
+    return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])
 
 
 def serve_engine(
@@ -237,11 +249,21 @@ def serve_engine(
     options: RemoteWorkerOptions,
     events: ChannelEvents | None,
     on_attach: Callable[[], None] | None,
+    registries: Sequence[CollectorRegistry] = (),
 ) -> int:
-    """Calibrate `engine`, register it and serve one server after another until SIGTERM/SIGINT; close it."""
+    """Calibrate `engine`, register it and serve one server after another until SIGTERM/SIGINT; close it.
+    `registries`: series of the worker's own (its KVBM tiers') for `--metrics-port`."""
     info = describe(engine, calibrate_logged(engine), role)
+    status = None
     try:
         worker = RemoteWorker(engine, info, options, events, on_attach)
+        if options.metrics_port is not None:
+            try:
+                status = WorkerStatus(options.host, options.metrics_port, engine, worker.ready, registries)
+            except OSError as exc:
+                log.error("--metrics-port %d: %s", options.metrics_port, exc)
+                return 2
+            status.start()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: worker.stop.set())
         worker.run()
@@ -252,6 +274,8 @@ def serve_engine(
         log.error("--redis-url %s: %s", options.redis_url, exc)
         return 2
     finally:
+        if status is not None:
+            status.close()
         engine.close()  # and its KVBM connector
     log.info("worker %s stopped", options.worker_id)
     return 0
@@ -275,6 +299,7 @@ class VLLMLaunch(msgspec.Struct, frozen=True):
     forward_events: bool
     role: str
     cluster_secret: str  # hex
+    metrics_port: int | None = None
 
 
 def _vllm_worker(
@@ -301,6 +326,7 @@ def _vllm_worker(
     launch = VLLMLaunch(
         config.worker_args(kvbm), options.worker_id, options.redis_url, options.host, options.advertise_host,
         options.port, options.lease_s, options.exit_timeout_s, forward, flags.role, cluster_secret.hex(),
+        options.metrics_port,
     )  # fmt: skip
     if importlib.util.find_spec("vllm") is not None:
         return _serve_vllm(launch)
@@ -335,7 +361,7 @@ def _serve_vllm(launch: VLLMLaunch) -> int:
     secret = bytes.fromhex(launch.cluster_secret)
     options = RemoteWorkerOptions(
         launch.worker_id, launch.redis_url, launch.host, launch.advertise_host, launch.port, launch.lease_s,
-        exit_timeout_s=launch.exit_timeout_s, curve=link_keys(secret),
+        exit_timeout_s=launch.exit_timeout_s, curve=link_keys(secret), metrics_port=launch.metrics_port,
     )  # fmt: skip
     events = ChannelEvents(None) if launch.forward_events else None
     try:

@@ -126,7 +126,9 @@ def _inject_fault(engine, monkeypatch, where: str, bad: str) -> None:
         monkeypatch.setattr(core, "sampler", poisoned(core.sampler, lambda logits, seqs: seqs))
     elif where == "admission":  # a request's own scheduling work (its handoff read, at admission)
         manager = engine.block_manager
-        monkeypatch.setattr(manager, "receive", poisoned(manager.receive, lambda seq, num_hits, max_blocks: [seq]))
+        monkeypatch.setattr(
+            manager, "receive", poisoned(manager.receive, lambda seq, num_hits, max_blocks: [seq])
+        )
     elif where == "blocks":
         manager = engine.block_manager
         monkeypatch.setattr(

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from harness.ports import free_port
 from harness.servers import ROOT, copy_models, run_cli, start_strata
 from harness.waiting import wait_for
 
@@ -224,9 +225,14 @@ def test_model_served_by_remote_workers_only(short_tmp, redis_url, workers) -> N
         assert refused.value.status_code == 503 and "no worker serves smollm2" in str(refused.value)
         assert "worker smollm2-w0 up" not in server.log()  # no local engine was started
 
-        workers(repository, redis_url, "only-a")
+        status_port = free_port()
+        workers(repository, redis_url, "only-a", "--metrics-port", str(status_port))
         wait_for(lambda: "remote worker only-a joined" in server.log(), 90, what="only-a joined")
         assert complete(client, "Tell me about tea.") == 3
+        status = f"http://127.0.0.1:{status_port}"  # the worker's own probes and series (--metrics-port)
+        assert urllib.request.urlopen(f"{status}/v2/health/ready", timeout=10).status == 200
+        worker_series = urllib.request.urlopen(f"{status}/metrics", timeout=10).read().decode()
+        assert 'strata_num_preemptions_total{model="smollm2"}' in worker_series
         chat = client.chat.completions.create(
             model="smollm2", max_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi!"}]
         )
