@@ -20,9 +20,9 @@ from kvbm.block_hash import BlockHash
 
 
 def copy_blocks(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-    """memcpy of each (dest, src) block on the calling thread. Measured here: a 2-thread split doubles throughput
-    on idle cores but halves it when other processes share them, and torch's copy_ spins its OpenMP workers;
-    one thread is the predictable choice on a shared CPU host (on CUDA this is a cudaMemcpyAsync batch)."""
+    """memcpy of each (dest, src) block on the calling thread. A split over threads gains on idle cores but loses
+    when other processes share them, and torch's copy_ spins its OpenMP workers; one thread is the predictable
+    choice on a shared CPU host (on CUDA this is a cudaMemcpyAsync batch)."""
     for dest, src in pairs:
         np.copyto(dest, src)
 

@@ -211,7 +211,7 @@ class ShmTransport:
 
 class _ShmSource:
     """The handoff file mapped and faulted in by `fetch` (on the decode side's fetch thread, MAP_POPULATE), so
-    that `read_into`, on the engine thread, is a plain memcpy per block: reading the file there with preadv paid
+    that `read_into`, on the engine thread, is a plain memcpy per block: reading the file there (preadv) would pay
     tmpfs's page lookups on the thread that runs every decode step."""
 
     def __init__(self, path: Path, fd: int, num_blocks: int, block_bytes: int) -> None:

@@ -517,9 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "worker":
         # `strata worker` processes share a host with others it cannot see (the planner's local connector starts
         # several), each with every core by default; OpenMP's spin-waiting between parallel regions then steals
-        # their cores (a batch-8 decode step measured 663 ms instead of 168 ms). `strata serve` splits the cores
-        # among the workers it starts (deployment._share_cores) and keeps the spin: with one engine, sleeping
-        # at every barrier made a bf16 decode step 47 ms instead of 26. An operator's own setting wins.
+        # their cores. `strata serve` splits the cores among the workers it starts (deployment._share_cores) and
+        # keeps the spin: with one engine, sleeping at every barrier slows each step. An operator's own setting
+        # wins (figures: README, "CPU threads").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,

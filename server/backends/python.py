@@ -1,8 +1,8 @@
 """Triton Python-backend models (`model.py` with `TritonPythonModel`), run by Triton's own Python backend.
 
 Running them inside the Python backend bundled with PyTriton's Triton gives them the real
-`triton_python_backend_utils` (every API a model may use) and the bare binary's round trip (~0.4 ms here), where a
-PyTriton-bound callable costs ~1.7 ms. The staged folder holds a copy of the validated config and symlinks to the
+`triton_python_backend_utils` (every API a model may use) and the bare binary's round trip, shorter than a
+PyTriton-bound callable's. The staged folder holds a copy of the validated config and symlinks to the
 chosen version folders and any other files of the model, so nothing is copied. `stage` is all this backend adds to
 `staging.StagedBackend`.
 """

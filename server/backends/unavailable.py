@@ -38,10 +38,9 @@ class StartupHold:
     """Keeps a strict-readiness Triton not ready until Strata has loaded the repository at start.
 
     Triton's strict readiness covers only the models it has been asked to load, and Strata asks for them one at a
-    time after Triton is up: between loads Triton said ready with models still missing (probes measured ready /
-    not-ready flapping for seconds). The hold is a placeholder that fails to load, staged before Triton starts so
-    that Triton loads it at start (PyTriton starts Triton with `--load-model=*`): Triton is never ready before
-    `release` retires it.
+    time after Triton is up: between loads Triton would say ready with models still missing. The hold is a
+    placeholder that fails to load, staged before Triton starts so that Triton loads it at start (PyTriton starts
+    Triton with `--load-model=*`): Triton is never ready before `release` retires it.
     """
 
     def __init__(self, triton: ModelLoader) -> None:

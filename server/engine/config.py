@@ -18,10 +18,9 @@ NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinf
 def auto_dtype(device: str) -> torch.dtype:
     """`dtype: auto`: bfloat16 where the hardware computes in it, else float32.
 
-    CPU: bf16 only with native bf16 dot products (AVX512-BF16, AMX, Arm BF16). Measured on an AVX2 EPYC without
-    them (2 threads, SmolLM2): bf16 prefill and batch-8 decode ran 1.8x slower than fp32 in Strata's engine and
-    vLLM 0.32's bf16 prefill ran at 41 tok/s against 274 in fp32, because every bf16 GEMM converts in software.
-    With AVX512-BF16 transformers' bf16 prefill is 2.9x its fp32 (issue 18), and weights and KV halve their bytes.
+    CPU: bf16 only with native bf16 dot products (AVX512-BF16, AMX, Arm BF16): without them every bf16 GEMM
+    converts in software and runs slower than fp32; with them bf16 computes faster than fp32, and weights and KV
+    halve their bytes (figures: README, "Engine speed on CPU").
     CUDA: bf16 when the GPU supports it.
     """
     if device.startswith("cuda"):

@@ -2,20 +2,17 @@
 
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight on every call for the few-row matmuls of decoding.
 oneDNN can reorder a weight once, at load, into the blocked layout its kernel reads; the op is the one
-torch.compile's CPU backend emits for frozen linear layers. Measured here (2 threads, fp32, 30 SmolLM2 layers,
-median us per layer, F.linear -> packed): gate_up 863 -> 286 at 8 rows, 1484 -> 630 at 32; lm_head (49152 x 576)
-16.3 -> 4.2 ms at 8 rows; prefill rows 512: 12.4 -> 10.2 ms. The results are fp32 sums in another order
-(max difference 1e-4 on logits of magnitude 100), not bitwise equal to F.linear.
+torch.compile's CPU backend emits for frozen linear layers (faster at each row count measured; figures in the
+README, "Engine speed on CPU"). The results are fp32 sums in another order (max difference 1e-4 on logits of
+magnitude 100), not bitwise equal to F.linear.
 
-Memory: oneDNN keeps state per distinct row count, and with every row count a step can have, resident memory grew
-without bound (600 distinct counts x 120 SmolLM2 linears: +2.4 GB, F.linear: +40 MB). Row counts above
-`EXACT_ROWS` are therefore padded up to a multiple of `ROW_BUCKET` (zero rows, sliced off the result): random
-counts up to 1,100 then grew +156 MB and levelled off. Counts up to EXACT_ROWS (decode batches) run as they are.
+Memory: oneDNN keeps state per distinct row count, so resident memory grows with every new row count a step has.
+Row counts above `EXACT_ROWS` are therefore padded up to a multiple of `ROW_BUCKET` (zero rows, sliced off the
+result), which bounds the distinct counts. Counts up to EXACT_ROWS (decode batches) run as they are.
 
 bf16 on a CPU with AVX512-BF16 and no AMX (where oneDNN's GEMM runs on AMX tiles, it stays): the compiled kernel
 of kernels/linear_bf16.cpp instead (`TiledWeight`), whose packing feeds VDPBF16PS directly and whose blocks
-prefetch the next weights while computing: measured against oneDNN's packed bf16 GEMM on SmolLM2's 30 layers
-(cold weights, AMD EPYC, 2 threads), 1 row 7.9-8.6 -> 6.5 ms, 32 rows 15.0-17.6 -> 11.0, 512 rows 133 -> 126.
+prefetch the next weights while computing, faster than oneDNN's packed bf16 GEMM at each row count measured.
 One packed copy either way; every row count runs as it is.
 
 `pack` returns the weight to hand to `linear`: tiled for that kernel (bf16, a kernels module given), packed for
@@ -31,7 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# oneDNN picks its blocking from a row-count hint; 32 was as fast as 512 for prefill and much faster at 1-8 rows.
+# oneDNN picks its blocking from a row-count hint; 32 serves prefill as well as 512, and decode batches better.
 PACK_ROWS_HINT = 32
 EXACT_ROWS = 64
 ROW_BUCKET = 64

@@ -37,10 +37,10 @@ class _Inbox:
     """Items from other threads into one event loop's queues, with one wakeup per burst.
 
     An engine emits a step's outputs back to back (32 streams: 32 sinks in a row). A `call_soon_threadsafe` each
-    woke the loop 32 times a step (a write to its self-pipe each), and the loop's handlers took the GIL from the
-    engine thread between them: the engine's time between two forwards was 1.1 ms in-process and 2.8 ms served
-    (median, 32 streams). Here the first post of a burst schedules one drain and later posts only append, so the
-    loop runs once the engine thread lets go of the GIL (its next forward) and takes the whole step at once.
+    would wake the loop once per output (a write to its self-pipe each), and the loop's handlers would take the GIL
+    from the engine thread between them, stretching the engine's time between two forwards. Here the first post of
+    a burst schedules one drain and later posts only append, so the loop runs once the engine thread lets go of the
+    GIL (its next forward) and takes the whole step at once.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -7,19 +7,9 @@
     auto             all three side by side; predicts with the one whose one-step-ahead errors have been the
                      smallest lately (exponentially weighted absolute error): the choice is made by measuring
 
-The default is moving_average, chosen by measurement (bench/predictors.py: one-step-ahead relative MAE on the
-Mooncake conversation trace, walked forward at 30 s and 60 s intervals, ratio to constant's):
-
-    interval  series          moving_average  arima  auto
-    30 s      request rate    0.73            0.71   0.74
-    30 s      prompt tokens   0.73            0.79   0.80
-    30 s      output tokens   0.85            0.75   0.81
-    60 s      request rate    0.76            0.76   0.82
-    60 s      prompt tokens   0.82            0.93   0.83
-    60 s      output tokens   0.80            0.76   0.78
-
-Both beat constant by a fifth to a quarter; neither beats the other on every series, and the moving average
-costs nothing where ARIMA refits each interval (~80 ms per series here). Predictions are never negative.
+The default is moving_average, chosen by measurement (bench/predictors.py; the figures are in the README's SLA
+planner section): moving_average and arima both beat constant, neither beats the other on every series, and the
+moving average costs nothing where ARIMA refits each interval. Predictions are never negative.
 """
 
 from __future__ import annotations
@@ -92,7 +82,7 @@ class Arima:
         last = self._values[-1]
         if len(self._values) < self._min_history or max(self._values) == min(self._values):
             return last  # too short to fit, or flat (the fit would be singular)
-        from statsmodels.tsa.arima.model import ARIMA  # imported on first use: statsmodels loads in ~1 s
+        from statsmodels.tsa.arima.model import ARIMA  # imported on first use: statsmodels is slow to load
 
         try:
             with warnings.catch_warnings():

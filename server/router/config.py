@@ -13,10 +13,10 @@ STRATEGIES: tuple[Strategy, ...] = ("kv-aware", "round-robin", "random", "least-
 class RouterConfig:
     """Knobs of the cost function `overlap_weight * blocks_to_prefill + active_blocks` (all in blocks).
 
-    A block found in G2/G3/G4 costs `onboard_cost_g2/g3/g4` of a prefill (loading is 30-200x cheaper than
-    recomputing on these machines, see the brief). A worker whose last report shows `busy_threshold` of its KV
-    capacity or more in use is skipped unless every worker is (queued requests hold no KV yet: they count in the
-    cost, as pending prefill). A lookup slower than `lookup_budget_s` or failing makes
+    A block found in G2/G3/G4 costs `onboard_cost_g2/g3/g4` of a prefill (loading a block is much cheaper than
+    recomputing it, and each tier below is slower than the one above). A worker whose last report shows
+    `busy_threshold` of its KV capacity or more in use is skipped unless every worker is (queued requests hold no
+    KV yet: they count in the cost, as pending prefill). A lookup slower than `lookup_budget_s` or failing makes
     this decision and those of the next `lookup_cooldown_s` use `fallback`. With no index event for
     `stale_after_s` while requests with full blocks keep coming, the index is declared stale (logged once).
     With `count_in_flight`, the blocks of requests routed to a worker and not yet finished count as held there

@@ -54,8 +54,8 @@ class WorkerLoad:
     def is_busy(self, threshold: float) -> bool:
         """The worker's last report (every heartbeat) shows `threshold` of its KV held by running requests:
         anything routed here now waits for one of them to finish. Requests the router sent that have not started
-        hold no KV; they load the cost as pending prefill instead (counting them here turned conversations away
-        from the worker holding their prefix during every burst, see bench/routing_replay_serve.py)."""
+        hold no KV; they load the cost as pending prefill instead (counted here, a burst would turn conversations
+        away from the worker holding their prefix)."""
         capacity = self.stats.kv_capacity_blocks
         return capacity > 0 and self.stats.active_blocks >= threshold * capacity
 

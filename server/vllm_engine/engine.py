@@ -341,9 +341,9 @@ def _keep_cpu_layout(raw: Mapping[str, Any]) -> None:
     vLLM 0.32's CPU auto-binding (vllm/utils/ompmultiprocessing.py, lines 43-54) reserves one core per rank for
     the scheduler process, and one more per rank whenever any kv_transfer_config is set (meant for NIXL's transfer
     threads in prefill/decode). StrataKVConnector copies on vLLM's own threads, so here the reservation stays the
-    connector-less one. Where reserving two cores leaves none (2 cores), vLLM silently reserves nothing: that is
-    why a 2-core machine prefilled 1.8x faster with any connector attached (1900 tokens: 2.5 s -> 1.4 s, both
-    cores instead of one). An operator's VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_CPU_OMP_THREADS_BIND wins."""
+    connector-less one. Where reserving two cores leaves none (2 cores), vLLM silently reserves nothing, so
+    without this a connector would change how many cores the engine computes on. An operator's
+    VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_CPU_OMP_THREADS_BIND wins."""
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
         return
     ranks = int(raw.get("tensor_parallel_size", 1) or 1) * int(raw.get("pipeline_parallel_size", 1) or 1)

@@ -115,8 +115,8 @@ def pin_to_cpus(value: str | None) -> None:
     vLLM binds only its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). Its engine core, and its model worker between
     steps, wait for each other by spinning on shared memory (sched_yield, for 1 s after the last message:
     vllm/distributed/device_communicators/shm_broadcast.py). Unbound, one worker's spinner lands on the core
-    where another computes. On 2 cores with 2 vLLM workers, binding each worker's main threads alone took the
-    Mooncake replay's TTFT p50 from 141 to 85 ms and p90 from 1.31 to 0.80 s (README, "vLLM as the engine")."""
+    where another computes, so each worker's whole process tree is bound to its cores (README, "vLLM as the
+    engine")."""
     if not value:
         return
     cores = {int(core) for core in value.replace("|", ",").split(",") if core.strip()}

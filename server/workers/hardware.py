@@ -80,11 +80,10 @@ def describe_hardware(engine: LocalEngine) -> HardwareInfo:
 
 
 def calibrate(engine: LocalEngine) -> Speeds:
-    """A short prefill and a few decode steps on the real engine (~0.7 s for SmolLM2 fp32 on 2 CPU cores).
+    """A short prefill and a few decode steps on the real engine.
 
-    Workers on one host calibrate one at a time (an exclusive lock on a file in the temp directory): when
-    `--workers 4` calibrated together on 2 cores, identical workers measured decode speeds 2x apart, and the
-    router sent them work in those proportions.
+    Workers on one host calibrate one at a time (an exclusive lock on a file in the temp directory): workers that
+    calibrate together measure each other's load, and the router would split work by those skewed speeds.
     Unmeasured (zeros) when the engine's blocks are too small to hold a calibration sequence in one block.
     """
     with open(CALIBRATION_LOCK, "a") as lock:

@@ -1,14 +1,12 @@
 """The link between the server and one worker: two ZMQ PUSH/PULL sockets, over unix domain sockets (ipc) for
 a worker the server spawned, over TCP for a worker on another host (`strata worker`).
 
-Why ZMQ and not `multiprocessing.Pipe` (bench/worker_transport.py; medians of 3 interleaved rounds on 2 busy
-cores, which vary 2x between runs): the hot path is worker -> server, one GenerationOutput per generated token per
-request, and there this channel carries 100-140k msg/s against the Pipe's 20-30k (pickled), with 5-7 us of the engine
-thread per send against 30-50 us: a ZMQ send only queues the message for ZMQ's I/O thread, so a slow reader never
-blocks the engine inside its sink (a full Pipe buffer would). A submit's round trip is about the same on both
-(220-230 us p50 for a 2,048-token request); it is paid once per request, not per token. The msgspec messages
-(64 bytes for an output, 0.4 us to encode) against the pickled tuples they replaced (274 bytes, 6 us) on the same
-sockets: 1.7-3.4x the msg/s, 0.2-0.4x the sender's time, 0.8x the round trip.
+Why ZMQ and not `multiprocessing.Pipe` (bench/worker_transport.py; figures in the README): the hot path is
+worker -> server, one GenerationOutput per generated token per request, and there this channel carries several
+times the Pipe's messages per second for a fraction of the engine thread's time per send: a ZMQ send only queues
+the message for ZMQ's I/O thread, so a slow reader never blocks the engine inside its sink (a full Pipe buffer
+would). A submit's round trip is about the same on both; it is paid once per request, not per token. Messages are
+msgspec structs, smaller and cheaper to encode than pickled tuples.
 One socket per direction: ZMQ sockets are not thread-safe, so each process receives on one socket
 from one thread and sends on the other under a lock.
 

@@ -5,7 +5,7 @@
 build and OS have, best first), the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`,
 `silu_mul`, `rope_cache`) and bf16 linear layers on AVX512-BF16 (linear_bf16.cpp: `pack_bf16_linear`,
 `bf16_linear`, `bf16_linear_available()`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
-once in the log. The build (about a minute here, `-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
+once in the log. The build (`-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
 by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
 (`python -m server.engine.kernels`) and every process after loads it in well under a second.
 """

@@ -14,7 +14,7 @@ namespace strata {
 
 // e^x for x <= 0 (scores minus their running max), relative error under 2e-7: x = n ln2 + r with |r| <= ln2/2,
 // e^r by a degree-6 Taylor polynomial, 2^n put in the exponent bits. Plain arithmetic, so the loops that call it
-// vectorize (std::exp is a scalar libm call per score, and was most of the kernel's time).
+// vectorize (std::exp is a scalar libm call per score, which would dominate the kernel's time).
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below this e^x is under FLT_MIN: treat as the smallest normal, which sums as 0
   const float n = std::nearbyint(x * 1.44269504088896341f);

@@ -6,11 +6,8 @@
 // broadcasts each row's dword of x (x[m][2p], x[m][2p+1]), R*T dot-product instructions. Threads split the columns
 // (tile blocks of T=2), each row block reads its tile block's weights from cache, and the first row block of a
 // tile block prefetches the next one's weights (a tile block is streamed from memory once, while the last is
-// computed: decode batches are bound by streaming the weights).
-//
-// Measured here (AMD EPYC, AVX512-BF16, 2 threads), SmolLM2's 30 layers of linears (212 MB of weights, cold),
-// against oneDNN's packed bf16 GEMM: 1 row 7.9-8.6 -> 6.5 ms (33 GB/s, the memory's), 8 rows 8.7-11.1 -> 6.4,
-// 32 rows 15.0-17.6 -> 11.0, 64 rows 24.9-25.7 -> 18.5, 512 rows 133 -> 126, 2048 rows 542 -> 527 (824 GFLOP/s).
+// computed: decode batches are bound by streaming the weights). Its timings against oneDNN's packed bf16 GEMM
+// are in the README ("Engine speed on CPU").
 //
 // Built wherever the compiler targets AVX512-BF16 (AMX CPUs have it too, so the kernel is built and tested there);
 // elsewhere `bf16_linear_available()` is false and linear.py keeps oneDNN (or F.linear). The engine does not use it

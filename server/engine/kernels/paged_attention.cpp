@@ -229,8 +229,8 @@ inline __m512 sum16(const __m512* v) {
 // Per 16 keys: q.k by VDPBF16PS (a key row loaded once for the G heads), a head's 16 dot products summed into one
 // vector (sum16), the online softmax on that vector (rows past the sequence masked), p.v in fp32 from value rows
 // converted once for the G heads. The next block's rows of this kv head are prefetched two blocks ahead (rows
-// lie anywhere in the pool). Same arithmetic as decode_task_avx512_bf16 up to the order of fp32 sums.
-// Measured (30 layers, 32 sequences x 300 keys, SmolLM2's G = 3, C = 2, 2 threads, AMD EPYC): 19.0 -> 10.9 ms.
+// lie anywhere in the pool). Same arithmetic as decode_task_avx512_bf16 up to the order of fp32 sums, and faster
+// (README, "Engine speed on CPU").
 template <int G, int C>
 void decode_task_fixed(const at::BFloat16* q, const at::BFloat16* layer_k, const at::BFloat16* layer_v,
                        int64_t block_stride, int64_t token_stride, const int64_t* table, int64_t seq_len,

@@ -23,7 +23,7 @@
 //   amx          16x16 tiles (TDPBF16PS), where the compiler targets AMX-BF16 and Linux grants the tile state;
 //   avx512_bf16  VDPBF16PS on 16-lane registers, 4 query rows x 64 keys (S) or 64 dims (P V) per block of
 //                16 accumulators, the A operand a broadcast dword of Q or P (AVX512-BF16 CPUs without AMX, e.g.
-//                AMD Zen 4/5, where torch's SDPA reached about 120 GFLOP/s at 2048 tokens).
+//                AMD Zen 4/5).
 // Built where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere `prefill_attention`
 // raises, `prefill_attention_isas()` is empty, and the engine keeps torch's SDPA.
 
