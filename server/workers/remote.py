@@ -369,7 +369,14 @@ class RemoteEngine:
                 for listener in self._listeners:
                     listener.on_beat(self)
             elif isinstance(message, Draining):
-                logger.info("worker %s is draining: %s", self.worker_id, message.reason)
+                with self._lock:
+                    unfinished = len(self._sinks)
+                logger.info(
+                    "worker %s is draining (%s): %d request(s) to finish there",
+                    self.worker_id,
+                    message.reason,
+                    unfinished,
+                )
                 self.draining = True
                 for listener in self._listeners:
                     listener.on_draining(self)

@@ -212,10 +212,12 @@ def serve_channel(
     silenced = threading.Event()
 
     def sink(output: GenerationOutput) -> None:
-        if output.finished:
-            active.discard(output.request_id)
+        # sent before it leaves `active`: once the drain sees `active` empty, every final output is on the link
+        # ahead of the caller's Bye (after which the server would resume the request elsewhere)
         if not silenced.is_set():
             channel.send(Out(output))
+        if output.finished:
+            active.discard(output.request_id)
 
     reason = _answer(channel, engine, sink, active, stop, server_timeout_s, drain_s)
     if reason == "signal":

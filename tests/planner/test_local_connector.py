@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import os
-import re
-import threading
 import time
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 
+from harness.metrics import samples, scrape
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 from server.planner.local import LocalConnector, RedisLeadership
@@ -58,37 +57,44 @@ def stream(client: openai.OpenAI, prompt: str, tokens: int) -> tuple[int, str]:
     return received, reason
 
 
+# seconds, on a loaded 2-core host: a server or a `strata worker` starting (load, calibrate, join); a 48-token
+# stream, which is also the drain deadline of the test's workers
+WORKER_START_S = 300
+STREAM_TIMEOUT_S = 120
+
+
 @pytest.mark.slow
 def test_scale_up_then_down_while_clients_stream_loses_nothing(short_tmp, redis_url) -> None:
+    """A worker drained by a scale-down while two streams run on it finishes them there: nothing lost, nothing
+    migrated. Each step waits on what the server reports (its router's workers and their requests), so a
+    loaded host only makes it slower; the drain deadline outlasts the streams (past it they would migrate)."""
     repository = copy_models(short_tmp / "repo", "smollm2")
     server = start_strata(repository, short_tmp, "--workers", "0", "--no-kvbm", "--redis-url", redis_url,
-                          "--accept-remote-workers", "--routing-strategy", "round-robin")  # fmt: skip
-    connector = LocalConnector(repository, "smollm2", redis_url, ["--no-kvbm", "--lease-secs", "2"])
+                          "--accept-remote-workers", "--routing-strategy", "round-robin",
+                          ready_timeout_s=WORKER_START_S)  # fmt: skip
+    connector = LocalConnector(
+        repository, "smollm2", redis_url, ["--no-kvbm"], exit_timeout_s=STREAM_TIMEOUT_S
+    )
     client = client_of(server)
     try:
         connector.scale("both", 1)
-        wait_for(lambda: server.log().count("joined") >= 1, 90, what="first worker joined")
+        (first,) = _routed_workers(server, connector, 1)
         assert stream(client, "Hello", 4) == (4, "length")
         connector.scale("both", 2)
         assert connector.workers()["both"] == 2
-        wait_for(lambda: server.log().count("joined") >= 2, 90, what="second worker joined")
-        results: list[tuple[int, str]] = []
-        clients = [
-            threading.Thread(target=lambda i=i: results.append(stream(client, f"Story {i}:", 48)))
-            for i in range(4)
-        ]  # round robin: two streams on each worker
-        for thread in clients:
-            thread.start()
-        wait_for(
-            lambda: server.log().count("is draining") == 0 and _in_flight(server) == 4, 30, what="4 streams"
-        )
-        connector.scale("both", 1)  # the newest worker drains while two streams run on it
-        assert connector.workers()["both"] == 1
-        for thread in clients:
-            thread.join(120)
-        assert sorted(results) == [(48, "length")] * 4
-        assert "is draining: no new requests go to it" in server.log()
-        assert "migrated" not in server.log()  # they finished where they ran
+        (newest,) = _routed_workers(server, connector, 2).keys() - {first}
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(stream, client, f"Story {i}:", 48) for i in range(4)]
+            wait_for(
+                lambda: _worker_in_flight(server) == {first: 2, newest: 2}, 60, what="2 streams per worker"
+            )
+            connector.scale("both", 1)  # the newest worker drains while its two streams run
+            assert connector.workers()["both"] == 1
+            assert [s.result(STREAM_TIMEOUT_S) for s in streams] == [(48, "length")] * 4
+        log = server.log()
+        assert f"worker {newest} is draining (worker shutting down): 2 request(s) to finish there" in log
+        assert f"worker {newest} is draining: no new requests go to it" in log
+        assert "migrated" not in log  # they finished where they ran
         wait_for(lambda: not connector._draining or all(p.poll() == 0 for p in connector._draining), 30,
                  what="drained worker exited")  # fmt: skip
         assert stream(client, "Still here?", 4) == (4, "length")
@@ -98,12 +104,21 @@ def test_scale_up_then_down_while_clients_stream_loses_nothing(short_tmp, redis_
         connector.close(stop_workers=True)
 
 
-def _in_flight(server) -> float:
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
+def _routed_workers(server, connector: LocalConnector, count: int) -> dict[str, float]:
+    """`_worker_in_flight` once the router routes to `count` workers; fails at once if a worker process exits."""
+    wait_for(
+        lambda: len(_worker_in_flight(server)) == count or connector.workers()["both"] < count,
+        WORKER_START_S,
+        what=f"{count} worker(s) in the router",
     )
-    found = re.search(r'strata_requests_in_flight\{model="smollm2"\} (\S+)', text)
-    return float(found.group(1)) if found else 0.0
+    assert connector.workers()["both"] == count, "a worker process exited before joining"
+    return _worker_in_flight(server)
+
+
+def _worker_in_flight(server) -> dict[str, float]:
+    """The router's requests in flight per worker it routes to (draining and dead workers are not listed)."""
+    found = samples(scrape(server.openai_url), "strata_router_worker_in_flight")
+    return {labels["worker"]: count for labels, count in found}
 
 
 PROFILE = """{"prefill": [{"prompt_tokens": 128, "ttft_s": 0.2}, {"prompt_tokens": 1024, "ttft_s": 1.6}],
@@ -126,11 +141,7 @@ def test_serve_with_the_planner_starts_its_workers_and_stops_them(short_tmp, red
     try:
         wait_for(lambda: "joined" in server.log(), 90, what="the planner's worker joined")
         assert stream(client, "Hello", 4) == (4, "length")
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = scrape(server.openai_url)
         assert 'strata_planner_workers{model="smollm2",role="both"} 1.0' in text
         assert 'strata_planner_leader{model="smollm2"} 1.0' in text
         assert "planner smollm2: observed" in server.log()
