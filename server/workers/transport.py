@@ -129,9 +129,10 @@ class Channel:
             (address.to_worker, address.to_server) if server_side else (address.to_server, address.to_worker)
         )
         binds = server_side != address.worker_binds
-        if not server_side and address.worker_binds:
-            # a bound PUSH with no peer blocks in send: bound the wait, so a worker whose server vanished
-            # neither hangs its engine thread nor its heartbeat (the message is dropped instead)
+        if binds:
+            # a bound PUSH with no peer blocks in send: bound the wait (the message is dropped instead), so that
+            # a worker whose server vanished hangs neither its engine thread nor its heartbeat, and a server
+            # whose spawned worker exited never blocks in an Ack while `close` waits for the send lock
             self._out.setsockopt(zmq.SNDTIMEO, _REMOTE_SEND_TIMEOUT_MS)
         if binds:
             self._out.bind(out_endpoint)
