@@ -83,11 +83,13 @@ class KVBMConnector:
         metrics: KVBMMetrics | None = None,
         events: EventSink | None = None,
         shm_dir: Path = SHM_DIR,
+        model: str = "",
     ) -> None:
+        """`model`: the served model, the `model` label of this connector's tier and transfer series."""
         config.validate()
         self.config = config
         self.worker_id = worker_id
-        self.metrics = metrics if metrics is not None else KVBMMetrics()
+        self.metrics = (metrics if metrics is not None else KVBMMetrics()).for_model(model)
         self.events = events
         self.shm_dir = shm_dir
         self.tiers: list[BlockTier] = []  # below G1, fastest first (opened by `bind`)
@@ -207,8 +209,7 @@ class KVBMConnector:
                 break
             found = tier.contains([block_hashes[i] for i in missing])
             hits = sum(found)
-            self.metrics.hits.labels(tier.name).inc(hits)
-            self.metrics.misses.labels(tier.name).inc(len(found) - hits)
+            self.metrics.record_lookup(tier.name, hits, len(found) - hits)
             missing = [i for i, hit in zip(missing, found, strict=True) if not hit]
         return missing[0] if missing else len(block_hashes)
 

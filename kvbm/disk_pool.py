@@ -27,7 +27,7 @@ import xxhash
 
 from kvbm.block_hash import BlockHash
 from kvbm.lru import SlotLRU
-from kvbm.metrics import KVBMMetrics
+from kvbm.metrics import TierMetrics
 from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class DiskPool:
         fingerprint: str,
         block_bytes: int,
         num_slots: int,
-        metrics: KVBMMetrics | None = None,
+        metrics: TierMetrics | None = None,
         fsync: bool = False,
         on_evict: EvictFn | None = None,
     ) -> None:
@@ -230,7 +230,7 @@ class DiskPool:
     def _drop_corrupt(self, block_hash: BlockHash, slot: int) -> None:
         log.warning("G3 checksum mismatch for block %016x in slot %d; dropping it", block_hash, slot)
         if self.metrics is not None:
-            self.metrics.checksum_failures.labels(self.name).inc()
+            self.metrics.record_checksum_failure(self.name)
         self._lru.remove(block_hash)
         self._write_record(slot, 0, 0, 0)
         self._free.append(slot)

@@ -4,41 +4,39 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_TIER = ["model", "tier"]
+_DIRECTION = ["model", "direction"]
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class KVBMMetrics:
-    """Labels: `tier` is G1..G4; `direction` is "G1->G2", "G2->G1", "G2->G3", ... (source -> destination)."""
+    """Labels: `model` is the served model whose engine holds the blocks; `tier` is G1..G4; `direction` is "G1->G2",
+    "G2->G1", "G2->G3", ... (source -> destination). Tier and transfer series are a model's (`for_model`); the
+    index's, the query port's and Redis's are the process's (the index spans every model's workers)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
-        self.blocks_used = Gauge("kvbm_tier_blocks_used", "Blocks held per tier", ["tier"], registry=reg)
-        self.blocks_capacity = Gauge(
-            "kvbm_tier_blocks_capacity", "Block slots per tier", ["tier"], registry=reg
-        )
-        self.bytes_used = Gauge("kvbm_tier_bytes_used", "Payload bytes held per tier", ["tier"], registry=reg)
-        self.bytes_capacity = Gauge(
-            "kvbm_tier_bytes_capacity", "Payload bytes per tier", ["tier"], registry=reg
-        )
-        self.hits = Counter("kvbm_hits", "Blocks found per tier on lookup/onboard", ["tier"], registry=reg)
-        self.misses = Counter("kvbm_misses", "Blocks asked of a tier and not found", ["tier"], registry=reg)
-        self.offload_blocks = Counter(
-            "kvbm_offload_blocks", "Blocks copied down", ["direction"], registry=reg
-        )
-        self.onboard_blocks = Counter("kvbm_onboard_blocks", "Blocks copied up", ["direction"], registry=reg)
-        self.transfer_bytes = Counter("kvbm_transfer_bytes", "Bytes moved", ["direction"], registry=reg)
+        self.blocks_used = Gauge("kvbm_tier_blocks_used", "Blocks held per tier", _TIER, registry=reg)
+        self.blocks_capacity = Gauge("kvbm_tier_blocks_capacity", "Block slots per tier", _TIER, registry=reg)
+        self.bytes_used = Gauge("kvbm_tier_bytes_used", "Payload bytes held per tier", _TIER, registry=reg)
+        self.bytes_capacity = Gauge("kvbm_tier_bytes_capacity", "Payload bytes per tier", _TIER, registry=reg)
+        self.hits = Counter("kvbm_hits", "Blocks found per tier on lookup/onboard", _TIER, registry=reg)
+        self.misses = Counter("kvbm_misses", "Blocks asked of a tier and not found", _TIER, registry=reg)
+        self.offload_blocks = Counter("kvbm_offload_blocks", "Blocks copied down", _DIRECTION, registry=reg)
+        self.onboard_blocks = Counter("kvbm_onboard_blocks", "Blocks copied up", _DIRECTION, registry=reg)
+        self.transfer_bytes = Counter("kvbm_transfer_bytes", "Bytes moved", _DIRECTION, registry=reg)
         self.transfer_seconds = Histogram(
             "kvbm_transfer_seconds",
             "One batched transfer",
-            ["direction"],
+            _DIRECTION,
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )
         self.checksum_failures = Counter(
             "kvbm_checksum_failures",
             "Blocks whose bytes failed verification (served as a miss)",
-            ["tier"],
+            _TIER,
             registry=reg,
         )
         self.auth_failures = Counter(
@@ -63,16 +61,38 @@ class KVBMMetrics:
             registry=reg,
         )
 
+    def for_model(self, model: str) -> TierMetrics:
+        """The tier and transfer series of `model`'s engine (one per engine; a reloaded model shares them)."""
+        return TierMetrics(self, model)
+
+
+class TierMetrics:
+    """One model's KVBM tier and transfer series: what a connector and its tiers record."""
+
+    def __init__(self, metrics: KVBMMetrics, model: str) -> None:
+        self.all = metrics
+        self.model = model
+        self.registry = metrics.registry
+        self.redis_up = metrics.redis_up
+
     def set_capacity(self, tier: str, blocks: int, block_bytes: int) -> None:
-        self.blocks_capacity.labels(tier).set(blocks)
-        self.bytes_capacity.labels(tier).set(blocks * block_bytes)
+        self.all.blocks_capacity.labels(self.model, tier).set(blocks)
+        self.all.bytes_capacity.labels(self.model, tier).set(blocks * block_bytes)
 
     def set_used(self, tier: str, blocks: int, block_bytes: int) -> None:
-        self.blocks_used.labels(tier).set(blocks)
-        self.bytes_used.labels(tier).set(blocks * block_bytes)
+        self.all.blocks_used.labels(self.model, tier).set(blocks)
+        self.all.bytes_used.labels(self.model, tier).set(blocks * block_bytes)
+
+    def record_lookup(self, tier: str, hits: int, misses: int) -> None:
+        self.all.hits.labels(self.model, tier).inc(hits)
+        self.all.misses.labels(self.model, tier).inc(misses)
+
+    def record_checksum_failure(self, tier: str) -> None:
+        self.all.checksum_failures.labels(self.model, tier).inc()
 
     def record_transfer(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
-        counter = self.onboard_blocks if direction.endswith("G1") else self.offload_blocks
-        counter.labels(direction).inc(blocks)
-        self.transfer_bytes.labels(direction).inc(nbytes)
-        self.transfer_seconds.labels(direction).observe(seconds)
+        metrics = self.all
+        counter = metrics.onboard_blocks if direction.endswith("G1") else metrics.offload_blocks
+        counter.labels(self.model, direction).inc(blocks)
+        metrics.transfer_bytes.labels(self.model, direction).inc(nbytes)
+        metrics.transfer_seconds.labels(self.model, direction).observe(seconds)

@@ -27,7 +27,7 @@ from blake3 import blake3
 
 from cluster.redis_link import RedisLink
 from kvbm.block_hash import BlockHash
-from kvbm.metrics import KVBMMetrics
+from kvbm.metrics import TierMetrics
 from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class RedisPool:
         block_bytes: int,
         capacity_blocks: int = 0,
         ttl_s: int = 0,
-        metrics: KVBMMetrics | None = None,
+        metrics: TierMetrics | None = None,
         on_evict: EvictFn | None = None,
     ) -> None:
         self.link = link
@@ -191,7 +191,7 @@ class RedisPool:
                 len(value),
             )
             if self.metrics is not None:
-                self.metrics.checksum_failures.labels(self.name).inc()
+                self.metrics.record_checksum_failure(self.name)
             return False
         dest[:] = np.frombuffer(payload, dtype=np.uint8)
         return True

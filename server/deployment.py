@@ -245,7 +245,11 @@ class LLMDeployment:
         connector = None
         if self.serving.kvbm is not None:
             connector = build_connector(
-                self.serving.kvbm, f"{plan.name}-0", index=self._index, metrics=self._kvbm_metrics
+                self.serving.kvbm,
+                f"{plan.name}-0",
+                index=self._index,
+                metrics=self._kvbm_metrics,
+                model=plan.name,
             )
         return LLMEngine(plan.config, connector)
 

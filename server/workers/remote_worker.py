@@ -237,7 +237,9 @@ def run_worker(
     from server.engine.llm_engine import LLMEngine
 
     events = ChannelEvents(None) if forward else None
-    connector = build_connector(kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events)
+    connector = build_connector(
+        kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events, model=flags.model
+    )
     engine = LLMEngine(config, connector, transfer)
     announce = connector.request_announce if forward else None
     return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])

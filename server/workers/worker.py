@@ -171,7 +171,8 @@ def build_llm_engine(
 
     config = kvbm_config or KVBMConfig(host_cache_gb=0.0)
     kv_transfer = (transfer or KVTransferConfig()).build()
-    return LLMEngine(engine_config, build_connector(config, worker_id, index=events), kv_transfer)
+    connector = build_connector(config, worker_id, index=events, model=engine_config.model_name or "")
+    return LLMEngine(engine_config, connector, kv_transfer)
 
 
 def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerInfo:

@@ -94,7 +94,10 @@ def spawned_onboard(config_fields: dict, worker_id: str, num_blocks: int, result
     count = connector.onboard(block_hashes[:found], rows[:found])
     registry = connector.metrics.registry
     per_tier = {
-        tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
+        tier: registry.get_sample_value(
+            "kvbm_onboard_blocks_total", {"model": connector.metrics.model, "direction": f"{tier}->G1"}
+        )
+        or 0
         for tier in ("G2", "G3", "G4")
     }
     results.put((count, block_digests(kv_cache, rows[:count]), per_tier))

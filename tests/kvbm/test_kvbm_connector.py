@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvbm_testing import G4_KEY, make_kv_cache, small_layout, tier_of
+from msgspec.structs import replace
 
 from harness.redis_server import RedisServer
 from kvbm.api import BlockRemoved, BlockStored, KVLayout
@@ -54,7 +55,30 @@ def onboarded(
 
 
 def sample(kvbm: KVBMConnector, name: str, **labels: str) -> float:
-    return kvbm.metrics.registry.get_sample_value(name, labels) or 0.0
+    return kvbm.metrics.registry.get_sample_value(name, {"model": kvbm.metrics.model, **labels}) or 0.0
+
+
+def test_models_sharing_a_registry_keep_their_own_series(cache_id: str, layout) -> None:
+    """The frontend's engines share one registry: each model's tier series carry its `model` label."""
+    metrics = KVBMMetrics()
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=gb(16, layout))
+    a = KVBMConnector(config, "a-0", metrics, KVIndex(), model="a")
+    a.bind(make_kv_cache(layout, NUM_BLOCKS), layout)
+    b = KVBMConnector(replace(config, host_cache_gb=0.0), "b-0", metrics, KVIndex(), model="b")
+    b.bind(make_kv_cache(layout, NUM_BLOCKS // 2), layout)
+    a.offload(hashes(4), list(range(4)))
+    assert a.lookup(hashes(4)) == 4 and b.lookup(hashes(4)) == 0
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("kvbm_tier_blocks_capacity", model="a", tier="G1") == NUM_BLOCKS
+    assert value("kvbm_tier_blocks_capacity", model="b", tier="G1") == NUM_BLOCKS // 2
+    assert value("kvbm_hits_total", model="a", tier="G2") == 4
+    assert value("kvbm_hits_total", model="b", tier="G2") is None  # b has no G2
+    assert value("kvbm_offload_blocks_total", model="a", direction="G1->G2") == 4
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -53,7 +53,7 @@ def test_index_survives_restart(tmp_path: Path) -> None:
 
 
 def test_corrupted_file_is_a_miss_and_a_metric(tmp_path: Path) -> None:
-    metrics = KVBMMetrics()
+    metrics = KVBMMetrics().for_model("m")
     pool = DiskPool(tmp_path, "fp", BLOCK, 8, metrics=metrics)
     pool.put([BlockHash(1), BlockHash(2)], data(2))
     slot = pool._lru.slot(BlockHash(2))
@@ -63,7 +63,9 @@ def test_corrupted_file_is_a_miss_and_a_metric(tmp_path: Path) -> None:
     ok, _ = read(pool, [1, 2])
     assert ok == [True, False]
     assert pool.contains([BlockHash(2)]) == [False]
-    assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G3"}) == 1
+    assert (
+        metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"model": "m", "tier": "G3"}) == 1
+    )
     pool.close()
 
 

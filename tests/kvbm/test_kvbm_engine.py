@@ -46,7 +46,10 @@ def greedy(engine: LLMEngine, prompt: list[int], request_id: str):
 def onboarded_per_tier(connector) -> dict[str, float]:
     registry = connector.metrics.registry
     return {
-        tier: registry.get_sample_value("kvbm_onboard_blocks_total", {"direction": f"{tier}->G1"}) or 0
+        tier: registry.get_sample_value(
+            "kvbm_onboard_blocks_total", {"model": connector.metrics.model, "direction": f"{tier}->G1"}
+        )
+        or 0
         for tier in ("G2", "G3", "G4")
     }
 

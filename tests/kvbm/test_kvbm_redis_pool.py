@@ -11,7 +11,7 @@ from kvbm_testing import G4_KEY
 from cluster.redis_link import RedisLink
 from harness.redis_server import RedisServer
 from kvbm.block_hash import BlockHash
-from kvbm.metrics import KVBMMetrics
+from kvbm.metrics import KVBMMetrics, TierMetrics
 from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool, block_mac
 
 BLOCK = 4096
@@ -23,7 +23,7 @@ def data(count: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def pool_for(
-    url: str, fingerprint: str = "fp", metrics: KVBMMetrics | None = None, key: bytes = G4_KEY, **kwargs
+    url: str, fingerprint: str = "fp", metrics: TierMetrics | None = None, key: bytes = G4_KEY, **kwargs
 ) -> RedisPool:
     return RedisPool(
         RedisLink(url, None if metrics is None else metrics.redis_up, timeout_s=0.5),
@@ -51,7 +51,7 @@ def test_round_trip(redis_url: str) -> None:
 
 
 def test_corrupted_value_is_a_miss_and_a_metric(redis_url: str) -> None:
-    metrics = KVBMMetrics()
+    metrics = KVBMMetrics().for_model("m")
     pool = pool_for(redis_url, metrics=metrics)
     pool.put([BlockHash(1), BlockHash(2)], data(2))
     client = redis.Redis.from_url(redis_url)
@@ -61,7 +61,9 @@ def test_corrupted_value_is_a_miss_and_a_metric(redis_url: str) -> None:
     client.set(pool.key(BlockHash(2)), b"short")
     ok, dests = read(pool, [1, 2])
     assert ok == [False, False] and not dests[0].any()
-    assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G4"}) == 2
+    assert (
+        metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"model": "m", "tier": "G4"}) == 2
+    )
 
 
 def test_other_layout_never_reads_these_blocks(redis_url: str) -> None:
@@ -94,7 +96,7 @@ def test_outage_is_skipped_and_recovers() -> None:
     server = RedisServer()
     server.start()
     try:
-        metrics = KVBMMetrics()
+        metrics = KVBMMetrics().for_model("m")
         pool = pool_for(server.url, metrics=metrics)
         blocks = data(2)
         pool.put([BlockHash(1)], blocks[:1])
@@ -118,7 +120,7 @@ def test_outage_is_skipped_and_recovers() -> None:
 def test_a_forged_or_moved_block_is_a_miss_and_a_metric(redis_url: str) -> None:
     """Someone who can write to Redis but lacks the cluster secret cannot get a block served: not one signed with
     another key, not a real block copied under another hash."""
-    metrics = KVBMMetrics()
+    metrics = KVBMMetrics().for_model("m")
     pool = pool_for(redis_url, metrics=metrics)
     blocks = data(2)
     pool.put([BlockHash(1), BlockHash(2)], blocks)
@@ -129,7 +131,9 @@ def test_a_forged_or_moved_block_is_a_miss_and_a_metric(redis_url: str) -> None:
     ok, dests = read(pool, [1, 3, 4])
     assert ok == [True, False, False]
     assert np.array_equal(dests[0], blocks[0]) and not dests[1].any() and not dests[2].any()
-    assert metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"tier": "G4"}) == 2
+    assert (
+        metrics.registry.get_sample_value("kvbm_checksum_failures_total", {"model": "m", "tier": "G4"}) == 2
+    )
 
 
 def test_acl_user_and_password_come_from_the_url() -> None:
@@ -144,7 +148,7 @@ def test_acl_user_and_password_come_from_the_url() -> None:
         good = pool_for(f"redis://strata:s3cret-pw@127.0.0.1:{server.port}/0")
         assert good.put([BlockHash(1)], data(1)).stored == [1]
         assert read(good, [1])[0] == [True]
-        metrics = KVBMMetrics()
+        metrics = KVBMMetrics().for_model("m")
         wrong = pool_for(f"redis://strata:wrong@127.0.0.1:{server.port}/0", metrics=metrics)
         assert read(wrong, [1])[0] == [False]
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
