@@ -56,7 +56,14 @@ SAMPLING_FIELDS = (  # the client-settable fields of SamplingParams (vLLM / Open
     "frequency_penalty",
     "ignore_eos",
     "min_tokens",
+    "min_p",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "prompt_logprobs",
 )
+
+MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's bound for top_logprobs and logprobs
 
 
 class SamplingParams(msgspec.Struct, array_like=True):
@@ -73,6 +80,15 @@ class SamplingParams(msgspec.Struct, array_like=True):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    min_p: float = (
+        0.0  # drop tokens whose probability is below min_p x the most likely one's (after temperature)
+    )
+    repetition_penalty: float = (
+        1.0  # vLLM's (CTRL's): logits of prompt and output tokens divided (>0) or multiplied
+    )
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # per output token: its logprob and this many alternatives (0..MAX_LOGPROBS)
+    prompt_logprobs: int | None = None  # per prompt token after the first, the same
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
@@ -86,6 +102,8 @@ class SamplingParams(msgspec.Struct, array_like=True):
         for name, value in raw.items():
             if value is not None:
                 setattr(params, name, value)
+        if isinstance(params.logit_bias, dict):  # JSON's keys are strings: "50256" is token 50256
+            params.logit_bias = {_token_key(k): v for k, v in params.logit_bias.items()}
         params.validate(max_tokens_limit)
         return params
 
@@ -111,6 +129,24 @@ class SamplingParams(msgspec.Struct, array_like=True):
             raise RequestError("stop_token_ids", "must be a list of integers")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError("ignore_eos", "must be a boolean")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 1024:
+            raise RequestError("logit_bias", "must be an object of at most 1024 token ids to biases")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id, 0, 1 << 31)
+            _check_float("logit_bias", bias, -100.0, 100.0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key as a token id: an int, or a string of decimal digits (left as it is otherwise, for
+    `validate` to refuse by name)."""
+    if isinstance(key, str) and key.isdecimal() and len(key) < 12:
+        return int(key)
+    return key
 
 
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
@@ -194,6 +230,20 @@ class GenerationRequest(msgspec.Struct, array_like=True):
     kv_transfer_params: bytes | None = None
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One token's log-probability and the most likely alternatives at its position, as the engine computed them:
+    log-softmax of the model's raw logits in fp32 (before temperature, penalties and any mask: vLLM's default
+    `logprobs_mode`). `token` and `top_tokens` are each token decoded on its own (a token that is part of a
+    multi-byte character reads as U+FFFD, as vLLM's)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]  # most likely first; as many as the request asked for
+    top_logprobs: list[float]
+    token: str = ""
+    top_tokens: list[str] = msgspec.field(default_factory=list)
+
+
 class GenerationOutput(msgspec.Struct, array_like=True):
     """What one engine step added to one request. Counts are totals so far, in tokens."""
 
@@ -211,9 +261,20 @@ class GenerationOutput(msgspec.Struct, array_like=True):
     # prefill engine's last output (finished, no finish_reason) says where the prompt's KV went, a decode engine's
     # first output after reading it reports the read
     kv_transfer_params: bytes | None = None
+    logprobs: list[TokenLogprobs] | None = None  # with SamplingParams.logprobs: one per new_token_ids
+    # with SamplingParams.prompt_logprobs, in the request's first output: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 OutputSink = Callable[[GenerationOutput], None]
+
+
+def is_default(params: SamplingParams, name: str) -> bool:
+    """`name` is at its default in `params` (a request that sets it asks for something)."""
+    return getattr(params, name) == getattr(_DEFAULTS, name)
+
+
+_DEFAULTS = SamplingParams()
 
 
 @dataclass(slots=True)
@@ -325,7 +386,7 @@ class LocalEngine(Engine, Protocol):
 
 def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int) -> None:
     """What every engine checks at submit, in this order: a non-empty prompt of ids in the vocabulary, room for
-    output (`max_output_tokens`), the sampling fields, stop_token_ids in the vocabulary (out of range, one would
+    output (`max_output_tokens`), the sampling fields, stop_token_ids and logit_bias in the vocabulary (out of range, one would
     fail inside a batched step and take every request in it), and the cache salt. Raises RequestError."""
     prompt = request.prompt_token_ids
     if not prompt:
@@ -336,6 +397,8 @@ def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int
     request.sampling.validate(limit)
     if not all(0 <= t < vocab_size for t in request.sampling.stop_token_ids):
         raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+    if not all(0 <= t < vocab_size for t in request.sampling.logit_bias):
+        raise RequestError("logit_bias", f"token ids must be in [0, {vocab_size})")
     validate_cache_salt(request.cache_salt)
 
 
@@ -356,7 +419,8 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
 def continuation(request: GenerationRequest, generated_token_ids: Sequence[int]) -> GenerationRequest:
     """The request that generates the rest of `request`'s answer once `generated_token_ids` are out: its prompt is
     the prompt followed by those tokens, its max_tokens what is left of them and its min_tokens too (never below
-    0); the id, cache salt, seed, stop strings and every other sampling field are the request's. Its
+    0), and no prompt logprobs (the request's first output had them); the id, cache salt, seed, stop strings and
+    every other sampling field are the request's. Its
     `kv_transfer_params` are dropped: the continuation runs whole on whichever engine takes it.
 
     Invariant (tokens): len(generated_token_ids) + continuation.sampling.max_tokens == request.sampling.max_tokens,
@@ -371,7 +435,10 @@ def continuation(request: GenerationRequest, generated_token_ids: Sequence[int])
             f"continuation after {done} tokens of max_tokens {sampling.max_tokens}: none is left"
         )
     rest = msgspec.structs.replace(
-        sampling, max_tokens=sampling.max_tokens - done, min_tokens=max(0, sampling.min_tokens - done)
+        sampling,
+        max_tokens=sampling.max_tokens - done,
+        min_tokens=max(0, sampling.min_tokens - done),
+        prompt_logprobs=None,
     )
     return msgspec.structs.replace(
         request,

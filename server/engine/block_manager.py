@@ -102,9 +102,9 @@ class BlockManager:
         return len(self.cached)
 
     def match_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Leading cached blocks of `seq`, stopping before the block holding its last token (which must be
-        computed to get logits). Token ids are compared so a hash collision is a miss, not wrong output."""
-        limit = (seq.num_tokens - 1) // self.block_size
+        """Leading cached blocks of `seq`, at most `seq.num_reusable_blocks` (the block holding its last token is
+        computed to get logits, and so are blocks whose prompt logprobs are owed). Token ids are compared so a hash collision is a miss, not wrong output."""
+        limit = seq.num_reusable_blocks
         hits: list[KVBlock] = []
         for index in range(min(limit, len(seq.block_hashes))):
             block = self.cached.get(seq.block_hashes[index])
@@ -211,7 +211,7 @@ class BlockManager:
             return 0, True
         transfer.source = None
         try:
-            limit = min((seq.num_tokens - 1) // self.block_size, source.num_blocks)
+            limit = min(seq.num_reusable_blocks, source.num_blocks)
             count = min(limit - num_hits, max_blocks)
             if count <= 0 or self.rows is None:
                 return 0, True
@@ -238,8 +238,7 @@ class BlockManager:
         `seq`, and register them. Returns how many blocks are valid; rows of invalid ones stay for prefill."""
         if self.connector is None or max_blocks <= 0:
             return 0
-        limit = (seq.num_tokens - 1) // self.block_size
-        wanted = seq.block_hashes[num_g1_hits:limit]
+        wanted = seq.block_hashes[num_g1_hits : seq.num_reusable_blocks]
         found = 0
         with _connector_failure("lookup", "counted as a miss"):
             found = self.connector.lookup(wanted)

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -78,14 +79,15 @@ def build(
     kv_transfer = KVTransferConnector(
         transfer or KVTransfer(), block_manager, connector, layout.block_bytes, shape.vocab_size, model.device
     )
+    tokenizer = Tokenizer.from_file(str(files.folder / "tokenizer.json"))
+    outputs = OutputProcessor(eos_token_ids, max_model_len, partial(token_texts, tokenizer, shape.vocab_size))
     core = EngineCore(
         Scheduler(block_manager, config.max_num_batched_tokens, config.max_concurrent_requests),
-        runner, Sampler(eos_token_ids, model.device), OutputProcessor(eos_token_ids, max_model_len), kv_transfer,
-        on_finished,
+        runner, Sampler(eos_token_ids, model.device), outputs, kv_transfer, on_finished,
     )  # fmt: skip
     salt = model_salt(layout.fingerprint)
     parts = EngineParts(
-        files=files, model=model, tokenizer=Tokenizer.from_file(str(files.folder / "tokenizer.json")),
+        files=files, model=model, tokenizer=tokenizer,
         model_name=config.model_name or files.name, max_model_len=max_model_len,
         max_tokens_limit=min(config.max_tokens_limit, max_model_len), layout=layout,
         block_layout=KVBlockLayout(config.block_size, salt), salt=salt, eos_token_ids=eos_token_ids,
@@ -140,3 +142,11 @@ def _eos_ids(hf_config: dict) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
+
+
+def token_texts(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
+    """Each of the model's `vocab_size` ids decoded on its own ("" past the tokenizer's vocabulary: padding rows
+    of the embedding); one batched decode in the tokenizer's Rust code."""
+    known = min(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+    texts = tokenizer.decode_batch([[i] for i in range(known)], skip_special_tokens=False)
+    return texts + [""] * (vocab_size - known)

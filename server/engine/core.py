@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from server.engine.api import FinishReason, RequestId
+from server.engine.api import FinishReason, RequestId, TokenLogprobs
 from server.engine.kv_transfer import KVTransferConnector
 from server.engine.output_processor import OutputProcessor
-from server.engine.sampler import Sampler
+from server.engine.sampler import Sampler, top_logprobs
 from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 
@@ -105,9 +105,14 @@ class EngineCore:
         """Advance each chunk's sequence, register its full blocks, sample the sequences whose prompt is done,
         and emit."""
         sampling, rows, row = [], [], 0  # each sampling sequence's row of `logits`
+        owed: list[tuple[Sequence, range]] = []  # prompt positions whose logits follow the sampling rows
         for chunk in chunks:
             seq = chunk.seq
-            ends = seq.num_computed_tokens + chunk.num_tokens == seq.num_tokens
+            start = seq.num_computed_tokens
+            ends = start + chunk.num_tokens == seq.num_tokens
+            positions = seq.prompt_logprob_positions(start, start + chunk.num_tokens)
+            if positions:
+                owed.append((seq, positions))
             try:
                 seq.num_computed_tokens += chunk.num_tokens
                 self.scheduler.block_manager.register_full_blocks(seq)
@@ -119,18 +124,42 @@ class EngineCore:
                     sampling.append(seq)
                     rows.append(row)
             row += ends
+        if owed:
+            self._prompt_logprobs(logits[row:], owed)
+            alive = [i for i, seq in enumerate(sampling) if seq.status is not SequenceStatus.FINISHED]
+            sampling, rows = [sampling[i] for i in alive], [rows[i] for i in alive]
         if not sampling:
             return
-        if len(rows) < row:
+        if len(rows) < logits.shape[0]:
             logits = logits[rows]
-        for seq, token_id in zip(sampling, self._sample(logits, sampling), strict=True):
-            if token_id is not None:
-                self._advance(seq, token_id)
+        for seq, drawn in zip(sampling, self._sample(logits, sampling), strict=True):
+            if drawn is not None:
+                self._advance(seq, *drawn)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """One token per sequence; None for a sequence whose sampling failed (it is failed)."""
+    def _prompt_logprobs(self, logits: torch.Tensor, owed: list[tuple[Sequence, range]]) -> None:
+        """Each position's logits give the next prompt token's logprob and the top alternatives (raw logits, fp32):
+        one log-softmax and one topk for the step's rows."""
         try:
-            return self.sampler(logits, seqs)
+            logprobs = logits.log_softmax(dim=-1)
+            targets = [seq.token_ids[p + 1] for seq, positions in owed for p in positions]
+            counts = [seq.sampling.prompt_logprobs for seq, positions in owed for _ in positions]
+            entries = top_logprobs(logprobs, torch.tensor(targets, device=logits.device), counts)
+        except Exception as err:
+            log.exception("prompt logprobs failed")
+            self.fail([seq for seq, _ in owed], err)
+            return
+        done = 0
+        for seq, positions in owed:
+            seq.prompt_logprobs.extend(entries[done : done + len(positions)])
+            done += len(positions)
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprobs | None] | None]:
+        """(token, its logprobs) per sequence; None for a sequence whose sampling failed (it is failed)."""
+        try:
+            out = self.sampler(logits, seqs)
+            return list(zip(out.token_ids, out.logprobs, strict=True))
         except Exception as err:
             if len(seqs) == 1:
                 log.exception("sampling failed for request %s", seqs[0].request_id)
@@ -141,18 +170,21 @@ class EngineCore:
             )
             return [self._sample_alone(seq, logits[i : i + 1]) for i, seq in enumerate(seqs)]
 
-    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> int | None:
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None] | None:
         try:
-            return self.sampler(logits, [seq])[0]
+            out = self.sampler(logits, [seq])
+            return out.token_ids[0], out.logprobs[0]
         except Exception as err:
             log.exception("sampling failed for request %s", seq.request_id)
             self.fail([seq], err)
             return None
 
-    def _advance(self, seq: Sequence, token_id: int) -> None:
+    def _advance(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Append a sampled token, then finish, hand off or emit."""
         try:
             seq.append_token(token_id)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
             reason = self.outputs.check_stop(seq, token_id)
             if reason:
                 self.finish(seq, reason)

@@ -39,8 +39,9 @@ class ModelRunner:
         return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * elem
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward the step; returns logits [S, vocab] for the chunks that end at their sequence's last token,
-        in the order of `chunks`."""
+        """Forward the step; returns logits [S + P, vocab]: S rows for the chunks that end at their sequence's last
+        token, in the order of `chunks`, then P rows of prompt positions whose logprobs are owed (each chunk's
+        `seq.prompt_logprob_positions`, in the order of `chunks`)."""
         batch = self._prepare(chunks)
         return self.model.forward(batch, self.kv_cache)
 
@@ -126,13 +127,22 @@ class ModelRunner:
         return tables
 
     def _logits_rows(self, chunks, decodes, prefills) -> torch.Tensor:
-        """Row of each sampling chunk's last token, in `chunks` order (decode rows come first in the batch)."""
-        row_of: dict[int, int] = {}
+        """Row of each sampling chunk's last token, in `chunks` order (decode rows come first in the batch), then
+        the rows of owed prompt logprobs."""
+        first_row: dict[int, int] = {}  # chunk -> its first row in the batch
         for row, chunk in enumerate(decodes):
-            row_of[id(chunk)] = row
+            first_row[id(chunk)] = row
         row = len(decodes)
         for chunk in prefills:
+            first_row[id(chunk)] = row
             row += chunk.num_tokens
-            row_of[id(chunk)] = row - 1
-        rows = [row_of[id(c)] for c in chunks if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens]
+        rows = [
+            first_row[id(c)] + c.num_tokens - 1
+            for c in chunks
+            if c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens
+        ]
+        for c in chunks:
+            start = c.seq.num_computed_tokens
+            positions = c.seq.prompt_logprob_positions(start, start + c.num_tokens)
+            rows.extend(first_row[id(c)] + p - start for p in positions)
         return torch.tensor(rows, dtype=torch.int64, device=self.device)

@@ -8,6 +8,7 @@ this is the only place that builds outputs and calls sinks. Stop rules, in order
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from server.engine.api import FinishReason, GenerationOutput
 from server.engine.kv_transfer import KVTransferConnector
@@ -17,10 +18,29 @@ log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
-        """`max_model_len`: tokens, prompt + output."""
+    def __init__(
+        self,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        token_texts: Callable[[], list[str]] = lambda: [],
+    ) -> None:
+        """`max_model_len`: tokens, prompt + output; `token_texts()`: each vocabulary id's text on its own (asked
+        for once, when the first logprobs go out)."""
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._token_texts = token_texts
+        self._texts: list[str] | None = None
+
+    def _named(self, entries: list) -> list:
+        """`entries` (TokenLogprobs or None) with their tokens' texts filled in."""
+        if self._texts is None:
+            self._texts = self._token_texts()
+        texts = self._texts
+        for entry in entries:
+            if entry is not None:
+                entry.token = texts[entry.token_id]
+                entry.top_tokens = [texts[t] for t in entry.top_token_ids]
+        return entries
 
     def check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why `seq` ends with `token_id` (already appended), or None. Feeds the token to its detokenizer."""
@@ -66,6 +86,12 @@ class OutputProcessor:
             finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens, error=error, kv_transfer_params=kv_transfer_params,
         )  # fmt: skip
+        if seq.sampling.logprobs is not None:
+            output.logprobs, seq.logprobs = self._named(seq.logprobs), []
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            if len(seq.prompt_logprobs) == seq.num_prompt_tokens:
+                output.prompt_logprobs = self._named(seq.prompt_logprobs)
+                seq.prompt_logprobs_sent = True
         try:
             seq.sink(output)
         except Exception:

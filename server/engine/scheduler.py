@@ -129,10 +129,7 @@ class Scheduler:
     def _waits_for(self, seq: Sequence, in_progress: set[BlockHash]) -> bool:
         """True if the first block of `seq` missing from the prefix cache is one a running sequence computes."""
         cached = self.block_manager.cached
-        limit = (
-            seq.num_tokens - 1
-        ) // self.block_manager.block_size  # as match_prefix: the last token is computed
-        for block_hash in seq.block_hashes[:limit]:
+        for block_hash in seq.block_hashes[: seq.num_reusable_blocks]:  # as match_prefix
             if block_hash not in cached:
                 return block_hash in in_progress
         return False

@@ -9,7 +9,7 @@ import torch
 
 from kvbm.block_hash import BlockHash, block_hashes, hash_block
 from kvbm.transfer import KVSource
-from server.engine.api import OutputSink, RequestId, SamplingParams
+from server.engine.api import OutputSink, RequestId, SamplingParams, TokenLogprobs
 from server.engine.detokenizer import Detokenizer
 
 
@@ -52,9 +52,31 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_reported_tokens: int = 0  # output tokens already sent to the sink
     kv_transfer: KVTransferState | None = None  # disaggregated serving only (server/engine/kv_transfer.py)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of output tokens not yet sent to the sink
+    # with sampling.prompt_logprobs: entry i is prompt token i's (entry 0 None), filled as the prompt's chunks run
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits give a prompt token's logprob still owed (position p gives
+        token p + 1's); empty unless the request asked for prompt logprobs."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, self.num_prompt_tokens - 1))
+
+    @property
+    def num_reusable_blocks(self) -> int:
+        """Leading full blocks whose KV may come from a cache rather than a forward: not the block of the last
+        token (its logits are needed), nor, while prompt logprobs are owed, any block whose logits are."""
+        limit = (self.num_tokens - 1) // self.block_size
+        if self.prompt_logprobs is not None:
+            limit = min(limit, (len(self.prompt_logprobs) - 1) // self.block_size)
+        return limit
 
     @property
     def num_tokens(self) -> int:

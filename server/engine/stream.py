@@ -9,7 +9,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from server.engine.api import Engine, GenerationOutput, GenerationRequest
+from server.engine.api import Engine, GenerationOutput, GenerationRequest, TokenLogprobs
 
 
 def iterate_outputs(
@@ -50,11 +50,18 @@ async def aiterate_outputs(engine: Engine, request: GenerationRequest) -> AsyncI
 
 
 def generate(engine: Engine, request: GenerationRequest, timeout: float | None = None) -> GenerationOutput:
-    """Run one request to the end; returns one output holding all tokens and text, with the final counts."""
+    """Run one request to the end; returns one output holding all tokens, text and logprobs, with the final
+    counts."""
     token_ids: list[int] = []
     text: list[str] = []
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs = None
     for output in iterate_outputs(engine, request, timeout):
         token_ids.extend(output.new_token_ids)
         text.append(output.new_text)
+        logprobs.extend(output.logprobs or ())
+        prompt_logprobs = output.prompt_logprobs or prompt_logprobs
     output.new_token_ids, output.new_text = token_ids, "".join(text)
+    output.logprobs = logprobs if request.sampling.logprobs is not None else None
+    output.prompt_logprobs = prompt_logprobs
     return output

@@ -58,6 +58,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     SamplingParams,
+    TokenLogprobs,
     continuation,
     validate_request,
 )
@@ -290,6 +291,18 @@ class VLLMEngine:
                     finish_reason=_FINISH_REASONS.get(reason, "stop") if out.finished else None,  # type: ignore[arg-type]
                     num_prompt_tokens=num_prompt, num_cached_tokens=cached, num_output_tokens=emitted,
                 )  # fmt: skip
+                if sampling.logprobs is not None and completion.logprobs is not None:
+                    output.logprobs = [
+                        _token_logprobs(token_id, entries, sampling.logprobs)
+                        for token_id, entries in zip(completion.token_ids, completion.logprobs, strict=False)
+                    ]
+                if first and sampling.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    output.prompt_logprobs = [
+                        None
+                        if entries is None
+                        else _token_logprobs(token_id, entries, sampling.prompt_logprobs)
+                        for token_id, entries in zip(rest.prompt_token_ids, out.prompt_logprobs, strict=False)
+                    ]
                 if prefill_only and out.finished and reason == "length":  # not a stop: decode continues it
                     output.finish_reason = None
                     handoff_out = self._handoff(request, list(completion.token_ids), cached)
@@ -392,7 +405,22 @@ def _sampling(params: SamplingParams) -> Any:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=_vllm_seed(params.seed), stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, output_kind=RequestOutputKind.DELTA,
+        ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+
+
+def _token_logprobs(token_id: int, entries: Mapping[int, Any], count: int) -> TokenLogprobs:
+    """vLLM's logprobs of one position ({token id: Logprob(logprob, rank, decoded_token)}: the top `count` by
+    rank, and the chosen token wherever it ranks) as Strata's."""
+    top = sorted(
+        (entry.rank, tid) for tid, entry in entries.items() if entry.rank is not None and entry.rank <= count
+    )
+    chosen = entries[token_id]
+    return TokenLogprobs(
+        token_id, float(chosen.logprob), [tid for _, tid in top], [float(entries[tid].logprob) for _, tid in top],
+        chosen.decoded_token or "", [entries[tid].decoded_token or "" for _, tid in top],
     )  # fmt: skip
 
 

@@ -183,7 +183,7 @@ def test_without_a_transport_the_blocks_go_through_the_kvbm_tiers(engine, tmp_pa
         assert handoff_of(out).transport == "kvbm"
         rest = run(decode, resumed(request, handoff_of(out)))
     onboarded = receiver.metrics.registry.get_sample_value(
-        "kvbm_onboard_blocks_total", {"direction": "G2->G1"}
+        "kvbm_onboard_blocks_total", {"model": "", "direction": "G2->G1"}
     )
     assert onboarded == len(ids) // 16  # every full prompt block, from G2
     assert out.new_token_ids + rest.new_token_ids == alone.new_token_ids

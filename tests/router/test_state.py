@@ -12,7 +12,13 @@ from server.engine.api import GenerationRequest, RequestId, SamplingParams
 from server.router.flight import Flight
 from server.router.state import TRANSITIONS, IllegalTransition, RequestState
 
-ALLOWED = [(current, target) for current, targets in TRANSITIONS.items() for target in targets]
+# in a fixed order: sets of enum members iterate in hash order, which differs between processes (pytest-xdist's
+# workers must collect the same list)
+ALLOWED = [
+    (current, target)
+    for current, targets in TRANSITIONS.items()
+    for target in sorted(targets, key=lambda state: state.name)
+]
 REFUSED = [
     (current, target)
     for current, target in itertools.product(RequestState, RequestState)
