@@ -61,6 +61,8 @@ SAMPLING_FIELDS = (  # the client-settable fields of SamplingParams (vLLM / Open
     "logit_bias",
     "logprobs",
     "prompt_logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 )
 
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's bound for top_logprobs and logprobs
@@ -89,6 +91,8 @@ class SamplingParams(msgspec.Struct, array_like=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # per output token: its logprob and this many alternatives (0..MAX_LOGPROBS)
     prompt_logprobs: int | None = None  # per prompt token after the first, the same
+    skip_special_tokens: bool = True  # special tokens (EOS, chat markers) add no text
+    include_stop_str_in_output: bool = False  # the stop string that ended the text is part of it
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
@@ -127,8 +131,9 @@ class SamplingParams(msgspec.Struct, array_like=True):
             isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
         ):
             raise RequestError("stop_token_ids", "must be a list of integers")
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(name, "must be a boolean")
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 1024:
@@ -337,6 +342,10 @@ class Engine(Protocol):
         ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens included (an echoed prompt, /detokenize)."""
+        ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of `messages` ({"role", "content"[, "name"]}) rendered with the model's chat template,

@@ -3,7 +3,8 @@
 Text comes from tokenizers' `DecodeStream`, one Rust call per token, which yields a piece only once it decodes to
 complete characters (a byte-level BPE token can end mid UTF-8 sequence). With stop strings, the last
 `len(longest stop) - 1` characters are held back, so a stop string that spans tokens is never partly emitted; the
-text before a stop string is emitted, the stop string itself never is. Special tokens (EOS) add no text.
+text before a stop string is emitted, the stop string itself only with `include_stop` (vLLM's
+include_stop_str_in_output). Special tokens (EOS) add no text unless `skip_special_tokens` is False.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from tokenizers.decoders import DecodeStream
 class Detokenizer:
     """Per-request decoder state. `text` is everything decoded so far; `num_emitted` chars of it were sent."""
 
-    __slots__ = ("tokenizer", "stream", "stops", "hold", "text", "num_emitted")
+    __slots__ = ("tokenizer", "stream", "stops", "include_stop", "hold", "text", "num_emitted")
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stops: list[str],
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stops = stops
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.num_emitted = 0
@@ -35,10 +43,11 @@ class Detokenizer:
         return bool(self.stops) and self._cut_at_stop(start)
 
     def _cut_at_stop(self, start: int) -> bool:
-        found = [pos for pos in (self.text.find(stop, start) for stop in self.stops) if pos >= 0]
+        found = [(pos, len(stop)) for stop in self.stops if (pos := self.text.find(stop, start)) >= 0]
         if not found:
             return False
-        self.text = self.text[: min(found)]
+        pos, length = min(found)
+        self.text = self.text[: pos + length if self.include_stop else pos]
         return True
 
     def take_text(self, finished: bool) -> str:

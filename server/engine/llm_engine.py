@@ -108,7 +108,7 @@ class LLMEngine:
         return self.tokenizer.encode_batch([text])[0].ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids))
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ending with the assistant prompt."""
@@ -128,7 +128,10 @@ class LLMEngine:
         seq = Seq(
             request_id=request.request_id, token_ids=[*request.prompt_token_ids, *resumed],
             num_prompt_tokens=len(request.prompt_token_ids), sampling=sampling, sink=sink,
-            detokenizer=Detokenizer(self.tokenizer, sampling.stop), block_size=self.config.block_size,
+            detokenizer=Detokenizer(
+                self.tokenizer, sampling.stop, sampling.skip_special_tokens, sampling.include_stop_str_in_output
+            ),
+            block_size=self.config.block_size,
             salt=request_salt(self.salt, request.cache_salt), generator=_generator(sampling.seed, self.model.device),
         )  # fmt: skip
         self.kv_transfer.prepare(seq, params)

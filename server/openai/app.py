@@ -2,17 +2,20 @@
 
 Mount with `build_app({"smollm2": engine}, FrontendMetrics.create(registry))` and serve with uvicorn (Triton's
 OpenAI frontend listens on 9000). Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-GET /health, GET /metrics (Prometheus text of the metrics' registry), GET /docs; and Strata's own GET and PUT
+GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's shapes), GET /health, GET /metrics
+(Prometheus text of the metrics' registry), GET /docs; and Strata's own GET and PUT
 /v1/strata/models/{model}/disagg: the thresholds of conditional disaggregation, which an operator or an SLA
 planner may change while serving (404 for a model not served disaggregated).
 
-With `api_key` set (`--api-key`, as vLLM), every `/v1/*` route needs `Authorization: Bearer <key>`; anything else is
+With `api_key` set (`--api-key`, as vLLM), every `/v1/*` route, /tokenize and /detokenize need
+`Authorization: Bearer <key>`; anything else is
 a 401 in OpenAI's error shape. `/health`, `/metrics` and the docs stay open, as in vLLM.
 """
 
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
@@ -32,6 +35,11 @@ from server.openai.metrics import FrontendMetrics
 from server.openai.serving import OpenAIError, OpenAIServing, internal_error
 
 logger = logging.getLogger(__name__)
+
+try:
+    _VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    _VERSION = "0+unknown"
 
 
 def build_app(
@@ -74,6 +82,22 @@ def build_app(
     @app.get("/v1/models", response_model=p.ModelList)
     async def list_models() -> p.ModelList:
         return serving.list_models()
+
+    @app.get("/v1/models/{model:path}", response_model=p.ModelCard, responses={404: _ERROR})
+    async def model_card(model: str) -> p.ModelCard:
+        return serving.model_card(model)
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, responses={400: _ERROR, 404: _ERROR})
+    async def tokenize(body: p.TokenizeChat | p.TokenizeCompletion) -> p.TokenizeResponse:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses={400: _ERROR, 404: _ERROR})
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return await serving.detokenize(body)
+
+    @app.get("/version", response_model=p.VersionResponse)
+    async def version() -> p.VersionResponse:
+        return p.VersionResponse(version=_VERSION)
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_GENERATE_RESPONSES)
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
@@ -156,6 +180,9 @@ def _openapi(app: FastAPI, limits: RequestLimits) -> dict[str, Any]:
     return app.openapi_schema
 
 
+_KEYED = ("/v1", "/tokenize", "/detokenize")  # the routes --api-key guards (vLLM's)
+
+
 class RequireAPIKey:
     """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (compared in constant time).
 
@@ -167,7 +194,7 @@ class RequireAPIKey:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or self._authorized(scope):
+        if scope["type"] != "http" or not scope["path"].startswith(_KEYED) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         info = p.ErrorInfo(

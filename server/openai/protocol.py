@@ -1,9 +1,9 @@
 """Wire models of the OpenAI-compatible API (requests validated by pydantic, responses serialized from these).
 
-Field names and defaults follow the OpenAI API reference; vLLM's extra sampling fields (`top_k`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`) and its `cache_salt` are accepted as well, as `extra_body` of the official client
-sends them.
-Unknown fields are ignored, as OpenAI does; fields Strata cannot honour are refused by `serving.py` by name.
+Field names and defaults follow the OpenAI API reference; vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `prompt_logprobs`, `skip_special_tokens`, ...)
+and its `cache_salt` are accepted as well, as `extra_body` of the official client sends them. The declared fields
+are the honored ones; every other field is refused by name (`fields.py`), never ignored.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def _encodable(value: Any) -> bool:
 
 
 class StreamOptions(_Request):
+    model_config = ConfigDict(extra="forbid", strict=True)  # vLLM's continuous_usage_stats is not implemented
+
     include_usage: bool = False
 
 
@@ -68,7 +70,17 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    user: str | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias added to its logit
+    prompt_logprobs: int | None = (
+        None  # vLLM's: logprobs of the prompt's tokens, in the choice's prompt_logprobs
+    )
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = (
+        None  # the end user's id (OpenAI's, for abuse monitoring): accepted, it changes nothing
+    )
     cache_salt: str | None = (
         None  # prefix-cache blocks are shared only among requests with this salt (vLLM's)
     )
@@ -93,10 +105,15 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0..20 alternatives per token; needs logprobs
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # 0..20: each token's logprob and that many alternatives (the legacy shape)
+    echo: bool = False  # the prompt before the completion, in the text and, with logprobs, in the logprobs
+    best_of: int | None = None  # accepted when equal to n (no choices are dropped)
 
 
 class PromptTokensDetails(BaseModel):
@@ -110,11 +127,30 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: one entry per token of `text`; the first prompt token's logprob and alternatives
+    are null; `text_offset` is each token's start in `text`, in characters."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: {token id: this}; the prompt token itself and its top alternatives."""
+
+    logprob: float
+    rank: int | None = None  # 1 is the most likely; null for the prompt token when it is not among the top
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -131,11 +167,27 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -156,7 +208,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -179,6 +231,50 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletion(_Request):
+    """POST /tokenize with a prompt (vLLM's shape); `model` may be left out when one model is served."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_Request):
+    """POST /tokenize with chat messages: the tokens of the rendered template, ending with the assistant's turn."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class DisaggThresholds(BaseModel):

@@ -21,6 +21,7 @@ import msgspec
 from pydantic import BaseModel
 
 from server.engine.api import (
+    MAX_LOGPROBS,
     SAMPLING_FIELDS,
     Engine,
     EngineOverloaded,
@@ -28,26 +29,17 @@ from server.engine.api import (
     GenerationOutput,
     RequestError,
     SamplingParams,
+    TokenLogprobs,
     max_output_tokens,
     validate_cache_salt,
 )
+from server.openai import logprobs as lp
 from server.openai import protocol as p
+from server.openai.fields import refused_field
 from server.openai.generation import ClientDisconnected, Generation, WaitForDisconnect
 from server.openai.metrics import FrontendMetrics
 
 logger = logging.getLogger(__name__)
-
-# Fields of the OpenAI API that Strata does not implement: refused by name rather than silently ignored.
-_UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "suffix",
-    "logit_bias",
-    "tools",
-    "functions",
-    "response_format",
-)
 
 
 class OpenAIError(Exception):
@@ -94,6 +86,17 @@ class _Choice:
     cached_tokens: int = 0
     output_tokens: int = 0
     started: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class _Echo:
+    """What completions' `echo` puts before each prompt's choices: the prompt's text and its first token's text."""
+
+    texts: list[str]
+    first_tokens: list[str]
+    prompt_only: bool  # max_tokens 0: the prompt and nothing generated
 
 
 class OpenAIServing:
@@ -108,6 +111,58 @@ class OpenAIServing:
             for name, engine in self._models.items()
         ]
         return p.ModelList(data=cards)
+
+    def model_card(self, name: str) -> p.ModelCard:
+        engine = self._models.get(name)
+        if engine is None:
+            raise OpenAIError(
+                404, f"The model `{name}` does not exist", param="model", code="model_not_found"
+            )
+        return p.ModelCard(id=name, created=self._created, max_model_len=engine.max_model_len)
+
+    def _named(self, model: str | None) -> tuple[str, Engine]:
+        """The engine a tokenizer route names; with one model served, `model` may be left out (vLLM's)."""
+        if model is None:
+            if len(self._models) != 1:
+                raise OpenAIError(400, "model: required when more than one model is served", param="model")
+            model = next(iter(self._models))
+        self.model_card(model)  # 404 for an unknown one
+        return model, self._models[model]
+
+    async def tokenize(self, request: p.TokenizeCompletion | p.TokenizeChat) -> p.TokenizeResponse:
+        model, engine = self._named(request.model)
+        if isinstance(request, p.TokenizeChat):
+            if not request.add_generation_prompt:
+                raise OpenAIError(
+                    400, "add_generation_prompt: only true is supported", param="add_generation_prompt"
+                )
+            messages = [
+                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in request.messages
+            ]
+            ids = await asyncio.to_thread(
+                self._tokenize, model, "messages", engine.apply_chat_template, messages
+            )
+        else:
+            if not request.add_special_tokens:
+                raise OpenAIError(
+                    400, "add_special_tokens: only true is supported", param="add_special_tokens"
+                )
+            ids = await asyncio.to_thread(self._tokenize, model, "prompt", engine.encode, request.prompt)
+        strs = None
+        if request.return_token_strs:
+            strs = [await asyncio.to_thread(self._decode, model, engine, [t]) for t in ids]
+        return p.TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, request: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        model, engine = self._named(request.model)
+        if any(t < 0 for t in request.tokens):
+            raise OpenAIError(400, "tokens: token ids are not negative", param="tokens")
+        return p.DetokenizeResponse(
+            prompt=await asyncio.to_thread(self._decode, model, engine, request.tokens)
+        )
 
     def count_invalid(self, model: str) -> None:
         """Count a request refused before it reached serving (malformed JSON, schema errors)."""
@@ -125,6 +180,8 @@ class OpenAIServing:
         def prompts() -> list[list[int]]:
             return [self._tokenize(request.model, "messages", engine.apply_chat_template, messages)]
 
+        if request.top_logprobs is not None and not request.logprobs:
+            self._fail(request.model, 400, "top_logprobs: needs `logprobs: true`", "top_logprobs")
         generation = await self._start(request, engine, prompts, client_gone)
         if request.stream:
             return self._sse(request, generation, request.n, _ChatChunks(request, generation.request_id))
@@ -138,6 +195,8 @@ class OpenAIServing:
                     index=i,
                     message=p.AssistantMessage(content="".join(c.text)),
                     finish_reason=c.finish_reason,
+                    logprobs=lp.chat(c.logprobs) if request.logprobs else None,
+                    prompt_logprobs=_vllm_prompt_logprobs(request, c),
                 )
                 for i, c in enumerate(choices)
             ],
@@ -151,29 +210,36 @@ class OpenAIServing:
         if not texts:
             self._fail(request.model, 400, "the prompt list is empty", "prompt")
 
+        echo = _Echo([], [], request.echo and _max_tokens(request) == 0) if request.echo else None
+        if request.best_of is not None and request.best_of != request.n:
+            self._fail(request.model, 400, "best_of: only best_of equal to n is supported", "best_of")
+
         def prompts() -> list[list[int]]:
-            return [
+            ids = [
                 self._tokenize(request.model, "prompt", engine.encode, text)
                 if isinstance(text, str)
                 else text
                 for text in texts
             ]
+            if echo is not None:  # the prompt as the client sent it, or its ids decoded
+                echo.texts = [
+                    t if isinstance(t, str) else self._decode(request.model, engine, t) for t in texts
+                ]
+                echo.first_tokens = [self._decode(request.model, engine, i[:1]) for i in ids]
+            return ids
 
         generation = await self._start(request, engine, prompts, client_gone)
         num_choices = len(texts) * request.n
         if request.stream:
             return self._sse(
-                request, generation, num_choices, _CompletionChunks(request, generation.request_id)
+                request, generation, num_choices, _CompletionChunks(request, generation.request_id, echo)
             )
         choices = await self._collect(request, generation, num_choices)
         return p.CompletionResponse(
             id=f"cmpl-{generation.request_id}",
             model=request.model,
-            usage=_usage(choices, request.n),
-            choices=[
-                p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
-                for i, c in enumerate(choices)
-            ],
+            usage=_usage(choices, request.n, echo is not None and echo.prompt_only),
+            choices=[_completion_choice(request, echo, i, c) for i, c in enumerate(choices)],
         )
 
     def _engine(self, request: p.SamplingFields) -> Engine:
@@ -183,14 +249,19 @@ class OpenAIServing:
             raise OpenAIError(
                 404, f"The model `{request.model}` does not exist", param="model", code="model_not_found"
             )
-        unsupported = [
-            name for name in _UNSUPPORTED if (request.model_extra or {}).get(name) not in (None, False)
-        ]
-        if unsupported:
-            self._fail(
-                request.model, 400, f"`{unsupported[0]}` is not supported by this server", unsupported[0]
-            )
+        endpoint = "chat" if isinstance(request, p.ChatCompletionRequest) else "completions"
+        refused = refused_field(request.model_extra, endpoint)
+        if refused is not None:
+            self._fail(request.model, 400, refused[1], refused[0])
         return engine
+
+    def _decode(self, model: str, engine: Engine, token_ids: list[int]) -> str:
+        try:
+            return engine.decode(token_ids)
+        except Exception:
+            logger.exception("decoding a prompt for echo failed")
+            self._metrics.requests.labels(model, "error").inc()
+            raise internal_error() from None
 
     def _tokenize(
         self, model: str, param: str, tokenize: Callable[[Any], list[int]], value: Any
@@ -279,8 +350,16 @@ class OpenAIServing:
         prompt_param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
         if not token_ids:
             self._fail(request.model, 400, "the prompt is empty", prompt_param)
-        raw: dict[str, Any] = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+        raw: dict[str, Any] = {name: getattr(request, name, None) for name in SAMPLING_FIELDS}
+        try:
+            raw["logprobs"], raw["prompt_logprobs"] = _logprob_counts(request)
+        except RequestError as exc:
+            self._fail_field(request, exc)
+        if request.logit_bias is not None:
+            raw["logit_bias"] = dict(request.logit_bias)
         requested = _max_tokens(request)
+        if requested == 0 and isinstance(request, p.CompletionRequest) and request.echo:
+            requested = 1  # the prompt only: its one generated token is not returned
         try:
             limit = max_output_tokens(engine, len(token_ids))
             raw["max_tokens"] = (
@@ -349,6 +428,7 @@ class _ChatChunks:
         self._id = f"chatcmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
+        self._logprobs = request.logprobs
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -363,11 +443,13 @@ class _ChatChunks:
                     [p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))]
                 )
             )
-        if output.new_text or output.finished:
+        logprobs = lp.chat(output.logprobs) if self._logprobs and output.logprobs else None
+        if output.new_text or output.finished or logprobs is not None:
             delta = p.DeltaMessage(content=output.new_text or None)
-            out.append(
-                self._chunk([p.ChatChunkChoice(index=index, delta=delta, finish_reason=output.finish_reason)])
+            choice = p.ChatChunkChoice(
+                index=index, delta=delta, finish_reason=output.finish_reason, logprobs=logprobs
             )
+            out.append(self._chunk([choice]))
         return out
 
     def usage(self, usage: p.Usage) -> p.ChatCompletionChunk:
@@ -375,16 +457,43 @@ class _ChatChunks:
 
 
 class _CompletionChunks:
-    def __init__(self, request: p.CompletionRequest, request_id: str) -> None:
+    """With echo, each choice's first chunk is its prompt (and the prompt's logprobs); then its completion's
+    pieces, each with its tokens' logprobs (nothing of them when the prompt is all that was asked for)."""
+
+    def __init__(self, request: p.CompletionRequest, request_id: str, echo: _Echo | None) -> None:
         self._id = f"cmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
+        self._n = request.n
+        self._echo = echo
+        self._logprobs = request.logprobs is not None
+        self._offsets: dict[int, lp.CompletionLogprobs] = {}
 
     def for_output(self, index: int, output: GenerationOutput, first: bool) -> list[Any]:
-        if not (output.new_text or output.finished):
-            return []
-        choice = p.CompletionChoice(index=index, text=output.new_text, finish_reason=output.finish_reason)
-        return [p.CompletionResponse(id=self._id, created=self._created, model=self._model, choices=[choice])]
+        out = []
+        offsets = self._offsets.setdefault(index, lp.CompletionLogprobs())
+        echo = self._echo
+        if first and echo is not None:
+            prompt = index // self._n
+            logprobs = None
+            if self._logprobs and output.prompt_logprobs is not None:
+                logprobs = offsets.piece(lp.echoed(echo.first_tokens[prompt], output.prompt_logprobs))
+            out.append(
+                self._response(p.CompletionChoice(index=index, text=echo.texts[prompt], logprobs=logprobs))
+            )
+        text, tokens = output.new_text, output.logprobs or []
+        if echo is not None and echo.prompt_only:
+            text, tokens = "", []
+        logprobs = offsets.piece(lp.generated(tokens)) if self._logprobs and tokens else None
+        if text or output.finished or logprobs is not None:
+            choice = p.CompletionChoice(
+                index=index, text=text, finish_reason=output.finish_reason, logprobs=logprobs
+            )
+            out.append(self._response(choice))
+        return out
+
+    def _response(self, choice: p.CompletionChoice) -> p.CompletionResponse:
+        return p.CompletionResponse(id=self._id, created=self._created, model=self._model, choices=[choice])
 
     def usage(self, usage: p.Usage) -> p.CompletionResponse:
         return p.CompletionResponse(
@@ -400,6 +509,10 @@ def _sse(model: BaseModel) -> str:
 def _accumulate(choice: _Choice, output: GenerationOutput) -> None:
     choice.started = True
     choice.text.append(output.new_text)
+    if output.logprobs:
+        choice.logprobs.extend(output.logprobs)
+    if output.prompt_logprobs is not None:
+        choice.prompt_logprobs = output.prompt_logprobs
     choice.prompt_tokens = output.num_prompt_tokens or choice.prompt_tokens
     choice.cached_tokens = max(choice.cached_tokens, output.num_cached_tokens)
     choice.output_tokens = output.num_output_tokens or choice.output_tokens
@@ -407,17 +520,61 @@ def _accumulate(choice: _Choice, output: GenerationOutput) -> None:
         choice.finish_reason = output.finish_reason
 
 
-def _usage(choices: list[_Choice], n: int) -> p.Usage:
-    """The prompt counts once per prompt (not per choice), as OpenAI does; cached tokens are the first choice's."""
+def _usage(choices: list[_Choice], n: int, prompt_only: bool = False) -> p.Usage:
+    """The prompt counts once per prompt (not per choice), as OpenAI does; cached tokens are the first choice's.
+    `prompt_only`: echo with max_tokens 0, whose generated tokens are not returned (nor counted)."""
     firsts = choices[::n]
     prompt = sum(c.prompt_tokens for c in firsts)
-    completion = sum(c.output_tokens for c in choices)
+    completion = 0 if prompt_only else sum(c.output_tokens for c in choices)
     return p.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in firsts)),
     )
+
+
+def _completion_choice(request: p.CompletionRequest, echo: _Echo | None, index: int, choice: _Choice):
+    """One choice of a non-streaming completion: the prompt first with echo, the legacy logprobs with
+    `logprobs`, vLLM's prompt_logprobs with `prompt_logprobs`."""
+    generated = "" if echo is not None and echo.prompt_only else "".join(choice.text)
+    tokens = [] if echo is not None and echo.prompt_only else choice.logprobs
+    text, logprobs = generated, None
+    if request.logprobs is not None:
+        pieces = lp.generated(tokens)
+        if echo is not None and choice.prompt_logprobs is not None:
+            pieces = lp.echoed(echo.first_tokens[index // request.n], choice.prompt_logprobs) + pieces
+        logprobs = lp.CompletionLogprobs().piece(pieces)
+    if echo is not None:
+        text = echo.texts[index // request.n] + generated
+    return p.CompletionChoice(
+        index=index,
+        text=text,
+        finish_reason=choice.finish_reason,
+        logprobs=logprobs,
+        prompt_logprobs=_vllm_prompt_logprobs(request, choice),
+    )
+
+
+def _vllm_prompt_logprobs(request: p.SamplingFields, choice: _Choice) -> list | None:
+    if request.prompt_logprobs is None or choice.prompt_logprobs is None:
+        return None
+    return lp.vllm_prompt(choice.prompt_logprobs)
+
+
+def _logprob_counts(request: p.SamplingFields) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) for the engine: alternatives per output token and per prompt token, None for
+    none. Chat's are `logprobs: true` with `top_logprobs`; completions' `logprobs: k`, and with `echo` the prompt's
+    tokens get the same k."""
+    prompt = request.prompt_logprobs
+    if isinstance(request, p.ChatCompletionRequest):
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}")
+        return (request.top_logprobs or 0) if request.logprobs else None, prompt
+    assert isinstance(request, p.CompletionRequest)
+    if request.echo and request.logprobs is not None:
+        prompt = max(prompt or 0, request.logprobs)
+    return request.logprobs, prompt
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -131,6 +131,9 @@ class RoutedEngine:
     def encode(self, text: str) -> list[int]:
         return self.membership.on_any(lambda worker: worker.encode(text))
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.membership.on_any(lambda worker: worker.decode(token_ids))
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self.membership.on_any(lambda worker: worker.apply_chat_template(messages))
 

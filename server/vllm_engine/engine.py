@@ -188,6 +188,9 @@ class VLLMEngine:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         rendered = self._tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
@@ -407,7 +410,8 @@ def _sampling(params: SamplingParams) -> Any:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, min_p=params.min_p,
         repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
-        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=RequestOutputKind.DELTA,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
 
 

@@ -13,7 +13,8 @@ server are deployed together).
 server -> worker (`ToWorker`):
     Attach(server_id)                a server connecting to a remote worker (remote_worker.py)
     Submit(call_id, request) | Encode(call_id, text) | ApplyChatTemplate(call_id, messages)
-                                     engine calls, each answered by one Accepted/TokenIds, Refused or CallFailed
+    | Decode(call_id, token_ids)    engine calls, each answered by one Accepted/TokenIds/Text, Refused or
+                                     CallFailed
     Abort(request_id)
     Ack()                            answers each Beat: a remote worker drops a server it no longer hears
     Stop()                           the server lets go: the worker aborts what is left (a spawned one exits)
@@ -21,6 +22,7 @@ worker -> server (`ToServer`):
     Hello(info) once the engine is built and calibrated, or Failed(message)
     Accepted(call_id)                the engine queued a Submit's request
     TokenIds(call_id, token_ids)     the answer to Encode and ApplyChatTemplate
+    Text(call_id, text)              the answer to Decode
     Refused(call_id, field, message) the engine refused the call (RequestError), naming the input
     Busy(call_id, message, retry_after_s)  the engine's wait queue is full (EngineOverloaded): not queued
     CallFailed(call_id, message)     the engine failed (logged by the worker)
@@ -120,6 +122,11 @@ class ApplyChatTemplate(Message):
     messages: list[dict[str, str]]  # {"role", "content"[, "name"]}
 
 
+class Decode(Message):
+    call_id: int
+    token_ids: list[int]
+
+
 class Abort(Message):
     request_id: RequestId
 
@@ -150,6 +157,11 @@ class Accepted(Message):
 class TokenIds(Message):
     call_id: int
     token_ids: list[int]
+
+
+class Text(Message):
+    call_id: int
+    text: str
 
 
 class Refused(Message):
@@ -189,11 +201,23 @@ class Bye(Message):
     reason: str
 
 
-Call = Submit | Encode | ApplyChatTemplate
-Answer = Accepted | TokenIds | Refused | Busy | CallFailed
-ToWorker = Attach | Submit | Encode | ApplyChatTemplate | Abort | Ack | Stop
+Call = Submit | Encode | ApplyChatTemplate | Decode
+Answer = Accepted | TokenIds | Text | Refused | Busy | CallFailed
+ToWorker = Attach | Submit | Encode | ApplyChatTemplate | Decode | Abort | Ack | Stop
 ToServer = (
-    Hello | Failed | Accepted | TokenIds | Refused | Busy | CallFailed | Out | Beat | Event | Draining | Bye
+    Hello
+    | Failed
+    | Accepted
+    | TokenIds
+    | Text
+    | Refused
+    | Busy
+    | CallFailed
+    | Out
+    | Beat
+    | Event
+    | Draining
+    | Bye
 )
 
 

@@ -55,6 +55,7 @@ from server.workers.protocol import (
     Bye,
     Call,
     CallFailed,
+    Decode,
     Draining,
     Encode,
     Event,
@@ -64,6 +65,7 @@ from server.workers.protocol import (
     Refused,
     Stop,
     Submit,
+    Text,
     TokenIds,
     WorkerId,
     WorkerInfo,
@@ -147,7 +149,7 @@ class RemoteEngine:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._call_timeout_s = call_timeout_s
         self._sinks: dict[RequestId, OutputSink] = {}
-        self._calls: dict[int, Future[Accepted | TokenIds]] = {}
+        self._calls: dict[int, Future[Accepted | TokenIds | Text]] = {}
         self._submitting: dict[
             int, RequestId
         ] = {}  # Submit calls not answered yet: their caller gets the error
@@ -256,6 +258,12 @@ class RemoteEngine:
     def encode(self, text: str) -> list[int]:
         return self._tokens(Encode(next(self._call_ids), text))
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        answer = self._call(Decode(next(self._call_ids), list(token_ids)))
+        if not isinstance(answer, Text):
+            raise RuntimeError(f"worker {self.worker_id} answered Decode with {type(answer).__name__}")
+        return answer.text
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         try:
             typed = msgspec.convert([dict(m) for m in messages], list[dict[str, str]])
@@ -326,11 +334,11 @@ class RemoteEngine:
             )
         return answer.token_ids
 
-    def _call(self, call: Call) -> Accepted | TokenIds:
+    def _call(self, call: Call) -> Accepted | TokenIds | Text:
         """Send `call` and wait for its answer; Refused raises RequestError, CallFailed RuntimeError."""
         if self._dead is not None:
             raise WorkerDied(f"worker {self.worker_id} is dead: {self._dead}")
-        future: Future[Accepted | TokenIds] = Future()
+        future: Future[Accepted | TokenIds | Text] = Future()
         with self._lock:
             self._calls[call.call_id] = future
         try:

@@ -34,6 +34,7 @@ from server.workers.protocol import (
     Busy,
     Call,
     CallFailed,
+    Decode,
     Draining,
     Encode,
     Event,
@@ -43,6 +44,7 @@ from server.workers.protocol import (
     Refused,
     Stop,
     Submit,
+    Text,
     TokenIds,
     WorkerInfo,
 )
@@ -279,6 +281,8 @@ def _call(
             return Accepted(call.call_id)
         if isinstance(call, Encode):
             return TokenIds(call.call_id, engine.encode(call.text))
+        if isinstance(call, Decode):
+            return Text(call.call_id, engine.decode(call.token_ids))
         return TokenIds(call.call_id, engine.apply_chat_template(call.messages))
     except RequestError as exc:
         return Refused(call.call_id, exc.field, exc.message)

@@ -20,6 +20,7 @@ from server.engine.api import (
     PoolStats,
     RequestError,
     RequestId,
+    TokenLogprobs,
 )
 from server.openai.app import build_app
 from server.openai.metrics import FrontendMetrics
@@ -30,6 +31,8 @@ class FakeEngine:
 
     Prompt tokens are the text's bytes; the first 4 prompt tokens count as cached; `step_s` paces the steps.
     `stop` strings are honoured on whole tokens, `seed` shifts the token ids so seeded choices differ.
+    Logprobs: token i of the answer has -0.5 * (i + 1), its alternatives `token_logprobs` below; prompt token j
+    (after the first) has -0.25 * j.
     """
 
     model_name = "fake"
@@ -47,6 +50,9 @@ class FakeEngine:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
+
+    def decode(self, token_ids) -> str:
+        return "".join(bytes([t]).decode(errors="replace") if t < 256 else f" t{t - 1000}" for t in token_ids)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         if any(m["role"] == "tool" for m in messages):
@@ -93,20 +99,38 @@ class FakeEngine:
             stop = text.strip() in request.sampling.stop
             last = stop or i + 1 == request.sampling.max_tokens
             reason = ("stop" if stop else "length") if last else None
-            sink(
-                GenerationOutput(
-                    request.request_id,
-                    [1000 + i + shift],
-                    "" if stop else text,
-                    last,
-                    reason,
-                    prompt,
-                    cached,
-                    i + 1,
-                )
+            output = GenerationOutput(
+                request.request_id,
+                [1000 + i + shift],
+                "" if stop else text,
+                last,
+                reason,
+                prompt,
+                cached,
+                i + 1,
             )
+            if request.sampling.logprobs is not None:
+                output.logprobs = [
+                    token_logprobs(1000 + i + shift, -0.5 * (i + 1), request.sampling.logprobs)
+                ]
+            if i == 0 and request.sampling.prompt_logprobs is not None:
+                ids, k = request.prompt_token_ids, request.sampling.prompt_logprobs
+                output.prompt_logprobs = [None] + [
+                    token_logprobs(t, -0.25 * j, k) for j, t in enumerate(ids) if j
+                ]
+            sink(output)
             if last:
                 return
+
+
+def token_logprobs(token_id: int, logprob: float, count: int) -> TokenLogprobs:
+    """The fake's logprobs of `token_id`: itself the most likely, then ids 1, 2, ... each 1 nat less likely."""
+    text = FakeEngine.decode(None, [token_id])
+    top_ids = [token_id, *range(1, count)][:count]
+    return TokenLogprobs(
+        token_id, logprob, top_ids, [logprob - r for r in range(count)], text,
+        [FakeEngine.decode(None, [t]) for t in top_ids],
+    )  # fmt: skip
 
 
 def _free_port() -> int:

@@ -144,7 +144,18 @@ def _chat(**fields: object) -> dict[str, object]:
         (_chat(temperature=-0.5), "temperature"),
         (_chat(top_p=0), "top_p"),
         (_chat(n=0), "n"),
-        (_chat(logprobs=True), "logprobs"),
+        (_chat(top_logprobs=3), "top_logprobs"),  # without logprobs: true
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (_chat(logit_bias={"1": 200}), "logit_bias"),
+        (_chat(min_p=2.0), "min_p"),
+        (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (_chat(response_format={"type": "json_object"}), "response_format"),
+        (_chat(priority=1), "priority"),
+        (
+            _chat(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+            "stream_options.continuous_usage_stats",
+        ),
+        (_chat(temprature=0.5), "temprature"),  # a misspelt field is refused, not ignored
         ({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
         (_chat(cache_salt=""), "cache_salt"),
         (_chat(cache_salt=7), "cache_salt"),
