@@ -43,8 +43,11 @@ serve: models
 	STRATA_VLLM_PYTHON=$${STRATA_VLLM_PYTHON:-$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY)))} \
 	$(VENV)/bin/strata serve --model-repository model_repository $(SERVE_ARGS)
 
+# test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its module fixtures,
+# servers and engines, start once); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
 test: models vllm
-	STRATA_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(PYTEST_ARGS)
+	STRATA_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@ repositories it serves, and vLLM's OpenAI server from its own venv."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -113,6 +114,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def short_runtime_dir(tmp_path: Path) -> Path:
+    """/tmp/strata-rt-<digest of tmp_path>: Triton's workspace goes there, whose Unix socket paths must stay under
+    108 bytes (a pytest-xdist worker's tmp_path is longer than a plain run's). The same `tmp_path` gives the same
+    folder, so a server restarted on it finds what the last one left."""
+    digest = hashlib.blake2b(str(tmp_path.resolve()).encode(), digest_size=6).hexdigest()
+    return Path(tempfile.gettempdir()) / f"strata-rt-{digest}"
+
+
 def start_strata(
     repository: Path,
     tmp_path: Path,
@@ -121,13 +130,14 @@ def start_strata(
     ports: tuple[int, int, int] | None = None,
     ready_timeout_s: float = 120,
 ) -> StrataProcess:
-    """`strata serve` on free ports (HTTP, gRPC, metrics, OpenAI) with `args`, its log and runtime dir under
-    `tmp_path`, in a session of its own; waits for "strata ready" unless `wait_ready` is false."""
+    """`strata serve` on free ports (HTTP, gRPC, metrics, OpenAI) with `args`, its log under `tmp_path` and its
+    runtime dir named after it (`short_runtime_dir`), in a session of its own; waits for "strata ready" unless
+    `wait_ready` is false."""
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
     openai_port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     log_path = tmp_path / f"strata-{http}.log"
-    runtime_dir = tmp_path / "runtime"
+    runtime_dir = short_runtime_dir(tmp_path)
     env = {**os.environ, "STRATA_RUNTIME_DIR": str(runtime_dir), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "server", "serve", "--model-repository", str(repository)]
     command += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]

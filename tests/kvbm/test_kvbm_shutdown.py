@@ -51,7 +51,7 @@ def segments(cache_id: str) -> list[Path]:
 
 
 def sample(kvbm: KVBMConnector, name: str, **labels: str) -> float:
-    return kvbm.metrics.registry.get_sample_value(name, labels) or 0.0
+    return kvbm.metrics.registry.get_sample_value(name, {"model": kvbm.metrics.model, **labels}) or 0.0
 
 
 def test_close_flushes_g2_to_g3_and_a_fresh_connector_onboards_them(
