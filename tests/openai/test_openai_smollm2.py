@@ -81,3 +81,47 @@ def test_streamed_completion_with_smollm2(smollm2_client: openai.OpenAI) -> None
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert "Paris" in text
     assert chunks[-1].usage.completion_tokens == 6
+
+
+@pytest.mark.slow
+def test_chat_logprobs_with_smollm2(smollm2_client: openai.OpenAI) -> None:
+    reply = smollm2_client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:  # greedy: each token is its position's most likely
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.logprob <= 0 and [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+
+
+@pytest.mark.slow
+def test_loglikelihood_as_lm_eval_asks_for_it(smollm2_client: openai.OpenAI) -> None:
+    """The echoed prompt's logprob of " Paris" (a prefill row) equals the logprob the same token has when it is
+    generated (the sampling row); the generated token stays the last entry even when it is EOS (id 2)."""
+    context = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    generated = smollm2_client.completions.create(
+        model="smollm2", prompt=[context], max_tokens=1, temperature=0, logprobs=1
+    ).choices[0]
+    assert generated.text == " Paris"
+    paris = generated.logprobs.token_logprobs[0]
+    echoed = smollm2_client.completions.create(
+        model="smollm2", prompt=[[*context, 7042]], echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1,
+        logit_bias={"2": 100},  # force EOS as the generated token
+    ).choices[0]  # fmt: skip
+    logprobs = echoed.logprobs
+    assert len(logprobs.tokens) == len(context) + 2 and logprobs.tokens[-1] == "<|im_end|>"
+    assert abs(logprobs.token_logprobs[len(context)] - paris) < 1e-3
+    assert echoed.text == "The capital of France is Paris"
+    prompt_only = smollm2_client.completions.create(
+        model="smollm2", prompt=[[*context, 7042]], echo=True, logprobs=0, max_tokens=0
+    )
+    assert len(prompt_only.choices[0].logprobs.tokens) == len(context) + 1
+    assert prompt_only.usage.completion_tokens == 0

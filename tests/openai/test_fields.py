@@ -1,0 +1,27 @@
+"""README's field table names every request field the code knows, and nothing else: the declared (honored) fields
+of the request models and the refused list of server/openai/fields.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from server.openai import protocol as p
+from server.openai.fields import REFUSED
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def table_fields() -> set[str]:
+    text = README.read_text()
+    start = text.index("| Field | Endpoint | Strata |")
+    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
+    return {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+
+
+def test_the_readme_table_lists_exactly_the_fields_the_code_knows() -> None:
+    declared = set(p.ChatCompletionRequest.model_fields) | set(p.CompletionRequest.model_fields)
+    known = declared | REFUSED
+    listed = table_fields()
+    assert listed - known == set(), "in README's table, unknown to the code"
+    assert known - listed == set(), "known to the code, missing from README's table"
