@@ -108,6 +108,35 @@ def test_openai_and_triton_answer_as_strata_engine_does(client, server):
     )  # the vLLM backend echoes the prompt
 
 
+def test_logprobs_echo_and_sampling_fields_match_strata_engine(client):
+    """The same fields reach vLLM's own sampler: chat logprobs, completions' echo with logprobs (lm-eval's
+    request), min_p and logit_bias give what Strata's engine gives (both fp32; logprobs within 0.05)."""
+
+    def chat(model):
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=6,
+            temperature=0, logprobs=True, top_logprobs=3,
+        ).choices[0].logprobs.content  # fmt: skip
+
+    def echo(model):
+        return client.completions.create(
+            model=model, prompt=[[504, 3575, 282, 4649, 314, 7042]], echo=True, logprobs=1, max_tokens=1,
+            temperature=0, extra_body={"min_p": 1.0}, logit_bias={"2": 100},
+        ).choices[0].logprobs  # fmt: skip
+
+    vllm_chat, strata_chat = chat("smol_vllm"), chat("smollm2")
+    assert [e.token for e in vllm_chat] == [e.token for e in strata_chat]
+    for ours, theirs in zip(strata_chat, vllm_chat, strict=True):
+        assert abs(ours.logprob - theirs.logprob) < 0.05
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in theirs.top_logprobs]
+    vllm_echo, strata_echo = echo("smol_vllm"), echo("smollm2")
+    assert vllm_echo.tokens == strata_echo.tokens and vllm_echo.tokens[-1] == "<|im_end|>"
+    assert vllm_echo.token_logprobs[0] is None and strata_echo.token_logprobs[0] is None
+    for ours, theirs in zip(strata_echo.token_logprobs[1:], vllm_echo.token_logprobs[1:], strict=True):
+        assert abs(ours - theirs) < 0.05
+    assert vllm_echo.text_offset == strata_echo.text_offset
+
+
 def test_bad_requests_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model="smol_vllm", prompt="x", max_tokens=5000)
