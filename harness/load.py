@@ -38,10 +38,11 @@ def stream_completion(
     max_tokens: int,
     timing: StreamTiming,
     cache_salt: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """One greedy streamed completion of model "smollm2" with ignore_eos; fills `timing` (first token, chunk
     times, usage) or its error. `cache_salt` (vLLM's field, Strata's too) keeps its KV blocks apart from those of
-    requests with another salt."""
+    requests with another salt; `extra`: more body fields (logprobs, ...)."""
     body: dict[str, Any] = {
         "model": "smollm2",
         "prompt": prompt,
@@ -53,6 +54,7 @@ def stream_completion(
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    body.update(extra or {})
     try:
         with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:

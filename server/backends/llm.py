@@ -4,11 +4,16 @@ Inputs and outputs are those of Triton's vLLM backend (src/model.py, src/utils/r
 it work unchanged:
 
     inputs   text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON), exclude_input_in_output (BOOL),
-             return_finish_reason, return_num_input_tokens, return_num_output_tokens, return_num_cached_tokens (BOOL)
+             return_finish_reason, return_num_input_tokens, return_num_output_tokens, return_num_cached_tokens,
+             return_cumulative_logprob, return_logprobs (BOOL)
     outputs  text_output (BYTES), and only when asked for with its return_* input:
              finish_reason (BYTES: "stop", "length", "abort"; "None" on a streamed response before the last),
              num_input_tokens (UINT32: prompt tokens), num_output_tokens (UINT32: tokens of this response's text),
-             num_cached_tokens (UINT32, Strata's own: prompt tokens whose KV came from cache instead of prefill)
+             num_cached_tokens (UINT32, Strata's own: prompt tokens whose KV came from cache instead of prefill),
+             cumulative_logprob (FP32: the sum of the logprobs of every token generated so far, vLLM's),
+             logprobs (BYTES, Strata's: JSON, one object per token of this response: token_id, logprob,
+             decoded_token, top_logprobs [{token_id, logprob, decoded_token}], as many as sampling_parameters'
+             `logprobs`, 0 by default)
 
 `text_output` starts with the prompt unless `exclude_input_in_output` is true; a stream never repeats the prompt,
 so `exclude_input_in_output` false with `stream` true is a 400. Sampling fields may also come as request parameters
@@ -46,6 +51,7 @@ from server.engine.api import (
     RequestError,
     RequestId,
     SamplingParams,
+    TokenLogprobs,
     check_prompt_chars,
     max_output_tokens,
     validate_cache_salt,
@@ -57,7 +63,10 @@ from server.triton import TritonServer
 
 log = logging.getLogger(__name__)
 
-_OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
+_OPTIONAL_OUTPUTS = (
+    "finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens", "cumulative_logprob", "logprobs",
+)  # fmt: skip
+_LOGPROB_OUTPUTS = {"cumulative_logprob", "logprobs"}
 _FLAGS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in _OPTIONAL_OUTPUTS))
 _NOT_SAMPLING = set(_FLAGS) | {"text_input", "sampling_parameters"}
 INPUTS = (
@@ -71,6 +80,8 @@ OUTPUTS = [  # shapes as the vLLM backend declares them
     Tensor(name="num_input_tokens", dtype=np.uint32, shape=(1,)),
     Tensor(name="num_output_tokens", dtype=np.uint32, shape=(-1,)),
     Tensor(name="num_cached_tokens", dtype=np.uint32, shape=(1,)),
+    Tensor(name="cumulative_logprob", dtype=np.float32, shape=(1,)),
+    Tensor(name="logprobs", dtype=bytes, shape=(1,)),
 ]
 
 
@@ -211,26 +222,64 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
     prompt_ids = await asyncio.to_thread(
         engine.encode, asked.prompt
     )  # never on the event loop (a worker call)
+    if _LOGPROB_OUTPUTS.intersection(asked.outputs) and asked.sampling.get("logprobs") is None:
+        asked.sampling["logprobs"] = 0  # the chosen tokens' logprobs, no alternatives
     sampling = SamplingParams.from_dict(asked.sampling, max_output_tokens(engine, len(prompt_ids)))
     generation = GenerationRequest(
         RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling, asked.cache_salt
     )
     pieces: list[str] = [asked.prompt] if asked.prepend_input else []
     reported_tokens = 0  # output tokens counted in responses sent so far
+    logprobs = _Logprobs()
     async for output in aiterate_outputs(engine, generation):
         if output.finish_reason == "error":
             log.error("%s: generation failed: %s", engine.model_name, output.error)
             raise TritonClientError("internal error while generating; see the server log")
+        logprobs.add(output.logprobs)
         if asked.stream:
             if output.new_text or output.finished:
                 yield _response(
-                    output.new_text, output, output.num_output_tokens - reported_tokens, asked.outputs
+                    output.new_text,
+                    output,
+                    output.num_output_tokens - reported_tokens,
+                    asked.outputs,
+                    logprobs,
                 )
                 reported_tokens = output.num_output_tokens
         else:
             pieces.append(output.new_text)
             if output.finished:
-                yield _response("".join(pieces), output, output.num_output_tokens, asked.outputs)
+                yield _response("".join(pieces), output, output.num_output_tokens, asked.outputs, logprobs)
+
+
+class _Logprobs:
+    """The logprobs of a request's tokens not yet sent in a response, and their running sum."""
+
+    def __init__(self) -> None:
+        self.pending: list[TokenLogprobs] = []
+        self.cumulative = 0.0
+
+    def add(self, entries: list[TokenLogprobs] | None) -> None:
+        for entry in entries or ():
+            self.pending.append(entry)
+            self.cumulative += entry.logprob
+
+    def take_json(self) -> bytes:
+        entries, self.pending = self.pending, []
+        return json.dumps(
+            [
+                {
+                    "token_id": e.token_id,
+                    "logprob": e.logprob,
+                    "decoded_token": e.token,
+                    "top_logprobs": [
+                        {"token_id": t, "logprob": v, "decoded_token": text}
+                        for t, v, text in zip(e.top_token_ids, e.top_logprobs, e.top_tokens, strict=True)
+                    ],
+                }
+                for e in entries
+            ]
+        ).encode()
 
 
 def _parse(request: Request) -> TritonRequest:
@@ -300,15 +349,18 @@ def _scalar(request: Request, name: str) -> Any:
 
 
 def _response(
-    text: str, output: GenerationOutput, num_output_tokens: int, outputs: tuple[str, ...]
+    text: str, output: GenerationOutput, num_output_tokens: int, outputs: tuple[str, ...], logprobs: _Logprobs
 ) -> dict[str, np.ndarray]:
-    """One response: text_output, and the optional outputs asked for. `num_output_tokens`: this response's own."""
+    """One response: text_output, and the optional outputs asked for. `num_output_tokens`: this response's own;
+    `logprobs`: the request's, of which this response takes the tokens not yet sent."""
     optional = {
-        "finish_reason": np.array([str(output.finish_reason).encode()], dtype=object),
-        "num_input_tokens": np.array([output.num_prompt_tokens], dtype=np.uint32),
-        "num_output_tokens": np.array([num_output_tokens], dtype=np.uint32),
-        "num_cached_tokens": np.array([output.num_cached_tokens], dtype=np.uint32),
+        "finish_reason": lambda: np.array([str(output.finish_reason).encode()], dtype=object),
+        "num_input_tokens": lambda: np.array([output.num_prompt_tokens], dtype=np.uint32),
+        "num_output_tokens": lambda: np.array([num_output_tokens], dtype=np.uint32),
+        "num_cached_tokens": lambda: np.array([output.num_cached_tokens], dtype=np.uint32),
+        "cumulative_logprob": lambda: np.array([logprobs.cumulative], dtype=np.float32),
+        "logprobs": lambda: np.array([logprobs.take_json()], dtype=object),
     }
     return {"text_output": np.array([text.encode("utf-8")], dtype=object)} | {
-        name: optional[name] for name in outputs
+        name: optional[name]() for name in outputs
     }

@@ -11,6 +11,7 @@ link (`server.workers.protocol`) encodes them as they are, by field position: on
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,9 +64,66 @@ SAMPLING_FIELDS = (  # the client-settable fields of SamplingParams (vLLM / Open
     "prompt_logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "structured_outputs",
 )
 
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's bound for top_logprobs and logprobs
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, frozen=True):
+    """A grammar the output must follow (server/engine/structured.py): `kind` json (`spec` a JSON schema's text),
+    json_object (any JSON object), regex, choice (`spec` a JSON list of strings) or grammar (Lark, or GBNF as
+    vLLM's EBNF). `field`: the request field it came from, named in errors. `num_generated`: how many of the
+    prompt's last tokens were already generated under it (a migrated or resumed request: they are replayed into
+    the grammar first)."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str
+    field: str = "structured_outputs"
+    num_generated: int = 0
+
+
+def structured_outputs(field: str, value: Any) -> StructuredOutput | None:
+    """vLLM's `structured_outputs` ({"json": schema, "regex": ..., "choice": [...], "grammar": ..., or
+    "json_object": true}: exactly one) as a StructuredOutput; None for null; RequestError naming `field`."""
+    if value is None:
+        return None
+    if isinstance(value, StructuredOutput):
+        return value
+    if not isinstance(value, Mapping):
+        raise RequestError(field, "must be an object with one of json, regex, choice, grammar, json_object")
+    given = {k: v for k, v in value.items() if v not in (None, False)}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "grammar", "json_object"})
+    if unknown:
+        raise RequestError(
+            f"{field}.{unknown[0]}", "not supported (json, regex, choice, grammar, json_object)"
+        )
+    if len(given) != 1:
+        raise RequestError(field, "exactly one of json, regex, choice, grammar, json_object")
+    ((kind, spec),) = given.items()
+    return structured_spec(f"{field}.{kind}", kind, spec)
+
+
+def structured_spec(field: str, kind: str, spec: Any) -> StructuredOutput:
+    """One grammar of a request; `field` names it in errors (`response_format`, `guided_regex`, ...)."""
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise RequestError(field, f"not valid JSON: {exc}") from None
+        if not isinstance(spec, (dict, bool)):
+            raise RequestError(field, "must be a JSON schema (an object)")
+        return StructuredOutput("json", json.dumps(spec), field)  # property order is generation order
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", field)
+    if kind == "choice":
+        if not (isinstance(spec, list) and spec and all(isinstance(c, str) and c for c in spec)):
+            raise RequestError(field, "must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(spec), field)
+    if not (isinstance(spec, str) and spec):
+        raise RequestError(field, "must be a non-empty string")
+    return StructuredOutput(kind, spec, field)  # type: ignore[arg-type]
 
 
 class SamplingParams(msgspec.Struct, array_like=True):
@@ -93,6 +151,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
     prompt_logprobs: int | None = None  # per prompt token after the first, the same
     skip_special_tokens: bool = True  # special tokens (EOS, chat markers) add no text
     include_stop_str_in_output: bool = False  # the stop string that ended the text is part of it
+    structured_outputs: StructuredOutput | None = None  # the grammar the output follows (None: free text)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], max_tokens_limit: int) -> SamplingParams:
@@ -108,6 +167,7 @@ class SamplingParams(msgspec.Struct, array_like=True):
                 setattr(params, name, value)
         if isinstance(params.logit_bias, dict):  # JSON's keys are strings: "50256" is token 50256
             params.logit_bias = {_token_key(k): v for k, v in params.logit_bias.items()}
+        params.structured_outputs = structured_outputs("structured_outputs", params.structured_outputs)
         params.validate(max_tokens_limit)
         return params
 
@@ -408,6 +468,9 @@ def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int
         raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab_size})")
     if not all(0 <= t < vocab_size for t in request.sampling.logit_bias):
         raise RequestError("logit_bias", f"token ids must be in [0, {vocab_size})")
+    structured = request.sampling.structured_outputs
+    if structured is not None and not 0 <= structured.num_generated <= len(prompt):
+        raise RequestError(structured.field, "num_generated must be in [0, the prompt's length]")
     validate_cache_salt(request.cache_salt)
 
 
@@ -428,8 +491,9 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
 def continuation(request: GenerationRequest, generated_token_ids: Sequence[int]) -> GenerationRequest:
     """The request that generates the rest of `request`'s answer once `generated_token_ids` are out: its prompt is
     the prompt followed by those tokens, its max_tokens what is left of them and its min_tokens too (never below
-    0), and no prompt logprobs (the request's first output had them); the id, cache salt, seed, stop strings and
-    every other sampling field are the request's. Its
+    0), and no prompt logprobs (the request's first output had them); its grammar, if any, counts those tokens as
+    generated under it (they are replayed into it); the id, cache salt, seed, stop strings and every other sampling
+    field are the request's. Its
     `kv_transfer_params` are dropped: the continuation runs whole on whichever engine takes it.
 
     Invariant (tokens): len(generated_token_ids) + continuation.sampling.max_tokens == request.sampling.max_tokens,
@@ -448,6 +512,11 @@ def continuation(request: GenerationRequest, generated_token_ids: Sequence[int])
         max_tokens=sampling.max_tokens - done,
         min_tokens=max(0, sampling.min_tokens - done),
         prompt_logprobs=None,
+        structured_outputs=None
+        if sampling.structured_outputs is None
+        else msgspec.structs.replace(
+            sampling.structured_outputs, num_generated=sampling.structured_outputs.num_generated + done
+        ),
     )
     return msgspec.structs.replace(
         request,

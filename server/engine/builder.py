@@ -29,8 +29,9 @@ from server.engine.loader import ModelFiles, load_config, load_weights, prepare_
 from server.engine.model import LlamaModel, ModelShape
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
-from server.engine.sampler import Sampler
+from server.engine.sampler import LogitBias, MinTokens, Penalties, RepetitionPenalty, Sampler
 from server.engine.scheduler import Scheduler
+from server.engine.structured import GrammarCompiler, GrammarMask
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class EngineParts:
     eos_token_ids: list[int]
     resources: EngineResources
     core: EngineCore
+    grammars: GrammarCompiler  # structured outputs: a request's grammar, compiled at submit
 
 
 def build(
@@ -80,10 +82,18 @@ def build(
         transfer or KVTransfer(), block_manager, connector, layout.block_bytes, shape.vocab_size, model.device
     )
     tokenizer = Tokenizer.from_file(str(files.folder / "tokenizer.json"))
+    grammars = GrammarCompiler(files.folder / "tokenizer.json", shape.vocab_size, eos_token_ids)
+    processors = [
+        MinTokens(eos_token_ids),
+        LogitBias(),
+        RepetitionPenalty(),
+        Penalties(),
+        GrammarMask(shape.vocab_size),
+    ]
     outputs = OutputProcessor(eos_token_ids, max_model_len, partial(token_texts, tokenizer, shape.vocab_size))
     core = EngineCore(
         Scheduler(block_manager, config.max_num_batched_tokens, config.max_concurrent_requests),
-        runner, Sampler(eos_token_ids, model.device), outputs, kv_transfer, on_finished,
+        runner, Sampler(eos_token_ids, model.device, processors), outputs, kv_transfer, on_finished,
     )  # fmt: skip
     salt = model_salt(layout.fingerprint)
     parts = EngineParts(
@@ -96,7 +106,7 @@ def build(
             max_concurrent_requests=config.max_concurrent_requests, kv_capacity_blocks=num_blocks,
             kv_capacity_bytes=num_blocks * layout.block_bytes,
         ),
-        core=core,
+        core=core, grammars=grammars,
     )  # fmt: skip
     dtype_name = str(model.dtype).removeprefix("torch.") + (" (auto)" if config.dtype == "auto" else "")
     log.info(

@@ -134,6 +134,10 @@ class LLMEngine:
             block_size=self.config.block_size,
             salt=request_salt(self.salt, request.cache_salt), generator=_generator(sampling.seed, self.model.device),
         )  # fmt: skip
+        structured = sampling.structured_outputs
+        if structured is not None:  # compiled here, on the caller's thread: a new grammar never stalls a step
+            generated = request.prompt_token_ids[len(request.prompt_token_ids) - structured.num_generated :]
+            seq.grammar = self.parts.grammars.matcher(structured, [*generated, *resumed])
         self.kv_transfer.prepare(seq, params)
         with self._cond:
             if self._stopping:

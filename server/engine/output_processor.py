@@ -13,6 +13,7 @@ from collections.abc import Callable
 from server.engine.api import FinishReason, GenerationOutput
 from server.engine.kv_transfer import KVTransferConnector
 from server.engine.sequence import Sequence
+from server.engine.structured import consume
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,15 @@ class OutputProcessor:
         return entries
 
     def check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        """Why `seq` ends with `token_id` (already appended), or None. Feeds the token to its detokenizer."""
+        """Why `seq` ends with `token_id` (already appended), or None. Feeds the token to its grammar and its
+        detokenizer; a grammar that accepts nothing more ends the sequence once the token's text is in."""
         params = seq.sampling
+        complete = consume(seq, token_id)
         if seq.num_output_tokens > params.min_tokens - 1 and (
             token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
         ):
             return "stop"
-        if seq.detokenizer.add_token(token_id):
+        if seq.detokenizer.add_token(token_id) or complete:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -56,6 +57,9 @@ class Sequence:
     # with sampling.prompt_logprobs: entry i is prompt token i's (entry 0 None), filled as the prompt's chunks run
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    grammar: Any = (
+        None  # with sampling.structured_outputs: its llguidance matcher (server/engine/structured.py)
+    )
 
     def __post_init__(self) -> None:
         self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)

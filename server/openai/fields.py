@@ -18,7 +18,6 @@ _NOTHING: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     # OpenAI: what a hosted service does beside generating
     "store": (None, False),
     "metadata": (None, {}),
@@ -47,13 +46,8 @@ _NOTHING: dict[str, tuple[Any, ...]] = {
     "request_id": (None,),
     "vllm_xargs": (None,),
     "kv_transfer_params": (None,),  # set by Strata's router between its own workers, never by clients
-    # vLLM: structured outputs (not implemented yet; issue 33)
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
+    # vLLM: structured outputs' knobs (the grammars themselves are honored: protocol.py)
+    "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),  # Strata's backend is llguidance
     "guided_whitespace_pattern": (None,),
     # vLLM: chat template options
     "add_generation_prompt": (None, True),

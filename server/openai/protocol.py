@@ -52,6 +52,24 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions; `None` means the engine's default."""
 
@@ -78,6 +96,14 @@ class SamplingFields(_Request):
     )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = (
+        None  # vLLM's: one of json, regex, choice, grammar, json_object
+    )
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = (
         None  # the end user's id (OpenAI's, for abuse monitoring): accepted, it changes nothing
     )

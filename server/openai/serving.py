@@ -29,8 +29,11 @@ from server.engine.api import (
     GenerationOutput,
     RequestError,
     SamplingParams,
+    StructuredOutput,
     TokenLogprobs,
     max_output_tokens,
+    structured_outputs,
+    structured_spec,
     validate_cache_salt,
 )
 from server.openai import logprobs as lp
@@ -357,6 +360,10 @@ class OpenAIServing:
             self._fail_field(request, exc)
         if request.logit_bias is not None:
             raw["logit_bias"] = dict(request.logit_bias)
+        try:
+            raw["structured_outputs"] = _structured(request)
+        except RequestError as exc:
+            self._fail_field(request, exc)
         requested = _max_tokens(request)
         if requested == 0 and isinstance(request, p.CompletionRequest) and request.echo:
             requested = 1  # the prompt only: its one generated token is not returned
@@ -560,6 +567,41 @@ def _vllm_prompt_logprobs(request: p.SamplingFields, choice: _Choice) -> list | 
     if request.prompt_logprobs is None or choice.prompt_logprobs is None:
         return None
     return lp.vllm_prompt(choice.prompt_logprobs)
+
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _structured(request: p.SamplingFields) -> StructuredOutput | None:
+    """The request's grammar: OpenAI's response_format, vLLM's structured_outputs or its older guided_* (one of
+    them at most); RequestError naming the field."""
+    given = [
+        name
+        for name in ("response_format", "structured_outputs", *_GUIDED)
+        if getattr(request, name) is not None
+    ]
+    if request.response_format is not None and request.response_format.type == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise RequestError(given[1], f"give one of {', '.join(given)}, not several")
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        form = request.response_format
+        if form.type == "json_object":
+            return structured_spec("response_format", "json_object", None)
+        if form.json_schema is None:
+            raise RequestError("response_format.json_schema", "required with type json_schema")
+        return structured_spec("response_format.json_schema.schema", "json", form.json_schema.schema_)
+    if name == "structured_outputs":
+        return structured_outputs("structured_outputs", request.structured_outputs)
+    return structured_spec(name, _GUIDED[name], getattr(request, name))
 
 
 def _logprob_counts(request: p.SamplingFields) -> tuple[int | None, int | None]:

@@ -149,7 +149,10 @@ def _chat(**fields: object) -> dict[str, object]:
         (_chat(logit_bias={"1": 200}), "logit_bias"),
         (_chat(min_p=2.0), "min_p"),
         (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (_chat(response_format={"type": "json_object"}), "response_format"),
+        (_chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+        (_chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
+        (_chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+        (_chat(guided_choice=[]), "guided_choice"),
         (_chat(priority=1), "priority"),
         (
             _chat(stream_options={"include_usage": True, "continuous_usage_stats": True}),

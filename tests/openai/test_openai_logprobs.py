@@ -115,7 +115,7 @@ def test_sampling_fields_reach_the_engine(client: openai.OpenAI, served: Served)
         ({"model": "fake", "prompt": "a", "best_of": 3}, "best_of"),
         ({"model": "fake", "prompt": "a", "logprobs": 21}, "logprobs"),
         ({"model": "fake", "prompt": "a", "use_beam_search": True}, "use_beam_search"),
-        ({"model": "fake", "prompt": "a", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"model": "fake", "prompt": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"model": "fake", "prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
         ({"model": "fake", "prompt": "a", "no_such_field": 1}, "no_such_field"),
     ],

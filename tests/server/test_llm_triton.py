@@ -115,6 +115,31 @@ def test_generate_stream_endpoint_matches_non_streaming(server):
     assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
 
 
+def test_cumulative_logprob_and_logprobs_on_the_generate_endpoints(server):
+    """The vLLM backend's return_cumulative_logprob, and Strata's return_logprobs: streamed, each response carries
+    its own tokens' logprobs and the running sum; the sum of a stream equals the whole answer's."""
+    params = {"temperature": 0, "max_tokens": 6, "logprobs": 2}
+    flags = {"return_cumulative_logprob": True, "return_logprobs": True, "exclude_input_in_output": True}
+    status, whole = post(
+        server, "/v2/models/smollm2/generate", {"text_input": PROMPT, **flags, "parameters": params}
+    )
+    assert status == 200, whole
+    answer = json.loads(whole)
+    tokens = json.loads(answer["logprobs"])
+    assert len(tokens) == 6 and all(len(t["top_logprobs"]) == 2 for t in tokens)
+    assert "".join(t["decoded_token"] for t in tokens) == answer["text_output"]
+    assert abs(answer["cumulative_logprob"] - sum(t["logprob"] for t in tokens)) < 1e-4
+    status, body = post(
+        server,
+        "/v2/models/smollm2/generate_stream",
+        {"text_input": PROMPT, "stream": True, **flags, "parameters": params},
+    )
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
+    streamed = [t for e in events for t in json.loads(e["logprobs"])]
+    assert [t["token_id"] for t in streamed] == [t["token_id"] for t in tokens]
+    assert abs(events[-1]["cumulative_logprob"] - answer["cumulative_logprob"]) < 1e-4
+
+
 def test_streaming_with_the_prompt_in_the_output_is_rejected(server):
     status, body = post(
         server,

@@ -9,7 +9,15 @@ import msgspec
 import pytest
 
 from kvbm.events import G2, TierEvent
-from server.engine.api import GenerationOutput, GenerationRequest, PoolStats, RequestId, SamplingParams
+from server.engine.api import (
+    GenerationOutput,
+    GenerationRequest,
+    PoolStats,
+    RequestId,
+    SamplingParams,
+    StructuredOutput,
+    TokenLogprobs,
+)
 from server.workers.hardware import HardwareInfo, Speeds
 from server.workers.protocol import (
     Abort,
@@ -23,6 +31,7 @@ from server.workers.protocol import (
     Bye,
     CallFailed,
     Codec,
+    Decode,
     Draining,
     Encode,
     Event,
@@ -33,6 +42,7 @@ from server.workers.protocol import (
     Refused,
     Stop,
     Submit,
+    Text,
     TokenIds,
     ToServer,
     ToWorker,
@@ -43,7 +53,16 @@ HARDWARE = HardwareInfo("host", "cpu", "Test CPU", "Test CPU", 2, 1, 2**34, 0, 1
 REQUEST = GenerationRequest(
     RequestId("r-1"),
     [1, 2, 3],
-    SamplingParams(max_tokens=5, temperature=0.5, seed=2**63, stop=["\n"], stop_token_ids=[7]),
+    SamplingParams(
+        max_tokens=5,
+        temperature=0.5,
+        seed=2**63,
+        stop=["\n"],
+        stop_token_ids=[7],
+        logit_bias={5: -1.5},
+        logprobs=2,
+        structured_outputs=StructuredOutput("json", '{"type": "object"}', "response_format", 1),
+    ),
     cache_salt="tenant-a",
 )
 TO_WORKER = [
@@ -51,6 +70,7 @@ TO_WORKER = [
     Submit(1, REQUEST),
     Encode(2, "héllo"),
     ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]),
+    Decode(4, [104, 195]),
     Abort(RequestId("r-1")),
     Ack(),
     Stop(),
@@ -60,9 +80,19 @@ TO_SERVER = [
     Failed("no weights"),
     Accepted(1),
     TokenIds(2, [104, 195]),
+    Text(4, "h\u00e9"),
     Refused(3, "prompt", "too long"),
     CallFailed(4, "ValueError in worker"),
     Out(GenerationOutput(RequestId("r-1"), [1000], " t0", True, "length", 3, 2, 1, None, True)),
+    Out(
+        GenerationOutput(
+            RequestId("r-1"),
+            [1000],
+            " t0",
+            logprobs=[TokenLogprobs(1000, -0.5, [1000, 7], [-0.5, -2.0], " t0", [" t0", "x"])],
+            prompt_logprobs=[None, TokenLogprobs(2, -1.0, [], [])],
+        )
+    ),
     Beat(PoolStats(100, 90, 5, 2, 1, 0)),
     Event(TierEvent("w0", "moved", G2, (1, 2**64 - 1), from_tier=1, timestamp=1.5, node="host:0")),
     Draining("worker shutting down"),
@@ -81,10 +111,10 @@ def test_every_message_kind_round_trips_typed() -> None:
 
 
 def test_an_output_is_one_short_array() -> None:
-    frame = Codec(ToWorker).encode(TO_SERVER[6])
+    frame = Codec(ToWorker).encode(next(m for m in TO_SERVER if isinstance(m, Out)))
     assert msgspec.msgpack.decode(frame) == [
         "Out",
-        ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True, None],
+        ["r-1", [1000], " t0", True, "length", 3, 2, 1, None, True, None, None, None],
     ]
 
 

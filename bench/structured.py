@@ -1,0 +1,123 @@
+"""What 2026 clients' extra fields cost: logprobs on a decoding batch, and lm-eval-style loglikelihood requests.
+
+    .venv/bin/python bench/structured.py [--dtype float32] [--reps 3] [--streams 8]
+
+One `strata serve` of SmolLM2 (harness.servers.strata_openai); every figure is a median over --reps rounds, and in
+each round the case and its baseline run back to back (in alternating order), so the machine's drifts hit both:
+
+  logprobs       ITL p50 of --streams concurrent greedy streams (256-token prompts, 64 tokens) with
+                 `logprobs: 5` against the same streams without (the issue's bound: <= 1.05x)
+  loglikelihood  lm-evaluation-harness's `local-completions` request: a batch of 8 token-id prompts (200-token
+                 contexts), `echo: true, logprobs: 1, max_tokens: 1`: requests/s, against the same batch without
+                 echo and logprobs (a plain 1-token completion; its prompt blocks are cached after the first round,
+                 while prompt logprobs recompute every position, so the ratio is the price of asking for them)
+
+Structured outputs (json_schema ITL, grammar compile time) join this file with the grammar engine (issue 33).
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from harness.figures import VOCAB_HIGH, VOCAB_LOW  # noqa: E402
+from harness.load import StreamTiming, stream_completion  # noqa: E402
+from harness.servers import strata_openai, use_run_secret  # noqa: E402
+from harness.stats import percentile  # noqa: E402
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def itl_p50_ms(client: httpx.Client, url: str, prompts: list[list[int]], extra: dict | None) -> float:
+    """ITL p50 (ms) of streams sent together: the gaps between each stream's chunks."""
+    timings = [StreamTiming(0.0) for _ in prompts]
+    threads = [
+        threading.Thread(target=stream_completion, args=(client, url, p, 64, t), kwargs={"extra": extra})
+        for p, t in zip(prompts, timings, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = [t.error for t in timings if t.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    gaps = [b - a for t in timings for a, b in itertools.pairwise(t.chunk_times)]
+    return percentile(gaps, 50) * 1000
+
+
+def loglikelihood_rate(client: httpx.Client, url: str, batch: list[list[int]], echo: bool) -> float:
+    """Requests/s of one lm-eval-style batch request (`echo` and `logprobs: 1`) or of the plain one."""
+    body = {"model": "smollm2", "prompt": batch, "max_tokens": 1, "temperature": 0, "seed": 1234}
+    if echo:
+        body |= {"echo": True, "logprobs": 1}
+    started = time.perf_counter()
+    response = client.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    elapsed = time.perf_counter() - started
+    if echo:  # what lm-eval reads: one logprob per prompt token after the first, then the generated token
+        for prompt, choice in zip(batch, response.json()["choices"], strict=True):
+            assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + 1
+    return len(batch) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=8)
+    args = parser.parse_args()
+    use_run_secret()
+    rng = random.Random(1)
+    results: dict[str, list[float]] = {}
+    with (
+        strata_openai(args.dtype, args.threads) as server,
+        httpx.Client(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=64)) as client,
+    ):
+        itl_p50_ms(client, server.url, [tokens(rng, 64)], None)  # warm up
+        batch = [tokens(rng, 200) for _ in range(8)]
+        for rep in range(args.reps):
+            streams = [tokens(rng, 256) for _ in range(args.streams)]
+            cases = [("itl_plain_ms", None), ("itl_logprobs5_ms", {"logprobs": 5})]
+            for name, extra in cases if rep % 2 == 0 else cases[::-1]:
+                results.setdefault(name, []).append(itl_p50_ms(client, server.url, streams, extra))
+            for echo in (True, False) if rep % 2 == 0 else (False, True):
+                name = "loglikelihood_req_s" if echo else "plain_1_token_req_s"
+                results.setdefault(name, []).append(loglikelihood_rate(client, server.url, batch, echo))
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    ratios = {
+        "logprobs5_itl_ratio": medians["itl_logprobs5_ms"] / medians["itl_plain_ms"],
+        "loglikelihood_vs_plain": medians["loglikelihood_req_s"] / medians["plain_1_token_req_s"],
+    }
+    print(f"strata serve, SmolLM2 {args.dtype}, {args.threads} threads, medians of {args.reps}")
+    rows = [
+        (name, f"{value:.2f}", " ".join(f"{v:.2f}" for v in results[name])) for name, value in medians.items()
+    ]
+    rows += [(name, f"{value:.3f}x", "") for name, value in ratios.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in [("metric", "median", "rounds"), *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    summary = {"bench": "structured", "dtype": args.dtype, "threads": args.threads, "reps": args.reps}
+    summary |= {name: round(value, 3) for name, value in {**medians, **ratios}.items()}
+    summary["rounds"] = {name: [round(v, 3) for v in values] for name, values in results.items()}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
