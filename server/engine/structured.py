@@ -89,9 +89,9 @@ def _to_grammar(spec: StructuredOutput) -> str:
 
     try:
         if spec.kind == "json":
-            return LLMatcher.grammar_from_json_schema(spec.spec)
+            return LLMatcher.grammar_from_json_schema(spec.spec, defaults=_JSON_LAYOUT)
         if spec.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_LAYOUT)
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
@@ -104,6 +104,12 @@ def _to_grammar(spec: StructuredOutput) -> str:
         raise RequestError(spec.field, _first_line(str(exc))) from None
     except Exception as exc:  # llguidance's converters raise their own types for a text they cannot read
         raise RequestError(spec.field, _first_line(f"{type(exc).__name__}: {exc}")) from None
+
+
+# JSON laid out as Python's json.dumps does ('{"a": 1, "b": [2, 3]}'), no other whitespace: with any whitespace
+# allowed (llguidance's default, as vLLM's `disable_any_whitespace: false`), a small model sampled at temperature 1
+# spends its tokens on newlines and indentation; a schema's own "x-guidance" options still win
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _first_line(message: str) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -247,9 +248,16 @@ class VLLMEngine:
     def _validate(self, request: GenerationRequest) -> None:
         validate_request(self, request, self._vocab)
         try:
-            request_params(request.kv_transfer_params, request.sampling.max_tokens, self._vocab)
+            params = request_params(request.kv_transfer_params, request.sampling.max_tokens, self._vocab)
         except ValueError as err:
             raise RequestError("kv_transfer_params", str(err)) from None
+        grammar = request.sampling.structured_outputs
+        if grammar is not None and (grammar.num_generated or isinstance(params, KVHandoff)):
+            # vLLM's grammar would start again on tokens generated under it: refused, never a broken output
+            raise RequestError(
+                grammar.field,
+                "backend vllm cannot resume a grammar part way (a migrated or handed-off request)",
+            )
 
     def _start(self, request: GenerationRequest, sink: OutputSink) -> None:
         task = self._loop.create_task(self._generate(request, sink))
@@ -401,8 +409,20 @@ def _final(
 
 def _sampling(params: SamplingParams) -> Any:
     """Strata's sampling fields (vLLM's names already) as vLLM's SamplingParams, streaming deltas."""
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+
+    structured = None
+    if params.structured_outputs is not None:
+        grammar = params.structured_outputs
+        value: Any = {"json": json.loads(grammar.spec) if grammar.kind == "json" else None}
+        if grammar.kind == "json_object":
+            value = {"json_object": True}
+        elif grammar.kind == "choice":
+            value = {"choice": json.loads(grammar.spec)}
+        elif grammar.kind in ("regex", "grammar"):
+            value = {grammar.kind: grammar.spec}
+        structured = StructuredOutputsParams(**value)
 
     return VLLMSamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -411,7 +431,8 @@ def _sampling(params: SamplingParams) -> Any:
         ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, min_p=params.min_p,
         repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
-        include_stop_str_in_output=params.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
+        include_stop_str_in_output=params.include_stop_str_in_output, structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
     )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import pydantic
 import pytest
 from conftest import serve_app
 
@@ -24,7 +25,7 @@ def smollm2_client() -> Iterator[openai.OpenAI]:
         device="cpu",
         num_kv_blocks=200,
         max_model_len=1024,
-        max_tokens_limit=64,
+        max_tokens_limit=128,
         num_threads=2,
         model_name="smollm2",
     )
@@ -125,3 +126,38 @@ def test_loglikelihood_as_lm_eval_asks_for_it(smollm2_client: openai.OpenAI) -> 
     )
     assert len(prompt_only.choices[0].logprobs.tokens) == len(context) + 1
     assert prompt_only.usage.completion_tokens == 0
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    country: str = pydantic.Field(max_length=30)
+    population_millions: float
+
+
+@pytest.mark.slow
+def test_structured_outputs_with_the_official_clients_parse(smollm2_client: openai.OpenAI) -> None:
+    """`chat.completions.parse(response_format=PydanticModel)`: the schema the client derives (strict) is the
+    grammar; sampled at temperature 1, every answer parses."""
+    for seed in range(3):
+        reply = smollm2_client.chat.completions.parse(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Tell me about a large city."}],
+            response_format=City,
+            max_tokens=100,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert isinstance(reply.choices[0].message.parsed, City), reply.choices[0].message.content
+    choice = smollm2_client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=5,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert choice.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as raised:
+        smollm2_client.completions.create(
+            model="smollm2", prompt="x", max_tokens=5, extra_body={"guided_regex": "a(b"}
+        )
+    assert raised.value.body["param"] == "guided_regex"
