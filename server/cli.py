@@ -254,6 +254,17 @@ def _security_flags(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--ssl-keyfile", default=None, help="OpenAI port: TLS private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="OpenAI port: TLS certificate (PEM)")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='OpenAI port: answer tool_choice "auto" (vLLM\'s flag; needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="OpenAI port: how tool calls are found in a free answer (vLLM's names)",
+    )
 
 
 def _cluster_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -29,10 +29,18 @@ class OpenAIFrontend:
         ssl_keyfile: str | None = None,
         ssl_certfile: str | None = None,
         limits: RequestLimits | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile);
-        `limits`: per-request bounds (--max-request-bytes, --max-n, ...)."""
-        app = build_app(engines, FrontendMetrics.create(registry), api_key=api_key, limits=limits)
+        `limits`: per-request bounds (--max-request-bytes, --max-n, ...); `tool_call_parser`: tool_choice auto's
+        parser (--tool-call-parser with --enable-auto-tool-choice; None refuses auto)."""
+        app = build_app(
+            engines,
+            FrontendMetrics.create(registry),
+            api_key=api_key,
+            limits=limits,
+            tool_call_parser=tool_call_parser,
+        )
         config = uvicorn.Config(
             app,
             host=address,

@@ -118,6 +118,8 @@ class ServeOptions(msgspec.Struct, frozen=True):
     api_key: str | None
     ssl_keyfile: str | None
     ssl_certfile: str | None
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None
 
 
 class WorkerOptions(msgspec.Struct, frozen=True):

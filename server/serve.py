@@ -36,6 +36,9 @@ def serve(options: ServeOptions) -> int:
         if not repository.is_dir():
             log.error("--model-repository %s: not a folder", repository)
             return 2
+    if options.enable_auto_tool_choice and options.tool_call_parser is None:
+        log.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        return 2
     try:
         serving = llm_serving(options)
         limits = request_limits(options)
@@ -83,6 +86,7 @@ def serve(options: ServeOptions) -> int:
             ssl_keyfile=options.ssl_keyfile,
             ssl_certfile=options.ssl_certfile,
             limits=limits,
+            tool_call_parser=options.tool_call_parser if options.enable_auto_tool_choice else None,
         )
     try:
         # staged before Triton starts, so that Triton loads it (and is not ready) from its first moment

@@ -47,12 +47,13 @@ def build_app(
     metrics: FrontendMetrics | None = None,
     api_key: str | None = None,
     limits: RequestLimits | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The frontend for `models` (served name -> engine); metrics go to `metrics.registry`; `limits` bound each
     request before it is parsed (body bytes) and before it is tokenized (choices, prompts, characters)."""
     metrics = metrics or FrontendMetrics.create()
     limits = limits or RequestLimits()
-    serving = OpenAIServing(models, metrics)
+    serving = OpenAIServing(models, metrics, tool_call_parser)
     app = FastAPI(title="Strata OpenAI-compatible API")
     _add_error_handlers(app, serving)
     app.add_middleware(LimitRequestBody, max_bytes=limits.max_request_bytes)

@@ -12,10 +12,7 @@ from typing import Any
 # field -> the values that ask for nothing (a request may send them); any other value is refused by name.
 # None stands for an absent or null field.
 _NOTHING: dict[str, tuple[Any, ...]] = {
-    # OpenAI: tools and structured outputs (not implemented yet; issue 33)
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    # OpenAI: the deprecated forms of tools (`tools`, `tool_choice` are honored: protocol.py)
     "functions": (None, []),
     "function_call": (None, "none"),
     # OpenAI: what a hosted service does beside generating

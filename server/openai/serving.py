@@ -38,6 +38,7 @@ from server.engine.api import (
 )
 from server.openai import logprobs as lp
 from server.openai import protocol as p
+from server.openai import tools
 from server.openai.fields import refused_field
 from server.openai.generation import ClientDisconnected, Generation, WaitForDisconnect
 from server.openai.metrics import FrontendMetrics
@@ -103,9 +104,18 @@ class _Echo:
 
 
 class OpenAIServing:
-    def __init__(self, models: Mapping[str, Engine], metrics: FrontendMetrics) -> None:
+    def __init__(
+        self, models: Mapping[str, Engine], metrics: FrontendMetrics, tool_call_parser: str | None = None
+    ) -> None:
+        """`tool_call_parser`: the parser of tool_choice auto's answers (vLLM's --tool-call-parser, given with
+        --enable-auto-tool-choice); None refuses auto."""
+        if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {tool_call_parser!r}: known parsers are {sorted(tools.PARSERS)}"
+            )
         self._models = models  # live view: the server adds and removes models as the repository changes
         self._metrics = metrics
+        self._tool_parser = tool_call_parser
         self._created = int(time.time())
 
     def list_models(self) -> p.ModelList:
@@ -175,35 +185,34 @@ class OpenAIServing:
         self, request: p.ChatCompletionRequest, client_gone: WaitForDisconnect
     ) -> p.ChatCompletionResponse | AsyncIterator[str]:
         engine = self._engine(request)
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in request.messages
-        ]
+        try:
+            tool_choice = tools.choice_of(request, self._tool_parser)
+        except RequestError as exc:
+            self._fail_field(request, exc)
+        messages = tools.render(request.messages, request.tools if tool_choice is not None else None)
 
         def prompts() -> list[list[int]]:
             return [self._tokenize(request.model, "messages", engine.apply_chat_template, messages)]
 
         if request.top_logprobs is not None and not request.logprobs:
             self._fail(request.model, 400, "top_logprobs: needs `logprobs: true`", "top_logprobs")
-        generation = await self._start(request, engine, prompts, client_gone)
+        generation = await self._start(
+            request, engine, prompts, client_gone, tools.grammar(request, tool_choice)
+        )
+        parser = self._parser()
         if request.stream:
-            return self._sse(request, generation, request.n, _ChatChunks(request, generation.request_id))
+            chunks = _ChatChunks(request, generation.request_id, tool_choice, parser)
+            return self._sse(request, generation, request.n, chunks)
         choices = await self._collect(request, generation, request.n)
         return p.ChatCompletionResponse(
             id=f"chatcmpl-{generation.request_id}",
             model=request.model,
             usage=_usage(choices, request.n),
-            choices=[
-                p.ChatChoice(
-                    index=i,
-                    message=p.AssistantMessage(content="".join(c.text)),
-                    finish_reason=c.finish_reason,
-                    logprobs=lp.chat(c.logprobs) if request.logprobs else None,
-                    prompt_logprobs=_vllm_prompt_logprobs(request, c),
-                )
-                for i, c in enumerate(choices)
-            ],
+            choices=[_chat_choice(request, i, c, tool_choice, parser) for i, c in enumerate(choices)],
         )
+
+    def _parser(self) -> tools.ToolParser | None:
+        return None if self._tool_parser is None else tools.PARSERS[self._tool_parser]()
 
     async def completion(
         self, request: p.CompletionRequest, client_gone: WaitForDisconnect
@@ -300,13 +309,14 @@ class OpenAIServing:
         engine: Engine,
         prompts: Callable[[], list[list[int]]],
         client_gone: WaitForDisconnect,
+        tool_grammar: StructuredOutput | None = None,
     ) -> Generation:
         """Tokenize, validate and submit n engine requests per prompt (`{request_id}-{i}`) in one worker-thread
         hop: tokenizing and an engine's submit (a worker round trip) may block, the event loop must not. Errors
         come before the first byte, so a bad streaming request still gets its 4xx status."""
         generation = Generation(engine, self._metrics, request.model, client_gone, uuid.uuid4().hex)
         try:
-            await asyncio.to_thread(self._submit, request, engine, prompts, generation)
+            await asyncio.to_thread(self._submit, request, engine, prompts, generation, tool_grammar)
         except BaseException:
             generation.close()
             raise
@@ -318,12 +328,17 @@ class OpenAIServing:
         engine: Engine,
         prompts: Callable[[], list[list[int]]],
         generation: Generation,
+        tool_grammar: StructuredOutput | None,
     ) -> None:
         try:
             validate_cache_salt(request.cache_salt)
         except RequestError as exc:
             self._fail_field(request, exc)
-        jobs = [(ids, sampling) for ids in prompts() for sampling in self._sampling(request, engine, ids)]
+        jobs = [
+            (ids, sampling)
+            for ids in prompts()
+            for sampling in self._sampling(request, engine, ids, tool_grammar)
+        ]
         try:
             generation.submit(jobs, request.cache_salt)
         except RequestError as exc:
@@ -344,7 +359,11 @@ class OpenAIServing:
             raise
 
     def _sampling(
-        self, request: p.SamplingFields, engine: Engine, token_ids: list[int]
+        self,
+        request: p.SamplingFields,
+        engine: Engine,
+        token_ids: list[int],
+        tool_grammar: StructuredOutput | None = None,
     ) -> list[SamplingParams]:
         """One SamplingParams per choice; choice j gets seed + j, so n choices differ yet stay reproducible.
 
@@ -361,7 +380,7 @@ class OpenAIServing:
         if request.logit_bias is not None:
             raw["logit_bias"] = dict(request.logit_bias)
         try:
-            raw["structured_outputs"] = _structured(request)
+            raw["structured_outputs"] = _structured(request, tool_grammar)
         except RequestError as exc:
             self._fail_field(request, exc)
         requested = _max_tokens(request)
@@ -431,11 +450,20 @@ class _Chunks(Protocol):
 
 
 class _ChatChunks:
-    def __init__(self, request: p.ChatCompletionRequest, request_id: str) -> None:
+    def __init__(
+        self,
+        request: p.ChatCompletionRequest,
+        request_id: str,
+        tool_choice: str | None = None,
+        parser: tools.ToolParser | None = None,
+    ) -> None:
         self._id = f"chatcmpl-{request_id}"
         self._model = request.model
         self._created = int(time.time())
         self._logprobs = request.logprobs
+        self._tool_choice = tool_choice
+        self._parser = parser
+        self._calls: dict[int, tools.StreamedCalls] = {}
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -451,11 +479,15 @@ class _ChatChunks:
                 )
             )
         logprobs = lp.chat(output.logprobs) if self._logprobs and output.logprobs else None
-        if output.new_text or output.finished or logprobs is not None:
-            delta = p.DeltaMessage(content=output.new_text or None)
-            choice = p.ChatChunkChoice(
-                index=index, delta=delta, finish_reason=output.finish_reason, logprobs=logprobs
-            )
+        text, calls, reason = output.new_text, None, output.finish_reason
+        if self._tool_choice is not None:
+            streamed = self._calls.setdefault(index, tools.StreamedCalls(self._tool_choice, self._parser))
+            text, deltas = streamed.feed(text, output.finished)
+            calls = deltas or None
+            reason = _tool_finish_reason(self._tool_choice, streamed.made_calls, reason)
+        if text or calls or output.finished or logprobs is not None:
+            delta = p.DeltaMessage(content=text or None, tool_calls=calls)
+            choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
             out.append(self._chunk([choice]))
         return out
 
@@ -541,6 +573,36 @@ def _usage(choices: list[_Choice], n: int, prompt_only: bool = False) -> p.Usage
     )
 
 
+def _tool_finish_reason(tool_choice: str, made_calls: bool, reason: str | None) -> str | None:
+    """OpenAI's: "tool_calls" when auto or required ended with calls; a named tool_choice ends with "stop"."""
+    if reason == "stop" and made_calls and tool_choice in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _chat_choice(
+    request: p.ChatCompletionRequest,
+    index: int,
+    choice: _Choice,
+    tool_choice: str | None,
+    parser: tools.ToolParser | None,
+) -> p.ChatChoice:
+    text, calls, reason = "".join(choice.text), [], choice.finish_reason
+    if tool_choice is not None:  # the whole answer through the stream's parsing, at once
+        streamed = tools.StreamedCalls(tool_choice, parser)
+        text, _ = streamed.feed(text, finished=True)
+        calls, reason = streamed.calls, _tool_finish_reason(tool_choice, streamed.made_calls, reason)
+    return p.ChatChoice(
+        index=index,
+        message=p.AssistantMessage(
+            content=text or (None if calls else ""), tool_calls=tools.tool_calls(calls) or None
+        ),
+        finish_reason=reason,
+        logprobs=lp.chat(choice.logprobs) if request.logprobs else None,
+        prompt_logprobs=_vllm_prompt_logprobs(request, choice),
+    )
+
+
 def _completion_choice(request: p.CompletionRequest, echo: _Echo | None, index: int, choice: _Choice):
     """One choice of a non-streaming completion: the prompt first with echo, the legacy logprobs with
     `logprobs`, vLLM's prompt_logprobs with `prompt_logprobs`."""
@@ -577,9 +639,9 @@ _GUIDED = {
 }
 
 
-def _structured(request: p.SamplingFields) -> StructuredOutput | None:
-    """The request's grammar: OpenAI's response_format, vLLM's structured_outputs or its older guided_* (one of
-    them at most); RequestError naming the field."""
+def _structured(request: p.SamplingFields, tool_grammar: StructuredOutput | None) -> StructuredOutput | None:
+    """The request's grammar: a forced tool call's, OpenAI's response_format, vLLM's structured_outputs or its older
+    guided_* (one of them at most); RequestError naming the field."""
     given = [
         name
         for name in ("response_format", "structured_outputs", *_GUIDED)
@@ -587,6 +649,10 @@ def _structured(request: p.SamplingFields) -> StructuredOutput | None:
     ]
     if request.response_format is not None and request.response_format.type == "text":
         given.remove("response_format")
+    if tool_grammar is not None:
+        if given:
+            raise RequestError(given[0], "a forced tool call (tool_choice) has its own grammar")
+        return tool_grammar
     if len(given) > 1:
         raise RequestError(given[1], f"give one of {', '.join(given)}, not several")
     if not given:

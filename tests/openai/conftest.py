@@ -55,8 +55,8 @@ class FakeEngine:
         return "".join(bytes([t]).decode(errors="replace") if t < 256 else f" t{t - 1000}" for t in token_ids)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        if any(m["role"] == "tool" for m in messages):
-            raise RequestError("messages", "the fake template has no tool role")
+        if any(m.get("name") == "refused" for m in messages):
+            raise RequestError("messages", "the fake template refuses this name")
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

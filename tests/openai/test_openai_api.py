@@ -148,7 +148,15 @@ def _chat(**fields: object) -> dict[str, object]:
         (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (_chat(logit_bias={"1": 200}), "logit_bias"),
         (_chat(min_p=2.0), "min_p"),
-        (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # auto: no parser
+        (_chat(tool_choice="required"), "tool_choice"),  # no tools
+        (
+            _chat(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice",
+        ),
         (_chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
         (_chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
         (_chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
@@ -159,7 +167,7 @@ def _chat(**fields: object) -> dict[str, object]:
             "stream_options.continuous_usage_stats",
         ),
         (_chat(temprature=0.5), "temprature"),  # a misspelt field is refused, not ignored
-        ({"model": "fake", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"model": "fake", "messages": [{"role": "user", "content": "x", "name": "refused"}]}, "messages"),
         (_chat(cache_salt=""), "cache_salt"),
         (_chat(cache_salt=7), "cache_salt"),
         (_chat(cache_salt="x" * 257), "cache_salt"),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -29,8 +31,11 @@ def smollm2_client() -> Iterator[openai.OpenAI]:
         num_threads=2,
         model_name="smollm2",
     )
-    with LLMEngine(config) as engine, serve_app(build_app({"smollm2": engine})) as base_url:
-        yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    with (
+        LLMEngine(config) as engine,
+        serve_app(build_app({"smollm2": engine}, tool_call_parser="hermes")) as url,
+    ):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.slow
@@ -161,3 +166,75 @@ def test_structured_outputs_with_the_official_clients_parse(smollm2_client: open
             model="smollm2", prompt="x", max_tokens=5, extra_body={"guided_regex": "a(b"}
         )
     assert raised.value.body["param"] == "guided_regex"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_tool_calls_are_valid_calls(smollm2_client: openai.OpenAI, tool_choice) -> None:
+    """A 135M model calls tools validly only when decoding is constrained: required and named choices go through
+    the grammar, sampled at temperature 1, streamed and not; the client assembles the streamed deltas."""
+    parameters = WEATHER["function"]["parameters"]
+    for seed in range(2):
+        reply = smollm2_client.chat.completions.create(
+            model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=80,
+            temperature=1.0, seed=seed,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+        assert choice.message.content is None and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), parameters)
+    with smollm2_client.beta.chat.completions.stream(
+        model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=80, temperature=1.0,
+        seed=5, parallel_tool_calls=False,
+    ) as stream:  # fmt: skip
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert calls and all(call.function.name == "get_weather" for call in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+@pytest.mark.slow
+def test_a_tool_turn_and_auto_choice(smollm2_client: openai.OpenAI) -> None:
+    """The assistant's call and the tool's answer go back in the next turn; with auto, whatever the model says is
+    either text or calls the hermes parser found, never a broken call."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+    ]  # fmt: skip
+    reply = smollm2_client.chat.completions.create(
+        model="smollm2", messages=history, tools=[WEATHER], max_tokens=40, temperature=0
+    )
+    message = reply.choices[0].message
+    if message.tool_calls:
+        assert reply.choices[0].finish_reason == "tool_calls"
+        for call in message.tool_calls:
+            json.loads(call.function.arguments)
+    else:
+        assert message.content and reply.choices[0].finish_reason in ("stop", "length")
