@@ -7,12 +7,17 @@ each round the case and its baseline run back to back (in alternating order), so
 
   logprobs       ITL p50 of --streams concurrent greedy streams (256-token prompts, 64 tokens) with
                  `logprobs: 5` against the same streams without (the issue's bound: <= 1.05x)
+  json_schema    the same streams with a json_schema response_format (a list of up to 60 short strings, so
+                 that a stream runs about as long as the plain one) against the same streams without
+                 (bound: <= 1.10x)
+  compile        the grammar of a typical schema (an object of 8 typed properties, one an array of enums) built
+                 in process as an engine builds it at submit: a schema seen for the first time (each rep a new
+                 property name) and one already cached; median milliseconds
   loglikelihood  lm-evaluation-harness's `local-completions` request: a batch of 8 token-id prompts (200-token
                  contexts), `echo: true, logprobs: 1, max_tokens: 1`: requests/s, against the same batch without
                  echo and logprobs (a plain 1-token completion; its prompt blocks are cached after the first round,
                  while prompt logprobs recompute every position, so the ratio is the price of asking for them)
 
-Structured outputs (json_schema ITL, grammar compile time) join this file with the grammar engine (issue 33).
 Prints a table, then one JSON line.
 """
 
@@ -74,6 +79,65 @@ def loglikelihood_rate(client: httpx.Client, url: str, batch: list[list[int]], e
     return len(batch) / elapsed
 
 
+SCHEMA = {
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "list",
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 60}
+                },
+                "required": ["items"],
+            },
+        },
+    }
+}
+
+
+def typical_schema(name: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {
+            name: {"type": "string", "maxLength": 40},
+            "email": {"type": "string", "format": "email"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "score": {"type": "number"},
+            "active": {"type": "boolean"},
+            "roles": {"type": "array", "items": {"enum": ["admin", "editor", "viewer"]}, "maxItems": 3},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            },
+            "notes": {"type": ["string", "null"]},
+        },
+        "required": [name, "age", "active"],
+        "additionalProperties": False,
+    }
+
+
+def compile_times(reps: int) -> dict[str, list[float]]:
+    """Milliseconds to build a request's matcher from a new schema and from a cached one (GrammarCompiler, as
+    an engine's submit does), with SmolLM2's tokenizer (built once before timing: an engine builds it once)."""
+    from server.engine.api import structured_spec
+    from server.engine.config import DEFAULT_MODEL
+    from server.engine.loader import prepare_model
+    from server.engine.structured import GrammarCompiler
+
+    folder = prepare_model(DEFAULT_MODEL).folder
+    compiler = GrammarCompiler(folder / "tokenizer.json", 49152, [2])
+    compiler.matcher(structured_spec("warm", "json", typical_schema("warm")), [])
+    out: dict[str, list[float]] = {"compile_new_schema_ms": [], "compile_cached_schema_ms": []}
+    for rep in range(max(reps, 5)):
+        spec = structured_spec("s", "json", typical_schema(f"name_{rep}"))
+        for name in ("compile_new_schema_ms", "compile_cached_schema_ms"):
+            started = time.perf_counter()
+            compiler.matcher(spec, [])
+            out[name].append((time.perf_counter() - started) * 1000)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,15 +158,21 @@ def main() -> None:
         batch = [tokens(rng, 200) for _ in range(8)]
         for rep in range(args.reps):
             streams = [tokens(rng, 256) for _ in range(args.streams)]
-            cases = [("itl_plain_ms", None), ("itl_logprobs5_ms", {"logprobs": 5})]
+            cases = [
+                ("itl_plain_ms", None),
+                ("itl_logprobs5_ms", {"logprobs": 5}),
+                ("itl_json_schema_ms", SCHEMA),
+            ]
             for name, extra in cases if rep % 2 == 0 else cases[::-1]:
                 results.setdefault(name, []).append(itl_p50_ms(client, server.url, streams, extra))
             for echo in (True, False) if rep % 2 == 0 else (False, True):
                 name = "loglikelihood_req_s" if echo else "plain_1_token_req_s"
                 results.setdefault(name, []).append(loglikelihood_rate(client, server.url, batch, echo))
+    results |= compile_times(args.reps)
     medians = {name: statistics.median(values) for name, values in results.items()}
     ratios = {
         "logprobs5_itl_ratio": medians["itl_logprobs5_ms"] / medians["itl_plain_ms"],
+        "json_schema_itl_ratio": medians["itl_json_schema_ms"] / medians["itl_plain_ms"],
         "loglikelihood_vs_plain": medians["loglikelihood_req_s"] / medians["plain_1_token_req_s"],
     }
     print(f"strata serve, SmolLM2 {args.dtype}, {args.threads} threads, medians of {args.reps}")

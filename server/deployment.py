@@ -42,7 +42,7 @@ from kvbm.metrics import KVBMMetrics
 from kvbm.transfer import KVTransferConfig
 from kvbm.wire import service_keys
 from server.engine.api import Engine
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, served_names
 from server.engine.llm_engine import LLMEngine
 from server.errors import ConfigError
 from server.pool_metrics import PoolCollector
@@ -121,6 +121,13 @@ class EnginePlan:
     roles: list[str] | None = None
 
     @property
+    def served(self) -> tuple[str, ...]:
+        """The OpenAI API's names of the model (served_model_name in model.json, else the model's folder)."""
+        if isinstance(self.config, VLLMConfig):
+            return served_names(self.config.engine_args.get("served_model_name"), self.name)
+        return served_names(self.config.served_model_name, self.name)
+
+    @property
     def summary(self) -> str:
         if isinstance(self.config, VLLMConfig):
             return f"vLLM, {self.config.engine_args['model']}"
@@ -128,11 +135,14 @@ class EnginePlan:
 
 
 class LLMDeployment:
-    """Builds, holds and stops the engine of each LLM model; `engines` is what the server serves from."""
+    """Builds, holds and stops the engine of each LLM model. `engines` (by model name) is what Triton, the planner
+    and the pool metrics see; `served` (by each served name, a model's first name first) what the OpenAI API does."""
 
     def __init__(self, serving: LLMServing, registry: CollectorRegistry | None = None) -> None:
         self.serving = serving
         self.engines: dict[str, Engine] = {}
+        self.served: dict[str, Engine] = {}
+        self._names: dict[str, tuple[str, ...]] = {}  # model -> its served names
         self._kvbm_metrics = KVBMMetrics(registry)  # tiers of an in-process engine; index size and event lag
         self._index = KVIndex(metrics=self._kvbm_metrics)
         self._router_metrics = RouterMetrics.create(registry)
@@ -142,6 +152,14 @@ class LLMDeployment:
 
     def plan(self, model: ModelSource) -> EnginePlan:
         """Read and validate the model's engine settings; ValueError names model.json and the field."""
+        plan = self._plan(model)
+        try:
+            plan.served  # noqa: B018 (validates served_model_name)
+        except ValueError as exc:
+            raise ConfigError(model.path / str(plan.version) / model.model_filename, str(exc)) from None
+        return plan
+
+    def _plan(self, model: ModelSource) -> EnginePlan:
         version = model.versions[-1]
         if model.backend == VLLM:
             return self._plan_vllm(model, version)
@@ -217,13 +235,23 @@ class LLMDeployment:
         return ["prefill"] * prefill + ["decode"] * decode
 
     def start(self, plan: EnginePlan) -> Engine:
-        """Build the model's engine and add it to `engines` (stop the running one first)."""
+        """Build the model's engine and add it to `engines` and its names to `served` (the running one's go
+        first); ValueError for a served name another model has."""
+        taken = {name: model for model, names in self._names.items() if model != plan.name for name in names}
+        clash = next((name for name in plan.served if name in taken), None)
+        if clash is not None:
+            raise ValueError(f"{plan.name}: served_model_name {clash!r} is already {taken[clash]}'s")
         in_process = isinstance(plan.config, EngineConfig) and plan.roles is None
         if in_process and plan.workers == 1 and self.serving.remote_workers is None:
             engine = self._in_process(plan)
         else:
             engine = self._routed(plan)
         self.engines[plan.name] = engine
+        for name in self._names.pop(plan.name, ()):
+            self.served.pop(name, None)
+        self._names[plan.name] = plan.served
+        for name in plan.served:
+            self.served[name] = engine
         return engine
 
     def stop(self, name: str) -> None:
@@ -231,6 +259,8 @@ class LLMDeployment:
         discovery = self._discoveries.pop(name, None)
         if discovery is not None:
             discovery.stop()
+        for served in self._names.pop(name, ()):
+            self.served.pop(served, None)
         engine = self.engines.pop(name, None)
         if engine is not None:
             engine.close()  # an engine closes the KVBM connector it was given

@@ -78,7 +78,7 @@ def serve(options: ServeOptions) -> int:
     frontend, planner = None, None
     if options.allow_openai:
         frontend = OpenAIFrontend(
-            deployment.engines,
+            deployment.served,
             options.http_address,
             options.openai_port,
             registry,

@@ -491,7 +491,7 @@ def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:
 def continuation(request: GenerationRequest, generated_token_ids: Sequence[int]) -> GenerationRequest:
     """The request that generates the rest of `request`'s answer once `generated_token_ids` are out: its prompt is
     the prompt followed by those tokens, its max_tokens what is left of them and its min_tokens too (never below
-    0), and no prompt logprobs (the request's first output had them); its grammar, if any, counts those tokens as
+    0), and no prompt logprobs once tokens are out (the request's first output had them); its grammar, if any, counts those tokens as
     generated under it (they are replayed into it); the id, cache salt, seed, stop strings and every other sampling
     field are the request's. Its
     `kv_transfer_params` are dropped: the continuation runs whole on whichever engine takes it.
@@ -511,7 +511,7 @@ def continuation(request: GenerationRequest, generated_token_ids: Sequence[int])
         sampling,
         max_tokens=sampling.max_tokens - done,
         min_tokens=max(0, sampling.min_tokens - done),
-        prompt_logprobs=None,
+        prompt_logprobs=sampling.prompt_logprobs if done == 0 else None,
         structured_outputs=None
         if sampling.structured_outputs is None
         else msgspec.structs.replace(

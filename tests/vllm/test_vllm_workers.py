@@ -135,6 +135,20 @@ def test_logprobs_echo_and_sampling_fields_match_strata_engine(client):
     for ours, theirs in zip(strata_echo.token_logprobs[1:], vllm_echo.token_logprobs[1:], strict=True):
         assert abs(ours - theirs) < 0.05
     assert vllm_echo.text_offset == strata_echo.text_offset
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    for model in ("smol_vllm", "smollm2"):  # vLLM's own structured outputs, and Strata's
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Weather in Rome, as JSON"}], max_tokens=40,
+            temperature=1.0, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        )  # fmt: skip
+        answer = json.loads(reply.choices[0].message.content)
+        assert set(answer) == {"city", "sunny"} and isinstance(answer["sunny"], bool), answer
 
 
 def test_bad_requests_are_openai_errors(client):
