@@ -14,9 +14,9 @@ each round the case and its baseline run back to back (in alternating order), so
                  in process as an engine builds it at submit: a schema seen for the first time (each rep a new
                  property name) and one already cached; median milliseconds
   loglikelihood  lm-evaluation-harness's `local-completions` request: a batch of 8 token-id prompts (200-token
-                 contexts), `echo: true, logprobs: 1, max_tokens: 1`: requests/s, against the same batch without
-                 echo and logprobs (a plain 1-token completion; its prompt blocks are cached after the first round,
-                 while prompt logprobs recompute every position, so the ratio is the price of asking for them)
+                 contexts), `echo: true, logprobs: 1, max_tokens: 1`: prompts/s, against the same batch without
+                 echo and logprobs (a plain 1-token completion with a fresh cache_salt each round, so that its
+                 prompts are prefilled too: the ratio is the price of the prompt's logits and logprobs)
 
 Prints a table, then one JSON line.
 """
@@ -64,9 +64,18 @@ def itl_p50_ms(client: httpx.Client, url: str, prompts: list[list[int]], extra: 
     return percentile(gaps, 50) * 1000
 
 
-def loglikelihood_rate(client: httpx.Client, url: str, batch: list[list[int]], echo: bool) -> float:
-    """Requests/s of one lm-eval-style batch request (`echo` and `logprobs: 1`) or of the plain one."""
-    body = {"model": "smollm2", "prompt": batch, "max_tokens": 1, "temperature": 0, "seed": 1234}
+def loglikelihood_rate(
+    client: httpx.Client, url: str, batch: list[list[int]], echo: bool, salt: str
+) -> float:
+    """Prompts/s of one lm-eval-style batch request (`echo` and `logprobs: 1`) or of the plain one."""
+    body = {
+        "model": "smollm2",
+        "prompt": batch,
+        "max_tokens": 1,
+        "temperature": 0,
+        "seed": 1234,
+        "cache_salt": salt,
+    }
     if echo:
         body |= {"echo": True, "logprobs": 1}
     started = time.perf_counter()
@@ -166,14 +175,15 @@ def main() -> None:
             for name, extra in cases if rep % 2 == 0 else cases[::-1]:
                 results.setdefault(name, []).append(itl_p50_ms(client, server.url, streams, extra))
             for echo in (True, False) if rep % 2 == 0 else (False, True):
-                name = "loglikelihood_req_s" if echo else "plain_1_token_req_s"
-                results.setdefault(name, []).append(loglikelihood_rate(client, server.url, batch, echo))
+                name = "loglikelihood_prompts_s" if echo else "plain_1_token_prompts_s"
+                rate = loglikelihood_rate(client, server.url, batch, echo, f"{name}-{rep}")
+                results.setdefault(name, []).append(rate)
     results |= compile_times(args.reps)
     medians = {name: statistics.median(values) for name, values in results.items()}
     ratios = {
         "logprobs5_itl_ratio": medians["itl_logprobs5_ms"] / medians["itl_plain_ms"],
         "json_schema_itl_ratio": medians["itl_json_schema_ms"] / medians["itl_plain_ms"],
-        "loglikelihood_vs_plain": medians["loglikelihood_req_s"] / medians["plain_1_token_req_s"],
+        "loglikelihood_vs_plain": medians["loglikelihood_prompts_s"] / medians["plain_1_token_prompts_s"],
     }
     print(f"strata serve, SmolLM2 {args.dtype}, {args.threads} threads, medians of {args.reps}")
     rows = [

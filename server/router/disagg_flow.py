@@ -172,7 +172,11 @@ class DisaggFlow:
         resumed = (
             request
             if handoff is None
-            else msgspec.structs.replace(request, kv_transfer_params=encode_transfer_params(handoff))
+            else msgspec.structs.replace(  # the prefill worker's output had the prompt's logprobs
+                request,
+                sampling=msgspec.structs.replace(request.sampling, prompt_logprobs=None),
+                kv_transfer_params=encode_transfer_params(handoff),
+            )
         )
         state, between = (
             (RequestState.ROUTED, RequestState.QUEUED)

@@ -5,6 +5,7 @@ what one engine produces alone. Real SmolLM2 engines, fp32; the handoff moves th
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -24,7 +25,7 @@ from kvbm.transfer_params import (
     encode_transfer_params,
 )
 from kvbm.transfer_tcp import TcpTransport
-from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
+from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams, structured_spec
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import iterate_outputs
 
@@ -222,3 +223,29 @@ def test_malformed_or_misplaced_transfer_params_are_refused_naming_the_field(eng
             engine.submit(msgspec.structs.replace(request, kv_transfer_params=raw), lambda output: None)
         assert refused.value.field == "kv_transfer_params"
     assert engine.is_idle()
+
+
+def test_a_grammar_and_logprobs_carry_over_the_handoff(engine, decoder):
+    """The decode engine replays the prefill's first token into the request's grammar; the prompt's logprobs come
+    with the prefill worker's output (the router asks the decode worker for none)."""
+    ids = engine.apply_chat_template([{"role": "user", "content": "A user record as JSON."}])
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "admin": {"type": "boolean"}},
+        "required": ["name", "admin"],
+        "additionalProperties": False,
+    }
+    grammar = structured_spec("response_format", "json", schema)
+    sampling = SamplingParams(
+        max_tokens=40, temperature=0.0, logprobs=1, prompt_logprobs=1, structured_outputs=grammar
+    )
+    request = GenerationRequest(RequestId("json-split"), ids, sampling)
+    alone = run(engine, msgspec.structs.replace(request, request_id=RequestId("json-alone")))
+    first = run(engine, prefill_only(request))
+    assert len(first.prompt_logprobs) == len(ids) and len(first.logprobs) == 1
+    without_prompt = msgspec.structs.replace(sampling, prompt_logprobs=None)  # as the router sends it
+    rest = run(decoder, resumed(request, handoff_of(first), sampling=without_prompt))
+    assert rest.prompt_logprobs is None
+    assert first.new_token_ids + rest.new_token_ids == alone.new_token_ids
+    assert json.loads(first.new_text + rest.new_text) == json.loads(alone.new_text)
+    assert [e.token_id for e in first.logprobs + rest.logprobs] == alone.new_token_ids
