@@ -430,21 +430,6 @@ class Engine(Protocol):
         ...
 
 
-class DisaggControl(Protocol):
-    """The thresholds of conditional disaggregation (server/router/disagg.py), which may change while serving: an
-    engine served disaggregated has one as its `disagg` attribute (None or absent otherwise)."""
-
-    def thresholds(self) -> dict[str, int]:
-        """{"max_local_prefill_length": tokens, "max_prefill_queue_size": remote prefills in flight}"""
-        ...
-
-    def set(
-        self, max_local_prefill_length: int | None = None, max_prefill_queue_size: int | None = None
-    ) -> None:
-        """Change either threshold; ValueError for a negative one."""
-        ...
-
-
 class LocalEngine(Engine, Protocol):
     """An engine running in this process on this machine (`LLMEngine`, or a test's fake): what a worker process
     serves, calibrates, and describes in its hello. Engines that front other processes have no resources here."""

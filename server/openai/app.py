@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from server.engine.api import DisaggControl, Engine
+from server.controls import DisaggControl
+from server.engine.api import Engine
 from server.openai import protocol as p
 from server.openai.generation import ClientDisconnected
 from server.openai.limits import LimitRequestBody, RequestLimits, check_request

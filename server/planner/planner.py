@@ -45,7 +45,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from server.engine.api import DisaggControl
+from server.controls import DisaggControl
 from server.planner.connector import Leadership, WorkerConnector
 from server.planner.metrics import PlannerMetrics
 from server.planner.observe import MetricsSource, Observation, Snapshot
