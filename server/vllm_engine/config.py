@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvbm.config import KVBMConfig
+from server.engine.config import chat_template_text
 from server.errors import ConfigError, PositiveInt, config_error, read_json
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class VLLMConfig:
         DEFAULT_MAX_QUEUED_REQUESTS  # past running + this many, submit is refused (429)
     )
     ignored_overrides: list[str] = field(default_factory=list)
+    chat_template: str | None = (
+        None  # model.json's chat_template (not a vLLM engine argument) or --chat-template
+    )
 
     @property
     def max_model_len(self) -> int:
@@ -87,14 +91,17 @@ class VLLMConfig:
         local = path.parent / model
         if not Path(model).is_absolute() and local.exists():
             raw["model"] = str(local.resolve())  # a folder next to model.json, as for Strata's engine
-        return cls(raw, str(path))
+        template = raw.pop("chat_template", None)  # vLLM's server takes it, not its engine
+        if template is not None and not isinstance(template, str):
+            raise ConfigError(path, "chat_template: expected a Jinja template or a file name")
+        return cls(raw, str(path), chat_template=chat_template_text(template, path.parent, path))
 
     def worker_args(self, kvbm: KVBMConfig | None) -> dict[str, Any]:
         """The keyword arguments of `engine.build_vllm_engine` in a worker (JSON values), with `kvbm`'s tiers."""
         return {
             "engine_args": self.engine_args, "source": self.source, "model_name": self.model_name,
             "max_queued_requests": self.max_queued_requests,
-            "kvbm": kvbm.to_json() if kvbm is not None else None,
+            "kvbm": kvbm.to_json() if kvbm is not None else None, "chat_template": self.chat_template,
         }  # fmt: skip
 
     def apply_overrides(self, overrides: dict[str, Any]) -> None:
@@ -103,6 +110,8 @@ class VLLMConfig:
             arg = OVERRIDES.get(key)
             if key == "max_queued_requests":
                 self.max_queued_requests = value
+            elif key == "chat_template":
+                self.chat_template = value
             elif arg is None:
                 self.ignored_overrides.append(key)
             else:

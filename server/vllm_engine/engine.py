@@ -120,6 +120,7 @@ class VLLMEngine:
         vllm_config = self._llm.vllm_config
         cache = vllm_config.cache_config
         self.model_name = model_name or vllm_config.model_config.served_model_name or str(self._args.model)
+        self.chat_template: str | None = None  # model.json's or --chat-template; None: the model's own
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_tokens_limit = self.max_model_len
         self._vocab = int(vllm_config.model_config.get_vocab_size())
@@ -194,7 +195,7 @@ class VLLMEngine:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         rendered = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages), add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
         )
         return list(self._tokenizer.encode(rendered, add_special_tokens=False))
 
@@ -503,6 +504,7 @@ def build_vllm_engine(
     model_name: str | None,
     max_queued_requests: int = 256,
     kvbm: dict[str, Any] | None = None,
+    chat_template: str | None = None,
     *,
     worker_id: str,
     events: EventSink | None,
@@ -510,4 +512,6 @@ def build_vllm_engine(
     """The worker's factory for `engine: "vllm"` (server/workers/external.py); `kvbm` is KVBMConfig.to_json()."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; nothing is downloaded
     config = KVBMConfig.from_json(kvbm) if kvbm is not None else None
-    return VLLMEngine(engine_args, source, model_name, worker_id, events, max_queued_requests, config)
+    engine = VLLMEngine(engine_args, source, model_name, worker_id, events, max_queued_requests, config)
+    engine.chat_template = chat_template
+    return engine
