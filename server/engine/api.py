@@ -279,6 +279,63 @@ def check_prompt_chars(field: str, num_chars: int, max_model_len: int) -> None:
         )
 
 
+class ToolCallTurn(msgspec.Struct, array_like=True, frozen=True):
+    """An earlier tool call of an assistant turn, as a worker link carries it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatTurn(msgspec.Struct, array_like=True, frozen=True):
+    """One chat message as a worker link carries it (`chat_turns` / `turn_dicts` convert from and to the dicts
+    engines take)."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+    tool_calls: list[ToolCallTurn] = msgspec.field(default_factory=list)
+    tool_call_id: str | None = None
+
+
+def chat_turns(messages: Sequence[Mapping[str, Any]]) -> list[ChatTurn]:
+    """Chat dicts as typed turns; RequestError("messages") for one that is not such a dict."""
+    try:
+        return [
+            ChatTurn(
+                str(m["role"]),
+                m.get("content") or "",
+                m.get("name"),
+                [
+                    ToolCallTurn(c["id"], c["function"]["name"], c["function"]["arguments"])
+                    for c in m.get("tool_calls") or ()
+                ],
+                m.get("tool_call_id"),
+            )  # fmt: skip
+            for m in messages
+        ]
+    except (KeyError, TypeError) as exc:
+        raise RequestError("messages", f"not a chat message: {exc!r}") from None
+
+
+def turn_dicts(turns: Sequence[ChatTurn]) -> list[dict[str, Any]]:
+    """Typed turns as the chat dicts engines take (the inverse of `chat_turns`)."""
+    out = []
+    for t in turns:
+        turn: dict[str, Any] = {"role": t.role, "content": t.content}
+        if t.name is not None:
+            turn["name"] = t.name
+        if t.tool_calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in t.tool_calls
+            ]
+        if t.tool_call_id is not None:
+            turn["tool_call_id"] = t.tool_call_id
+        out.append(turn)
+    return out
+
+
 class GenerationRequest(msgspec.Struct, array_like=True):
     """One prompt to continue. The prompt is already tokenized (the caller applied any chat template).
 
@@ -407,9 +464,12 @@ class Engine(Protocol):
         """The text of `token_ids`, special tokens included (an echoed prompt, /detokenize)."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of `messages` ({"role", "content"[, "name"]}) rendered with the model's chat template,
-        ending with the assistant's turn."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of `messages` (OpenAI's turns as dicts: {"role", "content"[, "name"]}, an assistant's
+        "tool_calls", a tool turn's "tool_call_id") and `tools` (OpenAI's tool objects) rendered with the model's
+        chat template (server/engine/chat.py), ending with the assistant's turn."""
         ...
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from kvbm.api import KVConnector
 from kvbm.block_hash import request_salt
 from kvbm.transfer import KVTransfer
 from kvbm.transfer_params import KVHandoff, RemoteDecode
+from server.engine import chat
 from server.engine.api import (
     EngineOverloaded,
     GenerationRequest,
@@ -110,18 +112,16 @@ class LLMEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, ending with the assistant prompt."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of `messages` (and `tools`) rendered with the model's chat template, or model.json's or
+        --chat-template's (server/engine/chat.py), ending with the assistant prompt."""
         if self._chat_tokenizer is None:
             from transformers import AutoTokenizer
 
             self._chat_tokenizer = AutoTokenizer.from_pretrained(self.files.folder, local_files_only=True)
-        rendered = self._chat_tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=True,
-            tokenize=False,
-            chat_template=self.config.chat_template,
-        )  # the model's own template unless model.json or --chat-template gives one
+        rendered = chat.render(self._chat_tokenizer, messages, tools, self.config.chat_template)
         return self._chat_tokenizer.encode(rendered, add_special_tokens=False)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

@@ -197,10 +197,16 @@ class OpenAIServing:
             tool_choice = tools.choice_of(request, self._tool_parser)
         except RequestError as exc:
             self._fail_field(request, exc)
-        messages = tools.render(request.messages, request.tools if tool_choice is not None else None)
+        messages = [_turn(m) for m in request.messages]
+        described = None  # the tools, for the template (no tool_choice: not shown to the model)
+        if tool_choice is not None:
+            described = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or ()]
+
+        def render(turns: list[dict[str, Any]]) -> list[int]:
+            return engine.apply_chat_template(turns, described)
 
         def prompts() -> list[list[int]]:
-            return [self._tokenize(request.model, "messages", engine.apply_chat_template, messages)]
+            return [self._tokenize(request.model, "messages", render, messages)]
 
         if request.top_logprobs is not None and not request.logprobs:
             self._fail(request.model, 400, "top_logprobs: needs `logprobs: true`", "top_logprobs")
@@ -581,6 +587,18 @@ def _usage(choices: list[_Choice], n: int, prompt_only: bool = False) -> p.Usage
         total_tokens=prompt + completion,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in firsts)),
     )
+
+
+def _turn(message: p.ChatMessage) -> dict[str, Any]:
+    """A chat message as the engine API's turn dict."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        turn["name"] = message.name
+    if message.tool_calls:
+        turn["tool_calls"] = [call.model_dump(mode="json") for call in message.tool_calls]
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def _tool_finish_reason(tool_choice: str, made_calls: bool, reason: str | None) -> str | None:

@@ -1,10 +1,8 @@
 """Tool calling on the OpenAI chat API: the tools in the prompt, forced calls through the grammar, and the parsers
 of free answers (vLLM's `--tool-call-parser` names).
 
-Prompt (the default tool prompt, Hermes' format, for every chat template: SmolLM2's has no tool support of its own):
-the tools are described in a system message (`TOOL_PROMPT`, merged after the request's own system message); an
-assistant turn's `tool_calls` become `<tool_call>{"name": ..., "arguments": ...}</tool_call>` lines of its content;
-a `tool` message becomes a user turn holding `<tool_response>...</tool_response>`.
+The tools reach the model through its chat template, or the default tool prompt where the template has no tool
+support (server/engine/chat.py: the engine renders, since only it knows the template).
 
 tool_choice:
     none        no call is parsed; the answer is text
@@ -19,64 +17,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from server.engine.api import RequestError, StructuredOutput, structured_spec
 from server.openai import protocol as p
 
-TOOL_PROMPT = """You are a function calling AI model. You are provided with function signatures within <tools></tools> \
-XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about what \
-values to plug into functions. Here are the available tools: <tools>{tools}</tools>
-For each function call return a json object with function name and arguments within <tool_call></tool_call> XML \
-tags as follows:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-dict>}}
-</tool_call>"""
-
 
 @dataclass(slots=True)
 class Call:
     name: str
     arguments: str  # JSON text of the arguments object
-
-
-def render(messages: Sequence[p.ChatMessage], tools: list[p.Tool] | None) -> list[dict[str, str]]:
-    """The request's messages as the chat template takes them ({"role", "content"[, "name"]}), tools and tool
-    turns rendered in the default tool prompt."""
-    out: list[dict[str, str]] = []
-    for message in messages:
-        content = message.text()
-        if message.role == "assistant" and message.tool_calls:
-            calls = "\n".join(
-                "<tool_call>\n"
-                + json.dumps({"name": c.function.name, "arguments": _loads(c.function.arguments)})
-                + "\n</tool_call>"
-                for c in message.tool_calls
-            )
-            content = f"{content}\n{calls}" if content else calls
-        if message.role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
-            continue
-        out.append(
-            {"role": message.role, "content": content, **({"name": message.name} if message.name else {})}
-        )
-    if tools:
-        described = "\n".join(json.dumps(t.model_dump(mode="json", exclude_none=True)) for t in tools)
-        prompt = TOOL_PROMPT.format(tools=described)
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out
-
-
-def _loads(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments  # rendered as the string the client sent
 
 
 def choice_of(request: p.ChatCompletionRequest, auto_parser: str | None) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kvbm.block_hash import BlockHash
 from server.engine.api import (
@@ -134,8 +135,10 @@ class RoutedEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.membership.on_any(lambda worker: worker.decode(token_ids))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return self.membership.on_any(lambda worker: worker.apply_chat_template(messages))
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        return self.membership.on_any(lambda worker: worker.apply_chat_template(messages, tools))
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         if self.membership.block_size is None:

@@ -48,6 +48,7 @@ from kvbm.transfer_params import (
     encode_transfer_params,
     request_params,
 )
+from server.engine import chat
 from server.engine.api import (
     EngineOverloaded,
     EngineResources,
@@ -193,10 +194,10 @@ class VLLMEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        rendered = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
-        )
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        rendered = chat.render(self._tokenizer, messages, tools, self.chat_template)
         return list(self._tokenizer.encode(rendered, add_special_tokens=False))
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

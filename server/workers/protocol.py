@@ -38,12 +38,12 @@ worker -> server (`ToServer`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 import msgspec
 
 from kvbm.events import TierEvent
-from server.engine.api import GenerationOutput, GenerationRequest, PoolStats, RequestId
+from server.engine.api import ChatTurn, GenerationOutput, GenerationRequest, PoolStats, RequestId
 from server.workers.hardware import HardwareInfo, Speeds
 
 WorkerId = NewType("WorkerId", str)  # the same id the worker's KVBM agent publishes events under
@@ -119,7 +119,8 @@ class Encode(Message):
 
 class ApplyChatTemplate(Message):
     call_id: int
-    messages: list[dict[str, str]]  # {"role", "content"[, "name"]}
+    messages: list[ChatTurn]
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects (JSON values)
 
 
 class Decode(Message):

@@ -38,6 +38,7 @@ from server.engine.api import (
     PoolStats,
     RequestError,
     RequestId,
+    chat_turns,
     max_output_tokens,
 )
 from server.workers import external
@@ -264,12 +265,13 @@ class RemoteEngine:
             raise RuntimeError(f"worker {self.worker_id} answered Decode with {type(answer).__name__}")
         return answer.text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        try:
-            typed = msgspec.convert([dict(m) for m in messages], list[dict[str, str]])
-        except msgspec.ValidationError as exc:
-            raise RequestError("messages", f"must be objects of strings: {exc}") from None
-        return self._tokens(ApplyChatTemplate(next(self._call_ids), typed))
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        turns = chat_turns(messages)
+        return self._tokens(
+            ApplyChatTemplate(next(self._call_ids), turns, None if tools is None else list(tools))
+        )
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
         """Synchronous: a RequestError from the worker's engine is raised here (one round trip). The

@@ -22,7 +22,14 @@ from typing import Any
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
 from kvbm.transfer import KVTransferConfig
-from server.engine.api import EngineOverloaded, GenerationOutput, LocalEngine, RequestError, RequestId
+from server.engine.api import (
+    EngineOverloaded,
+    GenerationOutput,
+    LocalEngine,
+    RequestError,
+    RequestId,
+    turn_dicts,
+)
 from server.engine.config import EngineConfig
 from server.workers.hardware import Speeds, calibrate, describe_hardware
 from server.workers.protocol import (
@@ -283,7 +290,7 @@ def _call(
             return TokenIds(call.call_id, engine.encode(call.text))
         if isinstance(call, Decode):
             return Text(call.call_id, engine.decode(call.token_ids))
-        return TokenIds(call.call_id, engine.apply_chat_template(call.messages))
+        return TokenIds(call.call_id, engine.apply_chat_template(turn_dicts(call.messages), call.tools))
     except RequestError as exc:
         return Refused(call.call_id, exc.field, exc.message)
     except EngineOverloaded as exc:

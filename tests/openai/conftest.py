@@ -46,6 +46,7 @@ class FakeEngine:
         self.submit_s = 0.0  # how long submit blocks (a remote worker's round trip)
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[RequestId] = []
+        self.chat_calls: list[tuple[list, Any]] = []  # (turns, tools) given to apply_chat_template
         self._abort_events: dict[RequestId, threading.Event] = {}
 
     def encode(self, text: str) -> list[int]:
@@ -54,7 +55,8 @@ class FakeEngine:
     def decode(self, token_ids) -> str:
         return "".join(bytes([t]).decode(errors="replace") if t < 256 else f" t{t - 1000}" for t in token_ids)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tools=None) -> list[int]:
+        self.chat_calls.append((list(messages), tools))
         if any(m.get("name") == "refused" for m in messages):
             raise RequestError("messages", "the fake template refuses this name")
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")

@@ -238,3 +238,49 @@ def test_a_tool_turn_and_auto_choice(smollm2_client: openai.OpenAI) -> None:
             json.loads(call.function.arguments)
     else:
         assert message.content and reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_logprobs_equal_transformers_and_min_p_one_is_greedy(smollm2_client: openai.OpenAI) -> None:
+    """Over the official client: each greedy token's logprob and top-3 equal transformers' fp32 log-softmax of
+    the same weights within 0.05; min_p 1 at temperature 1 answers what greedy does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.config import DEFAULT_MODEL
+    from server.engine.loader import prepare_model
+
+    prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    reply = smollm2_client.completions.create(
+        model="smollm2", prompt=[prompt], max_tokens=6, temperature=0, logprobs=3
+    ).choices[0]
+    folder = prepare_model(DEFAULT_MODEL, MODEL_CACHE).folder
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    generated: list[int] = []
+    with torch.inference_mode():  # transformers' own greedy continuation, then its logprobs at every position
+        for _ in range(6):
+            generated.append(int(hf(torch.tensor([prompt + generated])).logits[0, -1].argmax()))
+        reference = hf(torch.tensor([prompt + generated])).logits[0].float().log_softmax(dim=-1)
+    assert [reply.logprobs.tokens[i] for i in range(6)] == [hf_token(folder, t) for t in generated]
+    for i, logprob in enumerate(reply.logprobs.token_logprobs):
+        row = reference[len(prompt) - 1 + i]
+        assert abs(logprob - row[generated[i]].item()) < 0.05
+        expected = sorted(row.topk(3).values.tolist(), reverse=True)
+        got = sorted(reply.logprobs.top_logprobs[i].values(), reverse=True)[:3]
+        assert all(abs(a - b) < 0.05 for a, b in zip(got, expected, strict=True))
+    for seed in (1, 2):
+        sampled = smollm2_client.completions.create(
+            model="smollm2",
+            prompt=[prompt],
+            max_tokens=6,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"min_p": 1.0},
+        )
+        assert sampled.choices[0].text == reply.text
+
+
+def hf_token(folder, token_id: int) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).decode([token_id], skip_special_tokens=False)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 
+from server.engine import chat
+from server.engine.api import chat_turns, turn_dicts
 from server.openai import protocol as p
 from server.openai import tools
 
@@ -29,21 +32,27 @@ def request(**fields) -> p.ChatCompletionRequest:
     return p.ChatCompletionRequest.model_validate({**body, **fields}, strict=False)
 
 
+TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+]
+TOOLS = [WEATHER.model_dump(mode="json", exclude_none=True)]
+
+
 def test_the_default_tool_prompt_and_tool_turns() -> None:
-    turns = [
-        p.ChatMessage(role="system", content="Be brief."),
-        p.ChatMessage(role="user", content="Weather in Paris?"),
-        p.ChatMessage(
-            role="assistant",
-            tool_calls=[
-                p.ToolCallIn(
-                    id="c1", function=p.FunctionCallIn(name="get_weather", arguments='{"city": "Paris"}')
-                )
-            ],
-        ),
-        p.ChatMessage(role="tool", tool_call_id="c1", content='{"temp": 21}'),
-    ]
-    rendered = tools.render(turns, [WEATHER])
+    rendered = chat.default_tool_turns(TURNS, TOOLS)
     assert rendered[0]["role"] == "system" and rendered[0]["content"].startswith(
         "Be brief.\n\nYou are a function"
     )
@@ -53,7 +62,46 @@ def test_the_default_tool_prompt_and_tool_turns() -> None:
         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     }
     assert rendered[3] == {"role": "user", "content": '<tool_response>\n{"temp": 21}\n</tool_response>'}
-    assert tools.render(turns[1:2], None) == [{"role": "user", "content": "Weather in Paris?"}]
+    assert chat.default_tool_turns(TURNS[1:2], None) == [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class Template:
+    """A tokenizer's chat-template side: what it was asked to render."""
+
+    def __init__(self, chat_template: str) -> None:
+        self.chat_template = chat_template
+        self.calls: list[tuple[list, dict]] = []
+
+    def apply_chat_template(self, turns, **kwargs) -> str:
+        self.calls.append((turns, kwargs))
+        return "rendered"
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_turns_as_they_are() -> None:
+    own = Template(
+        "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    chat.render(own, TURNS, TOOLS, None)
+    turns, kwargs = own.calls[-1]
+    assert kwargs["tools"] == TOOLS and turns[3]["role"] == "tool"
+    assert turns[2]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris"
+    }  # an object, for the template
+    plain = Template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    chat.render(plain, TURNS, TOOLS, None)
+    turns, kwargs = plain.calls[-1]
+    assert "tools" not in kwargs and turns[0]["content"].startswith("Be brief.\n\nYou are a function")
+
+
+def test_the_frontend_gives_the_engine_the_turns_and_the_tools(served, fake_engine) -> None:
+    body = {"model": "fake", "messages": TURNS, "tools": TOOLS, "tool_choice": "required", "max_tokens": 2}
+    assert httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=10).status_code == 200
+    turns, tools = fake_engine.chat_calls[-1]
+    assert tools == TOOLS and turns[2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert turns[3] == {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "c1"}
+    none = {**body, "tool_choice": "none"}
+    assert httpx.post(f"{served.base_url}/v1/chat/completions", json=none, timeout=10).status_code == 200
+    assert fake_engine.chat_calls[-1][1] is None  # tool_choice none: the tools are not shown to the model
 
 
 def test_the_grammar_of_required_and_named_calls() -> None:
@@ -105,3 +153,7 @@ def test_streamed_named_call_sends_its_arguments_as_they_come() -> None:
     assert first[0].function.name == "get_weather" and first[1].function.arguments == '{"city": '
     assert second[0].function.arguments == '"Oslo"}' and second[0].id is None
     assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_turns_cross_a_worker_link_unchanged() -> None:
+    assert turn_dicts(chat_turns(TURNS)) == TURNS

@@ -82,7 +82,7 @@ class LocalWorker:
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], tools=None) -> list[int]:
         return self.engine.apply_chat_template(messages)
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:

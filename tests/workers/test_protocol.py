@@ -10,6 +10,7 @@ import pytest
 
 from kvbm.events import G2, TierEvent
 from server.engine.api import (
+    ChatTurn,
     GenerationOutput,
     GenerationRequest,
     PoolStats,
@@ -17,6 +18,7 @@ from server.engine.api import (
     SamplingParams,
     StructuredOutput,
     TokenLogprobs,
+    ToolCallTurn,
 )
 from server.workers.hardware import HardwareInfo, Speeds
 from server.workers.protocol import (
@@ -69,7 +71,15 @@ TO_WORKER = [
     Attach("server-1"),
     Submit(1, REQUEST),
     Encode(2, "héllo"),
-    ApplyChatTemplate(3, [{"role": "user", "content": "hi", "name": "ann"}]),
+    ApplyChatTemplate(
+        3,
+        [
+            ChatTurn("user", "hi", "ann"),
+            ChatTurn("assistant", "", None, [ToolCallTurn("c1", "get_weather", '{"city": "Oslo"}')]),
+            ChatTurn("tool", '{"temp": 3}', None, [], "c1"),
+        ],
+        [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    ),
     Decode(4, [104, 195]),
     Abort(RequestId("r-1")),
     Ack(),

@@ -69,7 +69,7 @@ class StepEngine:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], tools=None) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
 
     def stats(self) -> PoolStats:
