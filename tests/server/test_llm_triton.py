@@ -140,6 +140,29 @@ def test_cumulative_logprob_and_logprobs_on_the_generate_endpoints(server):
     assert abs(events[-1]["cumulative_logprob"] - answer["cumulative_logprob"]) < 1e-4
 
 
+def test_structured_outputs_in_sampling_parameters(server):
+    """vLLM's structured_outputs in Triton's sampling_parameters (as the vLLM backend passes them to vLLM); a bad
+    one is a 400 naming it, never ignored."""
+    params = {"max_tokens": 8, "temperature": 1.0, "structured_outputs": {"choice": ["yes", "no"]}}
+    for _ in range(2):
+        status, body = post(
+            server,
+            "/v2/models/smollm2/generate",
+            {
+                "text_input": PROMPT,
+                "exclude_input_in_output": True,
+                "sampling_parameters": json.dumps(params),
+            },
+        )
+        assert status == 200, body
+        assert json.loads(body)["text_output"] in ("yes", "no")
+    bad = {"max_tokens": 4, "structured_outputs": {"regex": "a(b"}}
+    status, body = post(
+        server, "/v2/models/smollm2/generate", {"text_input": PROMPT, "sampling_parameters": json.dumps(bad)}
+    )
+    assert status == 400 and "structured_outputs.regex" in body, body
+
+
 def test_streaming_with_the_prompt_in_the_output_is_rejected(server):
     status, body = post(
         server,
