@@ -10,7 +10,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: serve test install models lint format bench vllm
+.PHONY: serve test install models lint format bench vllm docs
 
 install: $(STAMP)
 
@@ -58,3 +58,9 @@ format: $(STAMP)
 
 bench: models
 	$(PY) bench/overhead.py
+
+# the site (docs/, mkdocs.yml) into site/: the generated reference rewritten, then a strict build (a broken link
+# or a page missing from the nav fails it)
+docs: $(STAMP)
+	$(PY) docs/generate_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
