@@ -43,7 +43,7 @@ def block_mac(key: bytes, layout_tag: int, block_hash: int, payload) -> bytes:
     block hash or layout.
 
     BLAKE3 because the MAC sits on G4's onboarding path, and it hashes faster on one core than BLAKE2b or SHA-256
-    (README; bench/kvbm.py measures the onboarding cost)."""
+    (docs/workers.md; bench/kvbm.py measures the onboarding cost)."""
     mac = blake3(layout_tag.to_bytes(8, "little") + block_hash.to_bytes(8, "little"), key=key)
     mac.update(payload)
     return mac.digest(16)

@@ -13,7 +13,7 @@ num_blocks, block_bytes, little-endian) followed by the num_blocks u64 block has
 frame, so the fetcher fails at once. Nothing is unpickled: the receiver compares the header byte for byte with
 the one it expects; the blocks are raw bytes. One frame per block, not one payload frame: CURVE encrypts each
 frame on its own, so a block (737 KB for SmolLM2) stays in cache and the sender's encryption, the wire and the
-receiver's decryption overlap (README, "Disaggregated prefill and decode"; bench/kv_transfer.py measures the whole
+receiver's decryption overlap (docs/disaggregation.md; bench/kv_transfer.py measures the whole
 path).
 
 Why pull: the sender copies the rows once (the engine reuses them as soon as `send` returns) and never waits

@@ -543,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # several), each with every core by default; OpenMP's spin-waiting between parallel regions then steals
         # their cores. `strata serve` splits the cores among the workers it starts (deployment._share_cores) and
         # keeps the spin: with one engine, sleeping at every barrier slows each step. An operator's own setting
-        # wins (figures: README, "CPU threads").
+        # wins (figures: docs/llm.md, "CPU threads").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 def _share_cores(config: EngineConfig, processes: int) -> None:
     """Without `num_threads` in model.json, a model's local engine processes split this host's cores between them
     (at least one thread each) instead of each taking all of them: OpenMP teams that together outnumber the cores
-    preempt each other at every barrier (README, "CPU threads"). One process keeps every core."""
+    preempt each other at every barrier (docs/llm.md, "CPU threads"). One process keeps every core."""
     cores = len(os.sched_getaffinity(0))
     if config.num_threads is None and processes > 1:
         config.num_threads = max(1, cores // processes)

@@ -20,7 +20,7 @@ def auto_dtype(device: str) -> torch.dtype:
 
     CPU: bf16 only with native bf16 dot products (AVX512-BF16, AMX, Arm BF16): without them every bf16 GEMM
     converts in software and runs slower than fp32; with them bf16 computes faster than fp32, and weights and KV
-    halve their bytes (figures: README, "Engine speed on CPU").
+    halve their bytes (figures: docs/llm.md, "Engine speed on CPU").
     CUDA: bf16 when the GPU supports it.
     """
     if device.startswith("cuda"):

@@ -3,7 +3,7 @@
 `F.linear` on CPU calls MKL's sgemm, which re-packs the weight on every call for the few-row matmuls of decoding.
 oneDNN can reorder a weight once, at load, into the blocked layout its kernel reads; the op is the one
 torch.compile's CPU backend emits for frozen linear layers (faster at each row count measured; figures in the
-README, "Engine speed on CPU"). The results are fp32 sums in another order (max difference 1e-4 on logits of
+docs/llm.md, "Engine speed on CPU"). The results are fp32 sums in another order (max difference 1e-4 on logits of
 magnitude 100), not bitwise equal to F.linear.
 
 Memory: oneDNN keeps state per distinct row count, so resident memory grows with every new row count a step has.

@@ -1,7 +1,7 @@
 """Every field of OpenAI's and vLLM's chat and completion request bodies, and what Strata does with it: none is
 silently ignored. A field is honored (a declared field of the request models in protocol.py), or refused with a
 400 naming it whenever it asks for something (a value other than the one that asks for nothing), or unknown (a
-400 too: a misspelt field would otherwise be ignored). README.md's field table lists the same names
+400 too: a misspelt field would otherwise be ignored). docs/openai.md's field table lists the same names
 (tests/openai/test_fields.py checks both ways).
 """
 

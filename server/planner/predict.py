@@ -7,7 +7,7 @@
     auto             all three side by side; predicts with the one whose one-step-ahead errors have been the
                      smallest lately (exponentially weighted absolute error): the choice is made by measuring
 
-The default is moving_average, chosen by measurement (bench/predictors.py; the figures are in the README's SLA
+The default is moving_average, chosen by measurement (bench/predictors.py; the figures are in docs/planner.md's SLA
 planner section): moving_average and arima both beat constant, neither beats the other on every series, and the
 moving average costs nothing where ARIMA refits each interval. Predictions are never negative.
 """

@@ -35,7 +35,9 @@ class RouterConfig:
     lookup_budget_s: float = 0.005
     lookup_cooldown_s: float = 1.0
     stale_after_s: float = 30.0
-    count_in_flight: bool = False  # off: no gain measured on bench/routing_replay_serve.py (see the README)
+    count_in_flight: bool = (
+        False  # off: no gain measured on bench/routing_replay_serve.py (see docs/workers.md)
+    )
     migration_limit: int = 3  # times one request may be resumed on another worker after its worker died
     seed: int | None = None
 

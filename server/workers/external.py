@@ -115,7 +115,7 @@ def pin_to_cpus(value: str | None) -> None:
     vLLM binds only its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). Its engine core, and its model worker between
     steps, wait for each other by spinning on shared memory (sched_yield, for 1 s after the last message:
     vllm/distributed/device_communicators/shm_broadcast.py). Unbound, one worker's spinner lands on the core
-    where another computes, so each worker's whole process tree is bound to its cores (README, "vLLM as the
+    where another computes, so each worker's whole process tree is bound to its cores (docs/llm.md, "vLLM as the
     engine")."""
     if not value:
         return

@@ -1,7 +1,7 @@
 """The link between the server and one worker: two ZMQ PUSH/PULL sockets, over unix domain sockets (ipc) for
 a worker the server spawned, over TCP for a worker on another host (`strata worker`).
 
-Why ZMQ and not `multiprocessing.Pipe` (bench/worker_transport.py; figures in the README): the hot path is
+Why ZMQ and not `multiprocessing.Pipe` (bench/worker_transport.py; figures in docs/workers.md): the hot path is
 worker -> server, one GenerationOutput per generated token per request, and there this channel carries several
 times the Pipe's messages per second for a fraction of the engine thread's time per send: a ZMQ send only queues
 the message for ZMQ's I/O thread, so a slow reader never blocks the engine inside its sink (a full Pipe buffer

@@ -32,7 +32,7 @@ KUSTOMIZATION = "kustomization.yaml"
 IMAGE = "strata:latest"
 # The newest Kubernetes release whose schemas kubernetes-validate bundles (1.37.0 with kubernetes-validate 1.37).
 K8S_VERSION = kubernetes_validate.latest_version()
-# Objects the pods refer to that the operator creates (README, "Kubernetes"); deploy/kubernetes does not ship them.
+# Objects the pods refer to that the operator creates (docs/kubernetes.md); deploy/kubernetes does not ship them.
 OPERATOR_CREATED = {
     ("ConfigMap", "strata-profile"),  # `strata profile --output profile.json` run on the worker hardware
 }

@@ -1,4 +1,4 @@
-"""README's field table names every request field the code knows, and nothing else: the declared (honored) fields
+"""docs/openai.md's field table names every request field the code knows, and nothing else: the declared (honored) fields
 of the request models and the refused list of server/openai/fields.py."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 from server.openai import protocol as p
 from server.openai.fields import REFUSED
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
 
 
 def table_fields() -> set[str]:
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index("| Field | Endpoint | Strata |")
     rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
     return {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
@@ -23,5 +23,5 @@ def test_the_readme_table_lists_exactly_the_fields_the_code_knows() -> None:
     declared = set(p.ChatCompletionRequest.model_fields) | set(p.CompletionRequest.model_fields)
     known = declared | REFUSED
     listed = table_fields()
-    assert listed - known == set(), "in README's table, unknown to the code"
-    assert known - listed == set(), "known to the code, missing from README's table"
+    assert listed - known == set(), "in the page's table, unknown to the code"
+    assert known - listed == set(), "known to the code, missing from the page's table"
