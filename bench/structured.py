@@ -29,7 +29,6 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
 from harness.figures import VOCAB_HIGH, VOCAB_LOW  # noqa: E402
-from harness.load import StreamTiming, stream_completion  # noqa: E402
+from harness.load import stream_together  # noqa: E402
 from harness.servers import strata_openai, use_run_secret  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 
@@ -48,18 +47,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def itl_p50_ms(client: httpx.Client, url: str, prompts: list[list[int]], extra: dict | None) -> float:
     """ITL p50 (ms) of streams sent together: the gaps between each stream's chunks."""
-    timings = [StreamTiming(0.0) for _ in prompts]
-    threads = [
-        threading.Thread(target=stream_completion, args=(client, url, p, 64, t), kwargs={"extra": extra})
-        for p, t in zip(prompts, timings, strict=True)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    errors = [t.error for t in timings if t.error]
-    if errors:
-        raise RuntimeError(errors[0])
+    timings = stream_together(client, url, prompts, 64, extra)
     gaps = [b - a for t in timings for a, b in itertools.pairwise(t.chunk_times)]
     return percentile(gaps, 50) * 1000
 

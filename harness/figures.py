@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import httpx
 import psutil
 
-from harness.load import StreamTiming, stream_completion
+from harness.load import StreamTiming, stream_completion, stream_together
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # plain-text token ids, far from special tokens
 
@@ -37,19 +36,8 @@ class Workload:
 
     def together(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         """(wall seconds, generated tokens) for streams sent at once."""
-        timings = [StreamTiming(0.0) for _ in prompts]
-        threads = [
-            threading.Thread(target=stream_completion, args=(self.client, self.url, p, max_tokens, t))
-            for p, t in zip(prompts, timings, strict=True)
-        ]
         started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        errors = [t.error for t in timings if t.error]
-        if errors:
-            raise RuntimeError(f"{self.url}: {errors[0]}")
+        timings = stream_together(self.client, self.url, prompts, max_tokens)
         return time.perf_counter() - started, sum(t.completion_tokens for t in timings)
 
     def warm_up(self) -> None:

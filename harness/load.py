@@ -69,6 +69,32 @@ def stream_completion(
         timing.finished = time.perf_counter()
 
 
+def stream_together(
+    client: httpx.Client,
+    url: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
+) -> list[StreamTiming]:
+    """Stream every prompt at once (a thread each) and wait for all; RuntimeError naming the server and the first
+    error if any failed."""
+    timings = [StreamTiming(time.perf_counter()) for _ in prompts]
+    threads = [
+        threading.Thread(
+            target=stream_completion, args=(client, url, p, max_tokens, t), kwargs={"extra": extra}
+        )
+        for p, t in zip(prompts, timings, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = [t.error for t in timings if t.error]
+    if errors:
+        raise RuntimeError(f"{url}: {errors[0]}")
+    return timings
+
+
 def _read_chunk(chunk: dict[str, Any], timing: StreamTiming) -> None:
     now = time.perf_counter()
     timing.response_id = chunk.get("id", timing.response_id)
