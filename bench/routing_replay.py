@@ -1,7 +1,7 @@
 """The Mooncake conversation trace replayed through the real `Router` and the real KVBM index, against simulated
 workers (`ReplayConfig` states the model and the scale).
 
-    python bench/routing_replay.py [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 2]
+    python bench/routing_replay.py [--conversations 48] [--workers 4] [--block-tokens 64] [--speedup 2] [--plot PNG]
 
 Every strategy sees the same requests; round-robin is the baseline, the oracle hit rate (unlimited cache, same
 subset) the bound. Prints a table and one JSON line.
@@ -210,6 +210,34 @@ def print_replay_table(report: dict) -> None:
         )
 
 
+def plot(report: dict, path: Path) -> None:
+    """Hit rate per strategy against the oracle's bound, and TTFT p50/p90 per strategy, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["results"])
+    rows = [report["results"][name] for name in names]
+    figure, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    hits.bar(names, [row["hit_rate"] for row in rows], color="tab:blue")
+    hits.axhline(report["oracle_hit_rate"], color="black", linestyle="--", linewidth=1, label="oracle")
+    hits.set_ylabel("prefix hit rate")
+    hits.set_ylim(0, 1)
+    hits.legend(loc="upper right")
+    positions = range(len(names))
+    ttft.bar([x - 0.2 for x in positions], [row["ttft_p50_s"] for row in rows], width=0.4, label="p50")
+    ttft.bar([x + 0.2 for x in positions], [row["ttft_p90_s"] for row in rows], width=0.4, label="p90")
+    ttft.set_xticks(list(positions), names)
+    ttft.set_ylabel("TTFT, s")
+    ttft.legend(loc="upper left")
+    for axis in (hits, ttft):
+        axis.tick_params(axis="x", labelrotation=20)
+    figure.suptitle(f"Mooncake replay: {report['scale']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -220,9 +248,13 @@ def main() -> None:
         "--g1-blocks", type=int, default=1024, help="prefix-cache capacity per worker, blocks"
     )
     parser.add_argument("--speedup", type=float, default=2.0, help="trace time compression")
-    report = replay_command(parser.parse_args())
+    parser.add_argument("--plot", type=Path, default=None, help="write the figure (PNG) here")
+    args = parser.parse_args()
+    report = replay_command(args)
     print_replay_table(report)
     print(json.dumps(report))
+    if args.plot is not None:
+        plot(report, args.plot)
 
 
 if __name__ == "__main__":
