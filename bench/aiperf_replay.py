@@ -1,6 +1,7 @@
 """NVIDIA's aiperf replaying a Mooncake trace slice against vLLM's OpenAI server and Strata's, in turns.
 
-    .venv/bin/python bench/aiperf_replay.py --aiperf .venv-aiperf/bin/aiperf --vllm-python .venv-vllm/bin/python
+    .venv/bin/python bench/aiperf_replay.py --aiperf .venv-aiperf/bin/aiperf --vllm-python .venv-vllm/bin/python \
+        [--reps 2] [--plot PNG]
 
 aiperf 0.13 (`pip install aiperf==0.13.0` in a venv of its own) is the client, not Strata's own replay: the trace
 slice is requests [--start, --start + --requests) of bench/data/mooncake/conversation_trace.jsonl, a window that
@@ -104,7 +105,50 @@ def run_aiperf(args: argparse.Namespace, url: str, trace: Path, hf_home: Path, o
     found = parse_export(json.loads(exports[0].read_text()))
     # the client shares the 2 cores with the server: its CPU time, for the report
     found["client_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    records = list(out.rglob("profile_export.jsonl"))
+    found["samples"] = per_request(records[0]) if records else {}  # type: ignore[assignment]
     return found
+
+
+def per_request(path: Path) -> dict[str, list[float]]:
+    """Each request's TTFT and ITL (ms) from aiperf's per-record export, for the CDFs of --plot."""
+    samples: dict[str, list[float]] = {"time_to_first_token": [], "inter_token_latency": []}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        metrics = record.get("metrics", record)
+        for tag, values in samples.items():
+            value = metrics.get(tag)
+            if isinstance(value, dict):
+                value = value.get("value")
+            if isinstance(value, (int, float)):
+                values.append(float(value))
+    return samples
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    """CDFs of TTFT and ITL per system, every rep's requests pooled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, (tag, label) in zip(
+        axes, (("time_to_first_token", "TTFT, ms"), ("inter_token_latency", "ITL, ms")), strict=True
+    ):
+        for system, runs in results.items():
+            values = sorted(v for run in runs for v in run.get("samples", {}).get(tag, []))
+            if values:
+                axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=system)
+        axis.set_xscale("log")
+        axis.set_xlabel(label)
+        axis.set_ylabel("share of requests")
+        axis.grid(True, which="both", linewidth=0.3)
+        axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def parse_export(export: dict) -> dict[str, float]:
@@ -144,6 +188,7 @@ def main() -> None:
     )
     parser.add_argument("--strata-args", default="", help="more `strata serve` flags")
     parser.add_argument("--keep", type=Path, default=None, help="copy aiperf's artifacts of every run here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the TTFT and ITL CDFs (PNG) here")
     args = parser.parse_args()
     args.aiperf = os.path.abspath(args.aiperf)
     use_run_secret()
@@ -164,9 +209,15 @@ def main() -> None:
                 with servers as server:
                     out = tmp / f"{system}-{rep}"
                     results[system].append(run_aiperf(args, server.url, tmp / "trace.jsonl", tmp / "hf", out))
-                print(f"rep {rep} {system}: {results[system][-1]}", flush=True)
+                shown = {k: v for k, v in results[system][-1].items() if k != "samples"}
+                print(f"rep {rep} {system}: {shown}", flush=True)
                 if args.keep is not None:
                     shutil.copytree(out, args.keep / out.name, dirs_exist_ok=True)
+    if args.plot is not None:
+        plot(results, args.plot)
+    for runs in results.values():
+        for run in runs:
+            run.pop("samples", None)
     report(results, args, blocks)
 
 
