@@ -355,7 +355,7 @@ def main() -> None:
     if "attainment_vs_fixed_max" in report:
         print(f"planner / fixed-max: attainment {report['attainment_vs_fixed_max']:.1%} (goal >= 95 %), "
               f"worker-seconds {report['worker_seconds_vs_fixed_max']:.1%} (goal <= 70 %)")  # fmt: skip
-    print(f"timeline: {RESULTS / 'planner.png'}")
+    print(f"timeline: {args.plot or RESULTS / 'planner.png'}")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}
                      | {"runs": [{k: v for k, v in r.items() if not k.endswith("timeline") and k != "scaling_log"}
                                  for r in runs]}))  # fmt: skip
