@@ -137,6 +137,8 @@ class LLMEngine:
             block_size=self.config.block_size,
             salt=request_salt(self.salt, request.cache_salt), generator=_generator(sampling.seed, self.model.device),
         )  # fmt: skip
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            self.core.outputs.token_texts()  # built here, on the caller's thread, the first time
         structured = sampling.structured_outputs
         if structured is not None:  # compiled here, on the caller's thread: a new grammar never stalls a step
             generated = request.prompt_token_ids[len(request.prompt_token_ids) - structured.num_generated :]
