@@ -123,7 +123,11 @@ def compile_times(reps: int) -> dict[str, list[float]]:
     from server.engine.structured import GrammarCompiler
 
     folder = prepare_model(DEFAULT_MODEL).folder
-    compiler = GrammarCompiler(folder / "tokenizer.json", 49152, [2])
+    model = json.loads((folder / "config.json").read_text())
+    eos = model["eos_token_id"]
+    compiler = GrammarCompiler(
+        folder / "tokenizer.json", model["vocab_size"], eos if isinstance(eos, list) else [eos]
+    )
     compiler.matcher(structured_spec("warm", "json", typical_schema("warm")), [])
     out: dict[str, list[float]] = {"compile_new_schema_ms": [], "compile_cached_schema_ms": []}
     for rep in range(max(reps, 5)):

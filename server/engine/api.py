@@ -391,14 +391,6 @@ class GenerationOutput(msgspec.Struct, array_like=True):
 OutputSink = Callable[[GenerationOutput], None]
 
 
-def is_default(params: SamplingParams, name: str) -> bool:
-    """`name` is at its default in `params` (a request that sets it asks for something)."""
-    return getattr(params, name) == getattr(_DEFAULTS, name)
-
-
-_DEFAULTS = SamplingParams()
-
-
 @dataclass(slots=True)
 class PoolStats:
     """An engine's KV pool occupancy in blocks, its queues in sequences, and its preemptions so far."""
