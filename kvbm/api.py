@@ -1,4 +1,5 @@
-"""The engine's window onto the KV tiers below its own pool (G2 host, G3 disk, G4 Redis): the KVBM agent.
+"""The engine's window onto the KV tiers below its own pool (G2 host, G3 disk, G4 Redis, G5 objects): the KVBM
+agent.
 
 KV layout (fixed, so that a block moves as one contiguous span of bytes):
 
@@ -39,11 +40,12 @@ class KVLayout:
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """A full block entered the engine's prefix cache (G1)."""
+    """A full block entered the engine's prefix cache (G1), in row `block_id` of the pool (-1: not said)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
+    block_id: int = -1
 
 
 @dataclass(frozen=True, slots=True)

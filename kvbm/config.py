@@ -32,9 +32,17 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_url          G4: Redis holding blocks for every node (--redis-url); None = no G4
     redis_cache_gb     G4 capacity bound kept by our own LRU sorted set; 0 = unbounded (server maxmemory rules)
     redis_ttl_s        G4 expiry of a block in seconds; 0 = none
+    object_url         G5: s3://BUCKET/PREFIX, blocks as objects for every server, kept across restarts
+                       (--kvbm-object-url); credentials, region and endpoint from the AWS_* environment
+    object_cache_gb    G5 bound on the objects this process knows of (LRU deleted past it); 0 = unbounded
+                       (the bucket's lifecycle rule bounds it)
+    object_timeout_s   G5 per-request timeout (--kvbm-object-timeout-secs); a miss's lookup waits less
+                       (object_pool.LOOKUP_TIMEOUT_S)
     write_through      blocks offloaded from G1 also go to G4 (shared with other nodes); without it G4 is
                        written only when no local tier (G2/G3) is configured. The engine offloads on G1
-                       eviction, so a chain reaches G4 tail first, as its blocks are evicted
+                       eviction, so a chain reaches G4 tail first, as its blocks are evicted. With G5, every
+                       block leaving G1 goes to the bucket anyway; write_through sends each block there as
+                       soon as it is computed
     disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
     disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
     cache_id           node-local name of the G2 segment; workers sharing it share blocks
@@ -43,8 +51,9 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     flush_budget_s     on close, each process copies the G2 blocks it stored (the last one: also those whose
                        owners left without doing so) to its G3, coldest first, for at most this many seconds
                        (--kvbm-flush-secs); 0: no copy
-    g4_key             32-byte key that signs and verifies G4 blocks (cluster.secret.derive_key(cluster secret,
-                       "g4-mac")); required with redis_url: Redis is shared storage, not trusted storage
+    g4_key             32-byte key that signs and verifies G4 and G5 blocks (cluster.secret.derive_key(cluster
+                       secret, "g4-mac")); required with redis_url or object_url: shared storage is not trusted
+                       storage
     """
 
     host_cache_gb: NonNegative = 1.0
@@ -53,6 +62,9 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str | None = None
     redis_cache_gb: NonNegative = 0.0
     redis_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
+    object_url: str | None = None
+    object_cache_gb: NonNegative = 0.0
+    object_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     write_through: bool = False
     disk_min_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
     disk_fsync: bool = False
@@ -74,12 +86,20 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
         except msgspec.ValidationError as exc:
             field, message = _field_problem(exc)
             raise KVBMConfigError(field, message) from None
-        if self.redis_url and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
-            raise KVBMConfigError(
-                "redis_url",
-                "G4 blocks are signed with a key derived from the cluster secret; "
-                "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)",
-            )
+        if self.object_url:
+            from kvbm.object_pool import parse_object_url
+
+            try:
+                parse_object_url(self.object_url)
+            except ValueError as exc:
+                raise KVBMConfigError("object_url", str(exc)) from None
+        for field, tier in (("redis_url", "G4"), ("object_url", "G5")):
+            if getattr(self, field) and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
+                raise KVBMConfigError(
+                    field,
+                    f"{tier} blocks are signed with a key derived from the cluster secret; "
+                    "give every strata process --cluster-secret-file (or STRATA_CLUSTER_SECRET)",
+                )
 
     def to_json(self) -> dict[str, object]:
         """JSON values (the path as a string, the G4 key as hex) for a worker under another Python."""

@@ -1,23 +1,29 @@
-"""`KVBMConnector`: the engine's KVConnector over G2 host shm, G3 disk and G4 Redis (the per-worker KVBM agent).
+"""`KVBMConnector`: the engine's KVConnector over G2 host shm, G3 disk, G4 Redis and G5 object storage (the
+per-worker KVBM agent).
 
 Policies:
   offload   G1 eviction -> the first local tier (G2, or G3 when there is no G2), else the remote one (G4);
             blocks a local tier has no room for (G2: every way of their set pinned or claimed by the same
             batch) go straight to the next local tier; with `write_through` every offloaded block is also
-            written to the remote tier (G4).
+            written to the remote tier (G4). Every block leaving G1 is also queued for the bucket (G5), and
+            with `write_through` every block as soon as it is computed (its BlockStored event); the uploads
+            run on the tier's threads and their stored events are published on the engine thread's next call.
   spill     a block a local tier evicts goes to the next local tier (G2 -> G3) if it was used at least
             `disk_min_uses` times, else it is dropped.
   onboard   one batched transfer per tier, fastest first (G2 memcpy, G3 preadv of consecutive slots, G4 one
-            MGET pipeline), each tier asked only for the blocks no faster tier delivered, so a block missing or
+            MGET pipeline, G5 concurrent GETs), each tier asked only for the blocks no faster tier delivered, so a block missing or
             corrupt in G3 still comes from G4; the engine gets the leading run of valid blocks.
-  lookup    the leading run of blocks some tier holds (G2 headers, G3 in-memory index, G4 one EXISTS pipeline).
+  lookup    the leading run of blocks some tier holds (G2 headers, G3 in-memory index, G4 one EXISTS pipeline,
+            G5 one HEAD for a miss). G5 is last: Redis answers from memory, a bucket from farther away.
   close     G2 is node memory, and a graceful stop must neither lose its blocks nor leak it: each process
             copies the G2 blocks it stored (used at least `disk_min_uses` times) that its G3 lacks into it,
             hottest first, within `flush_budget_s`, then leaves the segment. The last process to leave
             (host_pool.py counts users with kernel-held locks, so killed ones do not count) also copies the
             blocks whose owners left without doing so, and removes the segment unless `keep_host_cache`. In
             `strata serve` that is the server for an in-process engine, the last of its workers to stop with
-            --workers N, or a `strata worker` of the same node that outlives them.
+            --workers N, or a `strata worker` of the same node that outlives them. With G5, the G2 blocks
+            this process stored that the bucket lacks are uploaded too, and the upload queue drained, within
+            the same budget.
 Events: every change of what this worker holds (G1 from the engine's events, G2/G3/G4 from the tiers) is
 published to `events` (the embedded `KVIndex`, a transport to the server's index, or the Redis Stream channel)
 as `TierEvent`s; G2 events name the node's segment so every worker mapping it is credited.
@@ -46,6 +52,7 @@ from kvbm.disk_pool import DiskPool
 from kvbm.events import G1, EventKind, EventSink, TierEvent
 from kvbm.host_pool import SHM_DIR, HostPool
 from kvbm.metrics import KVBMMetrics
+from kvbm.object_pool import ObjectPool
 from kvbm.redis_pool import RedisPool
 from kvbm.tier import BlockTier, EvictedBlock
 
@@ -96,7 +103,8 @@ class KVBMConnector:
         self._chain: list[
             BlockTier
         ] = []  # the local tiers: offload goes to the first, each spills to the next
-        self._remote: list[BlockTier] = []  # written through
+        self._remote: list[BlockTier] = []  # written through (G4)
+        self._bucket: ObjectPool | None = None  # G5: every block leaving G1
         self._host: HostPool | None = None  # G2 while this connector maps it (left on close)
         self._closed = False
         self._g1: set[BlockHash] = set()
@@ -109,7 +117,8 @@ class KVBMConnector:
         self._rows = block_rows(kv_cache, kv_cache.shape[0])
         self.tiers = self._open_tiers()
         self._chain = [tier for tier in self.tiers if not tier.remote]
-        self._remote = [tier for tier in self.tiers if tier.remote]
+        self._bucket = next((tier for tier in self.tiers if isinstance(tier, ObjectPool)), None)
+        self._remote = [tier for tier in self.tiers if tier.remote and tier is not self._bucket]
         self._host = next((tier for tier in self.tiers if isinstance(tier, HostPool)), None)
         segment = next((tier.segment for tier in self.tiers if tier.segment), "")
         self.node = f"{socket.gethostname()}:{segment}" if segment else ""
@@ -126,23 +135,41 @@ class KVBMConnector:
         self.announce()
 
     def _open_tiers(self) -> list[BlockTier]:
-        """The configured tiers, fastest first; a G2 or G3 smaller than one block is off."""
+        """The configured tiers, fastest first; a G2 or G3 smaller than one block is off. A tier that fails to
+        open closes the ones opened before it (a G2 segment this process created is removed), then raises."""
         cfg, bb, fingerprint = self.config, self.block_bytes, self.layout.fingerprint
         host_slots = cfg.capacity_blocks(cfg.host_cache_gb, bb)
         disk_slots = cfg.capacity_blocks(cfg.disk_cache_gb, bb)
         if (cfg.host_cache_gb > 0 and host_slots == 0) or (cfg.disk_cache_gb > 0 and disk_slots == 0):
             log.warning("kvbm: a G2/G3 size below one %d-byte block turns that tier off", bb)
         tiers: list[BlockTier] = []
-        if host_slots > 0:
-            owner = self.worker_id
-            tiers.append(HostPool(cfg.cache_id, fingerprint, bb, host_slots, owner, shm_dir=self.shm_dir))
-        if disk_slots > 0:
-            path = cfg.disk_path / _file_name(self.worker_id)
-            tiers.append(DiskPool(path, fingerprint, bb, disk_slots, self.metrics, cfg.disk_fsync))
-        if cfg.redis_url:
-            link = RedisLink(cfg.redis_url, self.metrics.redis_up)
-            slots = cfg.capacity_blocks(cfg.redis_cache_gb, bb)
-            tiers.append(RedisPool(link, cfg.g4_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics))
+        try:
+            if host_slots > 0:
+                owner = self.worker_id
+                tiers.append(HostPool(cfg.cache_id, fingerprint, bb, host_slots, owner, shm_dir=self.shm_dir))
+            if disk_slots > 0:
+                path = cfg.disk_path / _file_name(self.worker_id)
+                tiers.append(DiskPool(path, fingerprint, bb, disk_slots, self.metrics, cfg.disk_fsync))
+            if cfg.redis_url:
+                link = RedisLink(cfg.redis_url, self.metrics.redis_up)
+                slots = cfg.capacity_blocks(cfg.redis_cache_gb, bb)
+                tiers.append(
+                    RedisPool(link, cfg.g4_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics)
+                )
+            if cfg.object_url:
+                slots = cfg.capacity_blocks(cfg.object_cache_gb, bb)
+                tiers.append(
+                    ObjectPool(
+                        cfg.object_url, cfg.g4_key, fingerprint, bb, slots, cfg.object_timeout_s, self.metrics
+                    )
+                )
+        except BaseException:
+            for tier in tiers:
+                if isinstance(tier, HostPool):
+                    tier.destroy() if tier.leave() and not cfg.keep_host_cache else tier.close()
+                else:
+                    tier.close()
+            raise
         return tiers
 
     def _below(self, tier: BlockTier) -> BlockTier | None:
@@ -203,6 +230,7 @@ class KVBMConnector:
         """Leading blocks some tier holds. Each tier, fastest first, is asked only about blocks no faster tier
         holds, and counts a hit or a miss for each block it was asked about."""
         self._announce_if_due()
+        self._publish_bucket()
         missing = list(range(len(block_hashes)))
         for tier in self.tiers:
             if not missing:
@@ -236,7 +264,22 @@ class KVBMConnector:
                 present = tier.contains(block_hashes)
                 missing = [i for i, here in enumerate(present) if not here]
                 self._offload_to(tier, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
+        if self._bucket is not None:
+            self._to_bucket(block_hashes, blocks)
         self._update_used()
+
+    def _to_bucket(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> None:
+        """Queue blocks for G5 (a copy each, made here; the upload is the tier's), and publish what it stored."""
+        self._bucket.put(block_hashes, blocks)
+        self._publish_bucket()
+
+    def _publish_bucket(self) -> None:
+        """Index events of the uploads and deletions G5 finished since the last call (engine thread)."""
+        if self._bucket is None:
+            return
+        stored, removed = self._bucket.take_changes()
+        self._publish("stored", self._bucket, stored)
+        self._publish("removed", self._bucket, removed)
 
     def _offload_to(
         self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]
@@ -289,6 +332,8 @@ class KVBMConnector:
         if isinstance(event, BlockStored):
             self._g1.add(event.block_hash)
             self._publish_g1("stored", [event.block_hash])
+            if self._bucket is not None and self.config.write_through and event.block_id >= 0:
+                self._to_bucket([event.block_hash], [self._rows[event.block_id]])
         elif isinstance(event, BlockRemoved):
             self._g1.difference_update(event.block_hashes)
             if event.block_hashes:
@@ -304,9 +349,17 @@ class KVBMConnector:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self.config.flush_budget_s
         if self._host is not None and not self._host.closed:  # a test or bench may have destroyed it already
             self._leave_host(self._host)
         self._host = None
+        if self._bucket is not None:
+            left = self._bucket.drain(deadline)
+            if left:
+                log.warning(
+                    "kvbm %s: --kvbm-flush-secs spent: %d uploads to G5 dropped", self.worker_id, left
+                )
+            self._publish_bucket()
         for tier in self.tiers:
             tier.close()
         close_events = getattr(self.events, "close", None)
@@ -321,9 +374,12 @@ class KVBMConnector:
         min_uses = self.config.disk_min_uses
         if below is not None:
             self._flush(host, below, host.flush_candidates(self.worker_id, min_uses), deadline)
+        self._flush_to_bucket(host, host.flush_candidates(self.worker_id, min_uses))
         last = host.leave()
         if last and below is not None:
             self._flush(host, below, host.flush_candidates(None, min_uses), deadline)
+        if last:
+            self._flush_to_bucket(host, host.flush_candidates(None, min_uses))
         if last and not self.config.keep_host_cache:
             host.destroy()
             log.info("kvbm %s: removed G2 segment %s (last process to close it)", self.worker_id, host.path)
@@ -362,6 +418,19 @@ class KVBMConnector:
                 "kvbm %s: copied %d G2 blocks (%.0f MiB) to %s in %.2f s",
                 self.worker_id, copied, copied * self.block_bytes / 2**20, below.name, elapsed,
             )  # fmt: skip
+
+    def _flush_to_bucket(self, host: HostPool, block_hashes: list[BlockHash]) -> None:
+        """Queue for G5 the G2 blocks it does not hold (their eviction from G1 queued them once already; these
+        are the uploads that were dropped or failed), hottest first; `close` drains the queue."""
+        bucket = self._bucket
+        if bucket is None or self.config.flush_budget_s <= 0:
+            return
+        missing = bucket.unknown(block_hashes)[::-1]
+        for offset in range(0, len(missing), FLUSH_BATCH):
+            batch = missing[offset : offset + FLUSH_BATCH]
+            with host.pinned(batch) as payloads:
+                rows = [i for i, payload in enumerate(payloads) if payload is not None]
+                bucket.put([batch[i] for i in rows], [payloads[i] for i in rows])
 
     def _flush_batch(self, host: HostPool, below: BlockTier, block_hashes: list[BlockHash]) -> int:
         """One batch of `_flush`, written to `below` straight from the pinned G2 slots; returns the blocks

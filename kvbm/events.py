@@ -17,8 +17,8 @@ import numpy as np
 from kvbm.block_hash import BlockHash
 
 EventKind = Literal["stored", "removed", "moved"]
-G1, G2, G3, G4 = 1, 2, 3, 4
-Tier = Annotated[int, msgspec.Meta(ge=G1, le=G4)]
+G1, G2, G3, G4, G5 = 1, 2, 3, 4, 5
+Tier = Annotated[int, msgspec.Meta(ge=G1, le=G5)]
 WireHash = Annotated[BlockHash, msgspec.Meta(ge=0)]  # a u64 (msgpack has no larger integer)
 
 
@@ -26,7 +26,8 @@ WireHash = Annotated[BlockHash, msgspec.Meta(ge=0)]  # a u64 (msgpack has no lar
 class TierEvent:
     """`block_hashes` entered (stored), left (removed) or went from `from_tier` to `tier` (moved) on `worker_id`.
 
-    Tiers are 1..4 for G1..G4. G4 is shared by everyone: its events name the writer but index globally.
+    Tiers are 1..5 for G1..G5. G4 (Redis) and G5 (object storage) are shared by everyone: their events name
+    the writer but index globally.
     `ttl_s` (G4 stored only) makes the index forget the blocks when Redis expires them. `timestamp` is unix
     seconds at publish time (event lag = apply time - timestamp). `node` names the G2 segment (host:cache id)
     of a G2 event: every worker mapping that segment can onboard the block, so the index credits them all.
@@ -36,16 +37,16 @@ class TierEvent:
     kind: EventKind
     tier: Tier
     block_hashes: tuple[WireHash, ...]
-    from_tier: Annotated[int, msgspec.Meta(ge=0, le=G4)] = 0  # 0 unless moved
+    from_tier: Annotated[int, msgspec.Meta(ge=0, le=G5)] = 0  # 0 unless moved
     ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
     timestamp: float = field(default_factory=time.time)
     node: str = ""
 
     def __post_init__(self) -> None:
-        """A move leaves a tier 1..4 (msgspec passes this message on unchanged, so it names the field itself)."""
-        if self.kind == "moved" and not G1 <= self.from_tier <= G4:
+        """A move leaves a tier 1..5 (msgspec passes this message on unchanged, so it names the field itself)."""
+        if self.kind == "moved" and not G1 <= self.from_tier <= G5:
             raise ValueError(
-                f"a moved event leaves a tier {G1}..{G4}, got {self.from_tier} - at `$.from_tier`"
+                f"a moved event leaves a tier {G1}..{G5}, got {self.from_tier} - at `$.from_tier`"
             )
 
     def to_fields(self) -> dict[bytes, bytes]:

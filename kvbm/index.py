@@ -1,10 +1,11 @@
-"""The KVBM service index: block hash -> which worker holds it on which tier, plus who-has-it-in-G4.
+"""The KVBM service index: block hash -> which worker holds it on which tier, plus whether G4 and G5 hold it.
 
 Each block hash maps to one Python int used as a bit set (`W` = max_workers bit planes):
 
     bit (tier - 1) * W + slot   worker in `slot` holds the block in G1 / G2 / G3   (tier 1..3)
-    bit 3 * W                   the block is in G4 (shared by everyone)
-    bit 3 * W + 1 + node        the block is in the G2 segment `node`, shared by every worker on it
+    bit 3 * W                   the block is in G4 (Redis, shared by everyone)
+    bit 3 * W + 1               the block is in G5 (the object store, shared by everyone)
+    bit 3 * W + 2 + node        the block is in the G2 segment `node`, shared by every worker on it
                                 (G2 events that name a node; workers join a node by naming it)
 
 A query walks the hashes once, AND-ing per-tier "still unbroken" worker sets, so its cost is a few big-int
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvbm.block_hash import BlockHash
-from kvbm.events import G2, G4, TierEvent
+from kvbm.events import G2, G4, G5, TierEvent
 from kvbm.metrics import KVBMMetrics
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,13 @@ class WorkerPrefix:
 
 @dataclass(slots=True)
 class PrefixReport:
-    """Answer to one query: per worker the cumulative leading prefix per tier, and the leading prefix in G4."""
+    """Answer to one query: per worker the cumulative leading prefix per tier, and the leading prefixes in the
+    shared tiers: G4, and G4 or G5 (so g4 <= g5)."""
 
     num_blocks: int
     workers: dict[str, WorkerPrefix] = field(default_factory=dict)
     g4: int = 0
+    g5: int = 0
 
 
 class KVIndex:
@@ -62,7 +65,8 @@ class KVIndex:
         self._live = 0
         self._plane = (1 << max_workers) - 1
         self._g4_bit = 1 << (3 * max_workers)
-        self._node_base = 3 * max_workers + 1
+        self._g5_bit = 1 << (3 * max_workers + 1)
+        self._node_base = 3 * max_workers + 2
         self._node_slot: dict[str, int] = {}
         self._node_members: list[int] = []  # per node slot: bit set of the worker slots on it
         self._node_of_worker: dict[int, int] = {}
@@ -148,7 +152,7 @@ class KVIndex:
 
     def _apply(self, event: TierEvent) -> None:
         known = event.worker_id in self._slot_of
-        shared = event.tier == G4 or (event.tier == G2 and bool(event.node))
+        shared = event.tier in (G4, G5) or (event.tier == G2 and bool(event.node))
         if event.kind == "removed" and not known and not shared:
             return  # a worker we already forgot
         slot = self._register(event.worker_id) if known or event.kind != "removed" else -1
@@ -169,6 +173,8 @@ class KVIndex:
     def _bit(self, tier: int, slot: int, node: str) -> int:
         if tier == G4:
             return self._g4_bit
+        if tier == G5:
+            return self._g5_bit
         if tier == G2 and node:
             return 1 << (self._node_base + self._node(node))
         return 1 << ((tier - 1) * self.max_workers + slot)
@@ -215,7 +221,7 @@ class KVIndex:
                 self._g4_expiry.pop(block_hash, None)
 
     def query(self, block_hashes: Sequence[BlockHash]) -> PrefixReport:
-        """Per live worker the cumulative leading prefix per tier, and the leading prefix in G4 (blocks)."""
+        """Per live worker the cumulative leading prefix per tier, and the shared tiers' leading prefixes."""
         with self._lock:
             return self._query(block_hashes)
 
@@ -224,6 +230,7 @@ class KVIndex:
         alive1 = alive2 = alive3 = self._live
         ends: list[tuple[int, int, int]] = []  # (tier index, slot bits, prefix length)
         g4_alive, g4_len, previous, now = True, 0, -1, time.time()
+        g5_alive, g5_len = True, 0
         position = 0
         for position, block_hash in enumerate(block_hashes):
             mask = masks.get(block_hash, 0)
@@ -243,15 +250,18 @@ class KVIndex:
                 if alive3 & ~held3:
                     ends.append((2, alive3 & ~held3, position))
                     alive3 &= held3
-            if g4_alive:
-                g4_alive = bool(mask & self._g4_bit) and self._g4_expiry.get(block_hash, math.inf) > now
+            if g5_alive:
+                in_g4 = bool(mask & self._g4_bit) and self._g4_expiry.get(block_hash, math.inf) > now
+                g4_alive = g4_alive and in_g4
                 g4_len += g4_alive
-            if not alive3 and not g4_alive:
+                g5_alive = in_g4 or bool(mask & self._g5_bit)
+                g5_len += g5_alive
+            if not alive3 and not g5_alive:
                 break
         else:
             position = len(block_hashes)
         ends += [(0, alive1, position), (1, alive2, position), (2, alive3, position)]
-        return PrefixReport(len(block_hashes), self._worker_prefixes(ends), g4_len)
+        return PrefixReport(len(block_hashes), self._worker_prefixes(ends), g4_len, g5_len)
 
     def _worker_prefixes(self, ends: list[tuple[int, int, int]]) -> dict[str, WorkerPrefix]:
         lengths: dict[int, list[int]] = {}

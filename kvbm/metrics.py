@@ -10,7 +10,7 @@ _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.0
 
 
 class KVBMMetrics:
-    """Labels: `model` is the served model whose engine holds the blocks; `tier` is G1..G4; `direction` is "G1->G2",
+    """Labels: `model` is the served model whose engine holds the blocks; `tier` is G1..G5; `direction` is "G1->G2",
     "G2->G1", "G2->G3", ... (source -> destination). Tier and transfer series are a model's (`for_model`); the
     index's, the query port's and Redis's are the process's (the index spans every model's workers)."""
 
@@ -36,6 +36,20 @@ class KVBMMetrics:
         self.checksum_failures = Counter(
             "kvbm_checksum_failures",
             "Blocks whose bytes failed verification (served as a miss)",
+            _TIER,
+            registry=reg,
+        )
+        self.object_requests = Counter(
+            "kvbm_object_requests",
+            "Object-store requests of the G5 tier by operation (head, get, put, delete, list) and outcome (ok,"
+            " missing, present, corrupt, denied, throttled, timeout, error; skipped: circuit open; dropped:"
+            " upload queue full)",
+            ["model", "tier", "op", "outcome"],
+            registry=reg,
+        )
+        self.object_up = Gauge(
+            "kvbm_object_store_up",
+            "1 while the object tier's circuit is closed (its last request succeeded)",
             _TIER,
             registry=reg,
         )
@@ -89,6 +103,12 @@ class TierMetrics:
 
     def record_checksum_failure(self, tier: str) -> None:
         self.all.checksum_failures.labels(self.model, tier).inc()
+
+    def record_object_request(self, tier: str, op: str, outcome: str, n: int = 1) -> None:
+        self.all.object_requests.labels(self.model, tier, op, outcome).inc(n)
+
+    def set_object_up(self, tier: str, up: bool) -> None:
+        self.all.object_up.labels(self.model, tier).set(1 if up else 0)
 
     def record_transfer(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
         metrics = self.all

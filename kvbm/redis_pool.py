@@ -1,52 +1,34 @@
 """G4: blocks as binary Redis values, shared by every node that points at the same Redis.
 
     key    kvbm:blk:<layout tag>:<block hash, 16 hex>
-    value  40-byte header (magic u64, layout tag u64, payload length u64, MAC 16 bytes) + payload
-           MAC = keyed BLAKE3 over (layout tag, block hash, payload) with a key derived from the cluster secret
+    value  a signed block (kvbm/signing.py: header with a keyed BLAKE3 MAC, then the payload)
     kvbm:lru:<layout tag>   sorted set block-hash -> last use (unix s), our own capacity bound when
                             `capacity_blocks` > 0: after a put the oldest members beyond it are deleted
 
 A get is one pipeline (MGET + touch of the LRU set); a value whose header or MAC does not match is a miss
-plus `kvbm_checksum_failures{tier="G4"}`, never bytes. The MAC is what makes Redis untrusted storage: whoever can
-write to it but lacks the secret cannot make a block that verifies, nor move a real block to another hash or
-layout. (It does not hide the KV data, and a writer can still delete or replace blocks with stale signed ones
-of the same hash: a denial of service, not a forgery.) With a TTL every key expires on its own (the LRU set keeps
+plus `kvbm_checksum_failures{tier="G4"}`, never bytes: Redis is shared storage, not trusted storage. With a TTL every key expires on its own (the LRU set keeps
 a dead member until it is trimmed, which only costs a later miss). Redis down: every call is a miss or a no-op.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from blake3 import blake3
 
 from cluster.redis_link import RedisLink
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import TierMetrics
+from kvbm.signing import BlockSeal
 from kvbm.tier import EvictedBlock, EvictFn, PutResult, layout_tag
 
 log = logging.getLogger(__name__)
 
 FETCH_CHUNK_BLOCKS = 8  # blocks per MGET of an onboard (~6 MB of SmolLM2 fp32 KV)
 MAGIC = 0x344756424B415254  # "TRAKBVG4"
-HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("length", "<u8"), ("mac", "V16")])
-
-
-def block_mac(key: bytes, layout_tag: int, block_hash: int, payload) -> bytes:
-    """16-byte keyed BLAKE3 over (layout, block hash, payload: any buffer, read in place): a G4 value nobody
-    without the 32-byte key (`derive_key(secret, "g4-mac")`) can forge, and that cannot be moved to another
-    block hash or layout.
-
-    BLAKE3 because the MAC sits on G4's onboarding path, and it hashes faster on one core than BLAKE2b or SHA-256
-    (docs/workers.md; bench/kvbm.py measures the onboarding cost)."""
-    mac = blake3(layout_tag.to_bytes(8, "little") + block_hash.to_bytes(8, "little"), key=key)
-    mac.update(payload)
-    return mac.digest(16)
 
 
 class RedisPool:
@@ -66,7 +48,6 @@ class RedisPool:
         on_evict: EvictFn | None = None,
     ) -> None:
         self.link = link
-        self._mac_key = mac_key
         self.block_bytes = block_bytes
         self.ttl_s = ttl_s
         self.metrics = metrics
@@ -74,7 +55,7 @@ class RedisPool:
         self._capacity = capacity_blocks
         self._last_size = 0  # blocks in the LRU set after our last put
         tag = layout_tag(fingerprint)
-        self._layout = int(tag, 16)
+        self._seal = BlockSeal(mac_key, MAGIC, int(tag, 16), block_bytes)
         self._prefix = f"kvbm:blk:{tag}:".encode()
         self._lru_key = f"kvbm:lru:{tag}".encode()
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm-g4-fetch")
@@ -105,9 +86,7 @@ class RedisPool:
         return self.link.call(query, [False] * len(block_hashes))
 
     def encode(self, block_hash: BlockHash, block: np.ndarray) -> bytes:
-        mac = block_mac(self._mac_key, self._layout, block_hash, block)
-        header = np.array([(MAGIC, self._layout, block.nbytes, mac)], dtype=HEADER)
-        return header.tobytes() + block.tobytes()
+        return self._seal.seal(block_hash, block)
 
     def put(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> PutResult:
         """Every block is written (one pipeline), present or not; Redis down rejects them all."""
@@ -172,19 +151,7 @@ class RedisPool:
     def _decode_into(self, block_hash: BlockHash, value: bytes | None, dest: np.ndarray) -> bool:
         if value is None:
             return False
-        size = HEADER.itemsize + self.block_bytes
-        header = np.frombuffer(value, dtype=HEADER, count=1)[0] if len(value) >= HEADER.itemsize else None
-        payload = memoryview(value)[HEADER.itemsize :] if len(value) == size else None
-        if (
-            header is None
-            or payload is None
-            or int(header["magic"]) != MAGIC
-            or int(header["layout"]) != self._layout
-            or int(header["length"]) != self.block_bytes
-            or not hmac.compare_digest(
-                header["mac"].tobytes(), block_mac(self._mac_key, self._layout, block_hash, payload)
-            )
-        ):
+        if not self._seal.open_into(block_hash, value, dest):
             log.warning(
                 "G4 value of block %016x failed verification (%d bytes); treating it as a miss",
                 block_hash,
@@ -193,7 +160,6 @@ class RedisPool:
             if self.metrics is not None:
                 self.metrics.record_checksum_failure(self.name)
             return False
-        dest[:] = np.frombuffer(payload, dtype=np.uint8)
         return True
 
     def evict(self, num_blocks: int) -> list[BlockHash]:

@@ -360,7 +360,27 @@ def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
     )
     kv.add_argument("--kvbm-disk-path", type=Path, default=Path(".strata-cache/kvbm"))
     kv.add_argument(
-        "--kvbm-write-through", action="store_true", help="also write every offloaded block to G4"
+        "--kvbm-write-through",
+        action="store_true",
+        help="also write every offloaded block to G4, and every block to G5 as soon as it is computed",
+    )
+    kv.add_argument(
+        "--kvbm-object-url",
+        default=None,
+        metavar="s3://BUCKET/PREFIX",
+        help="G5: KV blocks as objects in an S3-compatible bucket, shared by every server and kept across restarts"
+        " (credentials, region and endpoint from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,"
+        " AWS_REGION, AWS_ENDPOINT_URL)",
+    )
+    kv.add_argument(
+        "--kvbm-object-cache-gb",
+        type=float,
+        default=0.0,
+        help="G5 bound: past it the least recently used objects this server knows of are deleted (0: unbounded,"
+        " leave it to the bucket's lifecycle rule)",
+    )
+    kv.add_argument(
+        "--kvbm-object-timeout-secs", type=float, default=2.0, help="G5 timeout of each object-store request"
     )
     kv.add_argument("--kvbm-redis-ttl-secs", type=int, default=0, help="G4 block expiry (0: none)")
     kv.add_argument("--kvbm-redis-cache-gb", type=float, default=0.0, help="G4 capacity bound (0: unbounded)")
@@ -474,6 +494,9 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
         disk_cache_gb=tiers.kvbm_disk_cache_gb,
         disk_path=tiers.kvbm_disk_path,
         redis_url=options.redis_url,
+        object_url=tiers.kvbm_object_url,
+        object_cache_gb=tiers.kvbm_object_cache_gb,
+        object_timeout_s=tiers.kvbm_object_timeout_secs,
         write_through=tiers.kvbm_write_through,
         redis_ttl_s=tiers.kvbm_redis_ttl_secs,
         redis_cache_gb=tiers.kvbm_redis_cache_gb,

