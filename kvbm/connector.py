@@ -165,8 +165,8 @@ class KVBMConnector:
                 )
         except BaseException:
             for tier in tiers:
-                if isinstance(tier, HostPool):
-                    tier.destroy() if tier.leave() and not cfg.keep_host_cache else tier.close()
+                if isinstance(tier, HostPool) and tier.leave() and not cfg.keep_host_cache:
+                    tier.destroy()  # this process created the segment and nobody else maps it
                 else:
                     tier.close()
             raise

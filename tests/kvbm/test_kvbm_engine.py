@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import obstore
 import pytest
 from kvbm_testing import G4_KEY
 
@@ -12,6 +13,7 @@ from kvbm.agent import build_connector
 from kvbm.block_hash import block_hashes
 from kvbm.config import GIB, KVBMConfig
 from kvbm.index import KVIndex
+from kvbm.object_pool import open_store
 from server.engine.api import GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -50,7 +52,7 @@ def onboarded_per_tier(connector) -> dict[str, float]:
             "kvbm_onboard_blocks_total", {"model": connector.metrics.model, "direction": f"{tier}->G1"}
         )
         or 0
-        for tier in ("G2", "G3", "G4")
+        for tier in ("G2", "G3", "G4", "G5")
     }
 
 
@@ -101,3 +103,49 @@ def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: s
     reader.close()
     assert output.new_token_ids == expected
     assert output.num_cached_tokens >= 160 and onboarded_per_tier(reader)["G4"] > 0
+
+
+def test_fresh_engine_onboards_from_the_bucket(cache_id: str, object_url: str, monkeypatch) -> None:
+    """G5 with nothing else shared: the first engine's blocks reach the bucket as G1 evicts them (through G2);
+    a second engine with a fresh G2, no G3 and no Redis answers from them with the same greedy tokens. With
+    every other object tampered, or credentials the store refuses, the answer is the same again."""
+    first_config = KVBMConfig(
+        cache_id=cache_id, host_cache_gb=8 * BLOCK_BYTES / GIB, object_url=object_url, g4_key=G4_KEY
+    )
+    writer = build_connector(first_config, "server-a")
+    with engine(40, writer) as first:
+        prompt = first.encode(document(TOPICS[0]))
+        expected = greedy(first, prompt, "a").new_token_ids
+        for topic in TOPICS[1:3]:  # push the first prompt's blocks out of G1 (and through the small G2)
+            greedy(first, first.encode(document(topic)), f"evict-{topic}")
+    writer.close()  # drains the uploads
+    fresh = KVBMConfig(cache_id=cache_id + "-b", host_cache_gb=0, object_url=object_url, g4_key=G4_KEY)
+    reader = build_connector(fresh, "server-b")
+    with engine(40, reader) as second:
+        output = greedy(second, prompt, "b")
+    reader.close()
+    assert output.new_token_ids == expected
+    assert output.num_cached_tokens >= 160 and onboarded_per_tier(reader)["G5"] > 0
+
+    store = open_store(object_url, 2.0)  # someone with write access to the bucket but not the secret
+    names = [e["path"] for chunk in obstore.list(store) for e in chunk if not e["path"].endswith(".txt")]
+    for name in names[::2]:
+        value = bytearray(obstore.get(store, name).bytes())
+        value[100] ^= 0xFF
+        obstore.put(store, name, bytes(value))
+    checker = build_connector(fresh, "server-d")
+    with engine(40, checker) as fourth:
+        output = greedy(fourth, prompt, "d")
+    checker.close()
+    assert output.new_token_ids == expected
+    failures = checker.metrics.registry.get_sample_value(
+        "kvbm_checksum_failures_total", {"model": checker.metrics.model, "tier": "G5"}
+    )
+    assert failures and failures >= 1
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    refused = build_connector(fresh, "server-c")
+    with engine(40, refused) as third:
+        output = greedy(third, prompt, "c")
+    refused.close()
+    assert output.new_token_ids == expected and output.num_cached_tokens == 0

@@ -1,0 +1,89 @@
+"""`strata serve --kvbm-object-url` against a real S3 server (SeaweedFS) behind a fault proxy: a second server
+with a fresh G2, no G3 and no Redis answers a long prompt from the blocks the first one wrote, with the same
+greedy text; with the endpoint silent, a prompt the bucket holds is recomputed, with the same text."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from harness.fault_proxy import FaultProxy
+from harness.metrics import samples, scrape
+from harness.s3_server import BUCKET
+from harness.servers import copy_models
+
+pytestmark = pytest.mark.slow
+
+
+def document(topic: str) -> str:
+    """About 400 tokens (25 blocks of 16)."""
+    sentences = [f"Paragraph {i} is about {topic} and how it changed daily life in town {i}." for i in range(22)]
+    return " ".join(sentences) + " In one sentence, the main effect was"
+
+
+def generate(server, prompt: str) -> dict:
+    body = {
+        "text_input": prompt,
+        "return_num_cached_tokens": True,
+        "parameters": {"temperature": 0, "max_tokens": 8},
+    }
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/smollm2/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def series(server, name: str, **labels: str) -> float:
+    page = scrape(server.openai_url)
+    return sum(value for found, value in samples(page, name) if labels.items() <= found.items())
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    repo = copy_models(tmp_path / "repo", "smollm2")
+    model_json = repo / "smollm2" / "1" / "model.json"
+    settings = json.loads(model_json.read_text())
+    settings.update(dtype="float32", max_model_len=1024, max_concurrent_requests=2)
+    model_json.write_text(json.dumps(settings))
+    return repo
+
+
+def test_second_server_answers_from_the_bucket(strata, repository, s3_server, monkeypatch) -> None:
+    proxy = FaultProxy(s3_server.port)
+    proxy.start()
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    url = f"s3://{BUCKET}/server-{uuid.uuid4().hex[:8]}"
+    tiers = ("--kvbm-object-url", url, "--kvbm-host-cache-gb", "0.05", "--kvbm-object-timeout-secs", "1")
+    try:
+        first = strata(repository, *tiers, "--kvbm-write-through", "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
+        prompt, other = document("the printing press"), document("the steam engine")
+        expected, expected_other = generate(first, prompt), generate(first, other)
+        assert first.stop(signal.SIGTERM) == 0  # drains the uploads
+
+        second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
+        answer = generate(second, prompt)
+        assert answer["text_output"] == expected["text_output"]
+        assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
+        assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
+
+        proxy.mode = "stall"  # the store stops answering mid-run: `other` (in the bucket) is recomputed
+        started = time.monotonic()
+        stalled = generate(second, other)
+        assert time.monotonic() - started < 30
+        assert stalled["text_output"] == expected_other["text_output"]
+        assert stalled["num_cached_tokens"] == 0
+        assert series(second, "kvbm_object_store_up") == 0
+        assert series(second, "kvbm_object_requests_total", outcome="timeout") >= 1
+    finally:
+        proxy.stop()
