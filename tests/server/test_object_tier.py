@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 def document(topic: str) -> str:
     """About 400 tokens (25 blocks of 16)."""
-    sentences = [f"Paragraph {i} is about {topic} and how it changed daily life in town {i}." for i in range(22)]
+    sentences = [
+        f"Paragraph {i} is about {topic} and how it changed daily life in town {i}." for i in range(22)
+    ]
     return " ".join(sentences) + " In one sentence, the main effect was"
 
 
@@ -66,7 +68,9 @@ def test_second_server_answers_from_the_bucket(strata, repository, s3_server, mo
     url = f"s3://{BUCKET}/server-{uuid.uuid4().hex[:8]}"
     tiers = ("--kvbm-object-url", url, "--kvbm-host-cache-gb", "0.05", "--kvbm-object-timeout-secs", "1")
     try:
-        first = strata(repository, *tiers, "--kvbm-write-through", "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
+        first = strata(
+            repository, *tiers, "--kvbm-write-through", "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}"
+        )
         prompt, other = document("the printing press"), document("the steam engine")
         expected, expected_other = generate(first, prompt), generate(first, other)
         assert first.stop(signal.SIGTERM) == 0  # drains the uploads
