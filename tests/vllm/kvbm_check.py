@@ -4,7 +4,9 @@ few blocks, and the tier events it publishes kept in a list. Prints one JSON lin
 With a folder as third argument: G3 only in that folder, and one block of the prompt corrupted on disk before it
 is asked again (the load stops at it; vLLM recomputes). With a Redis URL as third argument: the engine has no event list but that Redis (the standalone KVBM service's
 mode), a `KVBMService` follows it here, and the service is then restarted on an emptied Redis; the line says what
-the service's index held for the worker before and after (the worker announces again on the new epoch)."""
+the service's index held for the worker before and after (the worker announces again on the new epoch). With an
+s3:// URL as third argument (the AWS_* environment pointing at the store): G5 only; a first engine answers the
+prompt and closes, a second one (nothing of the first in memory) answers it from the bucket."""
 
 from __future__ import annotations
 
@@ -174,10 +176,34 @@ def corrupt_main() -> None:
     print(json.dumps(report))
 
 
+def object_main() -> None:
+    model_folder, object_url = sys.argv[1], sys.argv[3]
+    from cluster.secret import derive_key
+
+    args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 80 << 20}  # fmt: skip
+    g4_key = derive_key(b"kvbm-check cluster secret, 32 by", "g4-mac")
+    kvbm = KVBMConfig(host_cache_gb=0, object_url=object_url, g4_key=g4_key)
+    report = {}
+    for name in ("first", "again"):
+        events = EventList()
+        engine = VLLMEngine(args, worker_id=f"s3-{name}", events=events, kvbm=kvbm)
+        try:
+            prompt = engine.encode(DOCUMENTS[0])
+            report["prompt_tokens"] = len(prompt)
+            report[name] = generate(engine, name, prompt)
+        finally:
+            engine.close()  # drains the uploads
+        report[f"{name}_g5_stored"] = len(events.hashes(5, "stored"))
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3:
         main()
     elif sys.argv[3].startswith("redis"):
         service_main()
+    elif sys.argv[3].startswith("s3://"):
+        object_main()
     else:
         corrupt_main()

@@ -96,3 +96,14 @@ def test_the_connector_leaves_vllms_cpu_thread_reservation_as_without_one(report
     if {"VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"} & set(os.environ):
         pytest.skip("the operator's own CPU binding is in force")
     assert "reserve_cpu_num=1" in report["log"]
+
+
+def test_a_second_vllm_engine_answers_from_the_bucket(vllm_python, object_url):
+    """G5 only: the first engine's blocks reach the bucket as it computes them; a second engine, with nothing
+    of the first in memory, gets every full block of the prompt from there and gives the same answer."""
+    report = run_check(vllm_python, "unused", object_url)
+    full_blocks = (report["prompt_tokens"] - 1) // 128
+    assert report["first"]["cached_tokens"] == 0
+    assert report["first_g5_stored"] == report["prompt_tokens"] // 128
+    assert report["again"]["cached_tokens"] == full_blocks * 128
+    assert report["again"]["token_ids"] == report["first"]["token_ids"]
