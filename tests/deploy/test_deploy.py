@@ -522,3 +522,48 @@ def test_every_dashboard_query_names_a_series_strata_exports() -> None:
         "kvbm_tier_",
     ):
         assert any(name.startswith(prefix) for name in named), f"no panel queries {prefix}*"
+
+
+# ---------------------------------------------------------------------------------------------------- object store
+
+
+def json_patch_add(document: dict, ops: list[dict]) -> dict:
+    """`document` with the JSON-patch `add` operations applied (the only operation the component uses)."""
+    patched = copy.deepcopy(document)
+    for op in ops:
+        assert op["op"] == "add", f"unexpected patch operation {op}"
+        *parents, last = op["path"].strip("/").split("/")
+        node = patched
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if last == "-":
+            node.append(op["value"])
+        else:
+            node[last] = op["value"]
+    return patched
+
+
+def test_the_object_store_component_gives_every_worker_g5_and_its_credentials() -> None:
+    """deploy/kubernetes/object-store: a kustomize Component whose patches, applied to the worker Deployments,
+    give a command line Strata's parser accepts with an s3:// URL, and the AWS environment from a Secret that
+    validates and carries exactly the standard variable names."""
+    folder = K8S / "object-store"
+    component = yaml.safe_load((folder / KUSTOMIZATION).read_text())
+    assert component["kind"] == "Component"
+    (secret,) = [
+        doc for name in component["resources"] for doc in yaml.safe_load_all((folder / name).read_text())
+    ]
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert set(secret["stringData"]) <= {
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL",
+    }  # fmt: skip
+    targets = {patch["target"]["name"]: patch["path"] for patch in component["patches"]}
+    assert set(targets) == set(WORKER_DEPLOYMENTS)
+    parser = strata_parser()
+    for name, path in targets.items():
+        deployment = json_patch_add(of_kind("Deployment")[name], yaml.safe_load((folder / path).read_text()))
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        args = parse(parser, argv(container), name)
+        assert args.kvbm_object_url.startswith("s3://")
+        assert {"secretRef": {"name": secret["metadata"]["name"]}} in container["envFrom"]
