@@ -6,14 +6,15 @@ outliving all of them (AWS S3, MinIO, Ceph, SeaweedFS, GCS through its S3 API).
                                                  tensor-parallel layout), written once, for whoever browses
 
 One object per block, not runs of them: a block is the unit every other tier and the index deal in (its hash
-names its whole prefix), so any server reuses any prefix of any prompt, and bench/kvbm.py measured no gain in
-GB/s from larger objects on this store (docs/kvbm.md).
+names its whole prefix), so any server reuses any prefix of any prompt; raw GETs of 8-block objects ran at
+0.85-1.3x the rate of 1-block ones in bench/kvbm.py (docs/kvbm.md), not worth giving that up.
 
 Client: obstore (Rust's object_store: no hand-written signing, the standard AWS_* environment, path-style
 requests to a custom endpoint), through its async API on one event loop thread that owns the store (its sync
-calls from a thread pool hang on their first request: the store's connections belong to the runtime that made
-them); MACs are computed and checked on CPU_THREADS threads (BLAKE3 and the copies release the GIL). Measured
-against boto3 on the same server (docs/kvbm.md): about twice its GET rate, under half its HEAD latency.
+calls from a thread pool stalled on their first request here). MACs are checked and rows copied on that loop as
+each GET completes: handing them to a thread pool measured 0.75x of the raw GET rate against 0.95x inline
+(bench/kvbm.py's store shares the 2 cores; the hops cost more than the parallel hashing saves). Measured against
+boto3 on the same server: about twice its GET rate, under half its HEAD latency (docs/kvbm.md).
 
 Where each call runs:
   put       on the engine thread only a copy of the G1 row (it is reused as soon as offload returns); the
@@ -47,7 +48,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -68,7 +68,6 @@ NEGATIVE_TTL_S = 2.0  # a block found absent is not asked for again this long (a
 UPLOAD_QUEUE_BYTES = 256 << 20  # block copies waiting for their PUT
 IO_CONCURRENCY = 32  # GETs and HEADs in flight (8/16/32: 0.67/0.82/0.97 GB/s on SeaweedFS here)
 UPLOAD_CONCURRENCY = 4  # PUTs in flight: uploads must not crowd out an onboarding's GETs
-CPU_THREADS = 2  # MAC checks and copies
 CIRCUIT_OPEN_S, CIRCUIT_MAX_S = 1.0, 30.0
 KNOWN_LIMIT = 1 << 18  # blocks remembered as present when no capacity bounds the tier
 NEGATIVE_LIMIT = 1 << 16
@@ -209,7 +208,6 @@ class ObjectPool:
         self._stored: list[BlockHash] = []  # uploaded since the last take_changes
         self._removed: list[BlockHash] = []
         self._breaker = CircuitBreaker(on_change=self._set_up)
-        self._cpu = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="kvbm-g5-mac")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvbm-g5", daemon=True)
         self._thread.start()
@@ -432,7 +430,7 @@ class ObjectPool:
                         self._mark_absent(block_hash)
                     return
             self._breaker.success()
-            if await self._loop.run_in_executor(self._cpu, verify_into, index, value):
+            if verify_into(index, value):
                 self._count("get", "ok")
                 self._remember(block_hash)
             else:
@@ -494,7 +492,7 @@ class ObjectPool:
                 if await self._exists(block_hash):
                     self._count("put", "present")
                 else:
-                    value = await self._loop.run_in_executor(self._cpu, self._seal.seal, block_hash, payload)
+                    value = self._seal.seal(block_hash, payload)
                     start = time.perf_counter()
                     await obstore.put_async(self._store, self.key(block_hash), value)
                     self._count("put", "ok")
@@ -579,4 +577,3 @@ class ObjectPool:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self.timeout_s)
         self._loop.close()
-        self._cpu.shutdown(wait=True)

@@ -37,7 +37,7 @@ class RouterConfig:
     lookup_cooldown_s: float = 1.0
     stale_after_s: float = 30.0
     count_in_flight: bool = (
-        False  # off: no gain measured on bench/routing_replay_serve.py (see docs/workers.md)
+        False  # off: no gain measured on bench/routing_replay_serve.py (see docs/routing.md)
     )
     migration_limit: int = 3  # times one request may be resumed on another worker after its worker died
     seed: int | None = None
