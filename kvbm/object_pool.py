@@ -24,7 +24,8 @@ Where each call runs:
             only once their PUT succeeded (`take_changes`, drained on the engine thread).
   contains  blocks this process knows to be there cost nothing; otherwise one HEAD of the first unknown
             block (a miss ends there: one request, bounded by LOOKUP_TIMEOUT_S, then remembered for
-            NEGATIVE_TTL_S), and only when it exists the rest at once.
+            NEGATIVE_TTL_S), and only when it exists the rest at once (bounded by REST_TIMEOUT_S: the leading
+            run answered by then is the hit).
   get       concurrent GETs (at most IO_CONCURRENCY), each verified and copied into its G1 row as it arrives;
             a call waits at most the request timeout, and rows whose copy had not begun by then are never
             written (the engine prefills them).
@@ -64,6 +65,7 @@ T = TypeVar("T")
 
 MAGIC = 0x354756424B415254  # "TRAKBVG5"
 LOOKUP_TIMEOUT_S = 0.05  # the HEAD that decides a miss: a slow store costs a recompute, not a slow TTFT
+REST_TIMEOUT_S = 0.25  # the HEADs of a hit's other blocks (the engine thread waits on them): late ones are misses
 NEGATIVE_TTL_S = 2.0  # a block found absent is not asked for again this long (a queued request's retries)
 UPLOAD_QUEUE_BYTES = 256 << 20  # block copies waiting for their PUT
 IO_CONCURRENCY = 32  # GETs and HEADs in flight (8/16/32: 0.67/0.82/0.97 GB/s on SeaweedFS here)
@@ -355,18 +357,23 @@ class ObjectPool:
             await self._delete(excess)
         return True
 
-    def _heads(self, block_hashes: Sequence[BlockHash], timeout_s: float) -> list[bool]:
-        """HEAD the blocks concurrently; past `timeout_s` every block counts as absent (and the HEADs stop)."""
+    def _heads(self, block_hashes: Sequence[BlockHash], timeout_s: float, trip: bool) -> list[bool]:
+        """HEAD the blocks concurrently; a block whose answer is not back within `timeout_s` counts as absent (its
+        HEAD is cancelled), and with `trip` a late answer opens the circuit."""
 
-        async def heads() -> list[bool]:
-            return list(await asyncio.gather(*(self._head(h) for h in block_hashes)))
+        async def heads() -> tuple[list[bool], int]:
+            tasks = [asyncio.ensure_future(self._head(h)) for h in block_hashes]
+            done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            return [task in done and task.result() for task in tasks], len(pending)
 
-        try:
-            return self._run(heads(), timeout_s)
-        except TimeoutError:
-            self._count("head", "timeout", len(block_hashes))
-            self._breaker.failure()
-            return [False] * len(block_hashes)
+        found, late = self._run(heads(), timeout_s + 1.0)
+        if late:
+            self._count("head", "timeout", late)
+            if trip:
+                self._breaker.failure()
+        return found
 
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Per block: in the bucket now. Only the leading run is asked about (the connector uses no more): a
@@ -381,11 +388,12 @@ class ObjectPool:
         if not self._breaker.allow():
             self._count("head", "skipped")
             return found
-        if not self._heads([block_hashes[first]], LOOKUP_TIMEOUT_S)[0]:
+        if not self._heads([block_hashes[first]], LOOKUP_TIMEOUT_S, trip=True)[0]:
             return found
         found[first] = True
         rest = [i for i in range(first + 1, len(block_hashes)) if block_hashes[i] not in self._known]
-        present = dict(zip(rest, self._heads([block_hashes[i] for i in rest], self.timeout_s), strict=True))
+        heads = self._heads([block_hashes[i] for i in rest], REST_TIMEOUT_S, trip=False)
+        present = dict(zip(rest, heads, strict=True))
         for index in range(first + 1, len(block_hashes)):
             if not present.get(index, True):
                 break
