@@ -4,7 +4,9 @@ At start it reads the registered workers, then blocks on the model's join stream
 timeout, lease_s/3, also paces refreshing this server's claims and removing registrations whose lease expired).
 For each free worker: claim it, connect (`RemoteEngine.connect`), and `RoutedEngine.add_worker`. A worker that
 dies, hangs or leaves is dropped by whichever comes first: its RemoteEngine's heartbeat timeout, its "bye", or
-its lease expiring; new requests go to the others, and the model keeps serving on its local workers. When it is free again it announces "join" and is
+its lease expiring (seen missing for LEASE_GONE_GRACE_S: a worker that stops says bye on its link, then leaves
+the registry, and the link's last outputs must be read before its requests count as lost); new requests go to
+the others, and the model keeps serving on its local workers. When it is free again it announces "join" and is
 claimed anew.
 """
 
@@ -22,6 +24,7 @@ from server.workers.remote import RemoteEngine, WorkerDied
 log = logging.getLogger(__name__)
 
 Connect = Callable[[WorkerRecord, str], RemoteEngine]  # (record, server id) -> an attached RemoteEngine
+LEASE_GONE_GRACE_S = 1.0  # a registration missing this long drops its worker (unless its link said bye first)
 
 
 class WorkerPool(Protocol):
@@ -110,15 +113,25 @@ class Discovery:
 
     def _drop_expired(self) -> None:
         """Remove registrations whose lease expired, and stop routing to such a worker even if its heartbeats
-        have not timed out yet (the lease can be the first to say a host is gone)."""
+        have not timed out yet (the lease can be the first to say a host is gone). A worker found missing is
+        dropped only if it still is LEASE_GONE_GRACE_S later and its link has not said bye meanwhile: a worker that
+        stops says bye on its link, then deregisters, and its last outputs on the link must be read first."""
+        missing = self._missing_alive()
+        if missing and not self._stop.wait(LEASE_GONE_GRACE_S):
+            for worker_id in missing & self._missing_alive():
+                log.warning("%s: worker %s's lease is gone; dropping it", self.directory.model, worker_id)
+                self._remotes[worker_id].drop(
+                    "its lease is gone"
+                )  # its requests are resumed on other workers
+
+    def _missing_alive(self) -> set[str]:
+        """Workers this server routes to, alive on their link, whose registration is gone (none while Redis is
+        unreachable: heartbeats alone decide then)."""
         live = self.directory.live_records()
         if live is None:
-            return  # Redis unreachable: heartbeats alone decide
+            return set()
         registered = {record.worker_id for record in live}
-        for worker_id, remote in self._remotes.items():
-            if remote.alive and worker_id not in registered:
-                log.warning("%s: worker %s's lease is gone; dropping it", self.directory.model, worker_id)
-                remote.drop("its lease is gone")  # its requests are resumed on other workers
+        return {w for w, remote in self._remotes.items() if remote.alive and w not in registered}
 
     def _forget_dead(self) -> None:
         """Close the links of remote workers that died and free their claims (a worker that comes back, or
