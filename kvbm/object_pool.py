@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 MAGIC = 0x354756424B415254  # "TRAKBVG5"
 LOOKUP_TIMEOUT_S = 0.05  # the HEAD that decides a miss: a slow store costs a recompute, not a slow TTFT
-REST_TIMEOUT_S = 0.25  # the HEADs of a hit's other blocks (the engine thread waits on them): late ones are misses
+REST_TIMEOUT_S = 0.25  # a hit's other HEADs (the engine thread waits on them): late ones are misses
 NEGATIVE_TTL_S = 2.0  # a block found absent is not asked for again this long (a queued request's retries)
 UPLOAD_QUEUE_BYTES = 256 << 20  # block copies waiting for their PUT
 IO_CONCURRENCY = 32  # GETs and HEADs in flight (8/16/32: 0.67/0.82/0.97 GB/s on SeaweedFS here)
