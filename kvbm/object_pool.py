@@ -360,6 +360,8 @@ class ObjectPool:
     def _heads(self, block_hashes: Sequence[BlockHash], timeout_s: float, trip: bool) -> list[bool]:
         """HEAD the blocks concurrently; a block whose answer is not back within `timeout_s` counts as absent (its
         HEAD is cancelled), and with `trip` a late answer opens the circuit."""
+        if not block_hashes:
+            return []
 
         async def heads() -> tuple[list[bool], int]:
             tasks = [asyncio.ensure_future(self._head(h)) for h in block_hashes]
