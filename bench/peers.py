@@ -17,6 +17,10 @@ then vLLM, ...), so that the machine's drifts in speed (these are shared VMs: on
 between runs minutes apart) fall on both alike; an idle server waits on its sockets. Medians over --reps. Ratios
 are Strata / vLLM for throughput and vLLM / Strata for times: >= 1.0 is Strata ahead. `--sequential` measures
 one server after the other instead (the method of earlier notes). Prints a table, then one JSON line.
+
+`--batch-invariant-cost` measures Strata against itself instead: one server as configured and one with
+`--batch-invariant` (the same token for a request under any batch, docs/llm.md), interleaved the same way; the
+ratio column is then the mode's throughput over the default's (>= 1.0: the mode costs nothing there).
 """
 
 from __future__ import annotations
@@ -69,7 +73,15 @@ def main() -> None:
     parser.add_argument(
         "--sequential", action="store_true", help="vLLM first, stopped, then Strata (not interleaved)"
     )
+    parser.add_argument(
+        "--batch-invariant-cost",
+        action="store_true",
+        help="Strata with --batch-invariant against Strata without it (no vLLM)",
+    )
     args = parser.parse_args()
+    if args.batch_invariant_cost:
+        invariant_cost(args)
+        return
     use_run_secret()
     folder = prepare_model(DEFAULT_MODEL).folder
     flags = args.strata_args.split()
@@ -92,6 +104,38 @@ def main() -> None:
         with strata_openai(args.dtype, args.threads, flags) as ours:
             strata = Workload(ours.url, random.Random(1)).run(args.reps)
     report(strata, vllm, args)
+
+
+def invariant_cost(args: argparse.Namespace) -> None:
+    """Two Strata servers, the mode off and on, interleaved sample by sample; reported as on over off."""
+    use_run_secret()
+    flags = args.strata_args.split()
+    with (
+        strata_openai(args.dtype, args.threads, flags) as off,
+        strata_openai(args.dtype, args.threads, [*flags, "--batch-invariant"]) as on,
+    ):
+        workloads = {"off": Workload(off.url, random.Random(1)), "on": Workload(on.url, random.Random(1))}
+        results = interleaved(workloads, args.reps, pids=(off.pid, on.pid))
+    rows = [("metric", "default", "--batch-invariant", "cost ratio (>=1: no cost)")]
+    summary: dict = {"bench": "peers", "mode": "batch_invariant_cost", "dtype": args.dtype, "reps": args.reps}
+    for key, default in results["off"].items():
+        invariant = results["on"][key]
+        ratio = (
+            default / invariant if key.endswith("_s") and not key.endswith("tok_s") else invariant / default
+        )
+        rows.append((key, f"{default:.3f}", f"{invariant:.3f}", f"{ratio:.2f}x"))
+        summary[key] = {
+            "default": round(default, 4),
+            "batch_invariant": round(invariant, 4),
+            "ratio": round(ratio, 3),
+        }
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(
+        f"Strata --batch-invariant vs default, {args.dtype}, {args.threads} threads, medians of {args.reps}, interleaved"
+    )
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -346,6 +346,15 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="the chat template of every LLM (vLLM's flag): a Jinja template, or a file holding one",
     )
+    group.add_argument(
+        "--batch-invariant",
+        action="store_const",
+        const=True,
+        default=None,
+        help="every LLM engine of Strata's gives a request the same tokens whatever else is in its batch, however "
+        "its prompt is chunked or cached, and when it resumes elsewhere (one attention computation per token; "
+        "costs throughput, see docs/llm.md)",
+    )
 
 
 def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
@@ -511,7 +520,8 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
 
 def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
     """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests,
-    --max-num-batched-tokens and --chat-template (a file's text; ValueError naming the flag if it is missing)."""
+    --max-num-batched-tokens, --chat-template (a file's text; ValueError naming the flag if it is missing) and
+    --batch-invariant."""
     from server.engine.config import chat_template_text
     from server.errors import ConfigError
 
@@ -527,6 +537,7 @@ def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
             ("max_queued_requests", flags.max_queued_requests),
             ("max_num_batched_tokens", flags.max_num_batched_tokens),
             ("chat_template", template),
+            ("batch_invariant", flags.batch_invariant),
         )
         if value is not None
     }

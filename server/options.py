@@ -29,6 +29,7 @@ class EngineFlags(msgspec.Struct, frozen=True):
     max_queued_requests: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step
     chat_template: str | None = None  # Jinja text, or a file of it
+    batch_invariant: bool | None = None  # True: --batch-invariant
 
 
 class KVBMFlags(msgspec.Struct, frozen=True):

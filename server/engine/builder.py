@@ -127,12 +127,16 @@ def _model(config: EngineConfig, shape: ModelShape, files: ModelFiles) -> LlamaM
         decode_kernel=compiled if config.paged_kernel else None,
         fused_ops=compiled if config.fused_ops else None,
         prefill_kernel=compiled if config.prefill_kernel else None,
-        linear_kernel=compiled if config.linear_kernel and _linear_kernel_preferred(compiled) else None,
+        batch_invariant=config.batch_invariant,
+        linear_kernel=compiled
+        if config.linear_kernel and (config.batch_invariant or _linear_kernel_preferred(compiled))
+        else None,
     )  # fmt: skip
 
 
 def _linear_kernel_preferred(compiled) -> bool:
-    """The compiled bf16 linear kernel where AMX is not usable: with AMX, oneDNN's GEMM runs on its tiles."""
+    """The compiled bf16 linear kernel where AMX is not usable: with AMX, oneDNN's GEMM runs on its tiles (a
+    batch-invariant engine takes the compiled kernel there too: its sum over K has one order at every row count)."""
     return compiled is not None and "amx" not in compiled.prefill_attention_isas()
 
 

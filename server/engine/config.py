@@ -107,6 +107,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     prefill_kernel: bool = True
     # CPU bf16 (AVX512-BF16, where AMX is not usable): linear layers by the compiled kernel; false: oneDNN (linear.py)
     linear_kernel: bool = True
+    # the same tokens for a request whatever its batch, chunking, cache state or worker (model.py, "Batch
+    # invariance"); CPU with the compiled kernels only
+    batch_invariant: bool = False
 
     def validate(self, source: str = "EngineConfig") -> None:
         """Raise ConfigError naming `source` and the key for any value of the wrong type or out of range."""

@@ -79,9 +79,15 @@ def pack(weight: torch.Tensor, packed: bool, kernels: ModuleType | None = None) 
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | TiledWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | TiledWeight,
+    bias: torch.Tensor | None = None,
+    min_rows: int = 1,
 ) -> torch.Tensor:
-    """x [rows, in] -> [rows, out], for a weight from `pack`."""
+    """x [rows, in] -> [rows, out], for a weight from `pack`. `min_rows` 2: one row is computed as two (a zero
+    row after it): oneDNN's packed fp32 GEMM sums one row over K in another order than it sums each row of two
+    or more (measured on AMD EPYC for K = 1536; every count from 2 to 300 agreed), so a batch-invariant model
+    never hands it a single row."""
     if isinstance(weight, TiledWeight):
         if x.stride(-1) != 1 or x.stride(0) % 2:
             x = x.contiguous()
@@ -91,7 +97,7 @@ def linear(
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    padded = rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
+    padded = max(rows, min_rows) if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))  # zero rows at the end: one allocation, one copy
     out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -7,6 +7,7 @@ similar length (batched over their block tables) and once per prefill chunk.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from server.engine import linear as packed_linear
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -139,7 +142,22 @@ def _rope_inv_freq(shape: ModelShape) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Weights plus the forward; the KV pool is owned by the caller and passed to `forward`."""
+    """Weights plus the forward; the KV pool is owned by the caller and passed to `forward`.
+
+    Batch invariance (`batch_invariant`): a token's logits are one computation, whatever else is in the step,
+    however its prompt was chunked or cached, and whether it is decoded or recomputed after a resume. Every op
+    but attention already is one here: the linear layers sum over K in one order at every row count (the compiled
+    bf16 kernel by construction; oneDNN's packed fp32 GEMM measured so on this CPU, tests/engine/
+    test_batch_invariant.py checks it), RMSNorm, RoPE and SiLU are per row, the sampler draws a seeded row from
+    its own generator. Attention is not by default: a decode row goes through the decode kernel (an online
+    softmax a 16-key block at a time, fp32 P), a prompt row through the bf16 prefill kernel (128-key steps, P
+    rounded to bf16) or SDPA (fp32), so a continuation (migration, disaggregated decode, preemption's recompute)
+    or a cached prompt whose last chunk is one token takes another path than the original. With the mode on,
+    every row takes one path: bf16 with the prefill kernel, each decode row is a one-row chunk of it (the
+    runner makes every row a prefill chunk); otherwise each prompt row is a decode row of the decode kernel with
+    its own key count (model_runner `_prepare_rows`). Both kernels attend to a row's keys in fixed steps from key
+    0, so the row's result does not depend on the chunk it came in. The cost is measured in docs/llm.md.
+    """
 
     def __init__(
         self,
@@ -152,13 +170,15 @@ class LlamaModel:
         fused_ops: ModuleType | None = None,
         prefill_kernel: ModuleType | None = None,
         linear_kernel: ModuleType | None = None,
+        batch_invariant: bool = False,
     ):
         """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
         pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
         a CPU forward's elementwise work; None: torch ops. `prefill_kernel`: the same module, whose bf16 prefill
         attention reads a chunk's keys from the pool (bf16 on a CPU with AVX512-BF16 or AMX, head_dim 64 or 128
         only; the model drops it otherwise); None: SDPA. `linear_kernel`: the same module, whose bf16 linear
-        layers (AVX512-BF16) take the weights it can (linear.py); None: oneDNN or F.linear."""
+        layers (AVX512-BF16) take the weights it can (linear.py); None: oneDNN or F.linear. `batch_invariant`:
+        see the class docstring (needs `decode_kernel`; without it the model warns and stays as it is)."""
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
@@ -170,6 +190,13 @@ class LlamaModel:
         self.prefill_kernel = (
             prefill_kernel if _bf16_prefill(prefill_kernel, self.device, dtype, shape) else None
         )
+        self.batch_invariant = batch_invariant and self.decode_kernel is not None
+        self.min_rows = 2 if self.batch_invariant else 1  # linear.linear: never one row for oneDNN
+        if batch_invariant and not self.batch_invariant:
+            log.warning(
+                "batch_invariant needs the compiled CPU kernels (server/engine/kernels) and paged_kernel: "
+                "this engine's tokens may depend on its batch"
+            )
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -226,7 +253,7 @@ class LlamaModel:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias, self.min_rows)
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             qk = (qk * cos).add_(_rotate_half(qk).mul_(sin))  # RoPE on q and k heads at once
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
@@ -234,12 +261,12 @@ class LlamaModel:
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
             attn = self._attention(batch, q, k, v, kv_cache, index)
-            hidden.add_(linear(attn, layer.o_proj))
+            hidden.add_(linear(attn, layer.o_proj, None, self.min_rows))
             x = self._rms_norm(hidden, layer.post_norm)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden.add_(linear(F.silu(gate).mul_(up), layer.down))
+            gate, up = linear(x, layer.gate_up, None, self.min_rows).chunk(2, dim=-1)
+            hidden.add_(linear(F.silu(gate).mul_(up), layer.down, None, self.min_rows))
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
-        return linear(last, self.lm_head).float()
+        return linear(last, self.lm_head, None, self.min_rows).float()
 
     def _forward_fused(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """`forward` with each layer's elementwise work in the compiled fused ops: the same operations and
@@ -255,7 +282,7 @@ class LlamaModel:
         act = torch.empty(rows, s.intermediate_size, dtype=self.dtype, device=self.device)
         ops.rms_norm(hidden, self.layers[0].input_norm, eps, x)
         for index, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias, self.min_rows)
             ops.rope_cache(
                 qkv, cos, sin, s.num_heads, s.num_kv_heads, kv_cache, index,
                 batch.slot_blocks, batch.slot_offsets, q,
@@ -263,16 +290,16 @@ class LlamaModel:
             k = qkv[:, q_size : q_size + kv_size].view(rows, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(rows, s.num_kv_heads, s.head_dim)
             attn = self._attention(batch, q, k, v, kv_cache, index)
-            ops.add_rms_norm(hidden, linear(attn, layer.o_proj), layer.post_norm, eps, x)
-            ops.silu_mul(linear(x, layer.gate_up), act)
-            down = linear(act, layer.down)
+            ops.add_rms_norm(hidden, linear(attn, layer.o_proj, None, self.min_rows), layer.post_norm, eps, x)
+            ops.silu_mul(linear(x, layer.gate_up, None, self.min_rows), act)
+            down = linear(act, layer.down, None, self.min_rows)
             if index + 1 < len(self.layers):
                 ops.add_rms_norm(hidden, down, self.layers[index + 1].input_norm, eps, x)
             else:
                 hidden.add_(down)
         last = hidden[batch.logits_rows]
         ops.rms_norm(last, self.norm, eps, x[: last.shape[0]])
-        return linear(x[: last.shape[0]], self.lm_head).float()
+        return linear(x[: last.shape[0]], self.lm_head, None, self.min_rows).float()
 
     def _attention(self, batch: StepBatch, q, k, v, kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention output [T, H*D] for every row of `layer`: decode rows batched, each prefill chunk on its own."""

@@ -46,9 +46,15 @@ class ModelRunner:
         return self.model.forward(batch, self.kv_cache)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        # decode rows sorted by length, so that rows of similar length are attended together
-        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.seq.num_computed_tokens)
-        prefills = [c for c in chunks if c.num_tokens > 1]
+        if self.model.batch_invariant and self.model.prefill_kernel is None:
+            return self._prepare_rows(chunks)
+        if self.model.batch_invariant:  # every row, a decode's too, through the prefill kernel (model.py)
+            decodes, prefills = [], list(chunks)
+        else:  # decode rows sorted by length, so that rows of similar length are attended together
+            decodes = sorted(
+                (c for c in chunks if c.num_tokens == 1), key=lambda c: c.seq.num_computed_tokens
+            )
+            prefills = [c for c in chunks if c.num_tokens > 1]
         bs = self.block_size
         token_ids = [c.seq.token_ids[c.seq.num_computed_tokens] for c in decodes]
         decode_positions = [c.seq.num_computed_tokens for c in decodes]
@@ -81,6 +87,42 @@ class ModelRunner:
             decode_groups=self._decode_groups(decodes),
             prefills=prefill_chunks,
             logits_rows=self._logits_rows(chunks, decodes, prefills),
+        )
+
+    def _prepare_rows(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        """Batch-invariant without the prefill kernel (fp32, or a CPU without AVX512-BF16): every row of every
+        chunk is a row of its own for the decode kernel, attending to its `position + 1` keys in the pool (the
+        step writes every row's K/V there first), so a token's attention is one computation whether it comes in a
+        prompt chunk of any size, after a cached prefix, or decoding, and whatever else is in the step."""
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        first_row: dict[int, int] = {}
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            first_row[id(chunk)] = len(positions)
+            for position in range(start, start + chunk.num_tokens):
+                token_ids.append(seq.token_ids[position])
+                positions.append(position)
+                tables.append(seq.block_table[: position // bs + 1])
+        width = max(len(table) for table in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = torch.tensor(table)
+        all_positions = torch.tensor(positions, dtype=torch.int64)
+        slot_blocks = block_tables[torch.arange(len(tables)), all_positions // bs]
+        lengths = all_positions + 1
+        group = DecodeGroup(0, len(tables), block_tables.to(self.device), None, lengths)
+        return StepBatch(
+            token_ids=torch.tensor(token_ids, device=self.device),
+            positions=all_positions.to(self.device),
+            slot_blocks=slot_blocks.to(self.device),
+            slot_offsets=(all_positions % bs).to(self.device),
+            num_decode=len(tables),
+            decode_groups=[group],
+            prefills=[],
+            logits_rows=self._rows_of(chunks, first_row),
         )
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
@@ -136,6 +178,10 @@ class ModelRunner:
         for chunk in prefills:
             first_row[id(chunk)] = row
             row += chunk.num_tokens
+        return self._rows_of(chunks, first_row)
+
+    def _rows_of(self, chunks, first_row: dict[int, int]) -> torch.Tensor:
+        """The sampling rows and owed prompt-logprob rows of `chunks`, given each chunk's first row."""
         rows = [
             first_row[id(c)] + c.num_tokens - 1
             for c in chunks
