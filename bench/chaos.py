@@ -216,6 +216,7 @@ class Cluster:
             num_threads=1,
             cache_dir=self.args.model_cache,
             max_model_len=self.args.kv_blocks * BLOCK_TOKENS,
+            batch_invariant=self.args.batch_invariant,
         )
         cluster_flags = ["--redis-url", self.redis.url, "--cluster-secret-file", str(self.secret_file)]
         self.server = start_strata(
@@ -882,6 +883,12 @@ def parse_args() -> argparse.Namespace:
     add("--sample-every-s", type=float, default=10.0, help="resource samples")
     add("--request-timeout-s", type=float, default=120.0)
     add("--seed", type=int, default=0)
+    add(
+        "--batch-invariant",
+        action="store_true",
+        help="every engine batch-invariant (model.json batch_invariant): a migrated answer is then the one its"
+        " dead worker would have given, bit for bit",
+    )
     add("--keep-logs", default="", help="copy the logs and the report here")
     add("--model-cache", default=str(MODEL_CACHE))
     return parser.parse_args()
