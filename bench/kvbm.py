@@ -318,7 +318,7 @@ def bench_g5_miss(object_url: str, rng: random.Random, samples: int = 200) -> di
         4, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=64 * bb / GIB, object_url=url
     )
     alone, _ = connector_for(4, cache_id=f"bench-{uuid.uuid4().hex[:8]}", host_cache_gb=64 * bb / GIB)
-    tier_of(with_g5, ObjectPool)._started.result(30)
+    tier_of(with_g5, ObjectPool).wait_started(30)
     times: dict[str, list[float]] = {"G2+G5": [], "G2": []}
     for _ in range(samples):
         for name, kvbm in (("G2+G5", with_g5), ("G2", alone)):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -91,8 +92,6 @@ def open_store(url: str, timeout_s: float):
     requests, plain HTTP allowed only when the endpoint says http://. One retry inside the client (a pooled
     connection the store closed), within the same timeout; past that the circuit breaker decides when to try
     again."""
-    import os
-
     from obstore.store import S3Store
 
     parse_object_url(url)
@@ -303,6 +302,10 @@ class ObjectPool:
         return stored, removed
 
     # -- start ----------------------------------------------------------------------------------------------
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Wait for the start's listing (or its failure) to be done: tests and benches that want a settled tier."""
+        self._started.result(timeout_s)
 
     async def _start(self) -> None:
         """Write the layout note and read what the bucket holds for this layout (oldest first, up to the

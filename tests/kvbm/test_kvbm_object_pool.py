@@ -74,7 +74,7 @@ def test_blocks_reach_the_bucket_and_a_fresh_process_reads_them(object_url: str)
 
 def test_a_miss_costs_one_request_and_is_remembered(object_url: str) -> None:
     p = pool(object_url)
-    p._started.result(timeout=10)
+    p.wait_started(10)
     assert p.contains(list(range(100, 164))) == [False] * 64
     assert requests(p, "head", "missing") == 1  # the first block decides
     assert p.contains(list(range(100, 164))) == [False] * 64
@@ -148,7 +148,7 @@ def test_a_failing_endpoint_costs_one_timeout_then_nothing(proxied_url, fault: s
     the next calls cost no request; once the store answers again the half-open request closes it."""
     url, proxy = proxied_url
     p = pool(url, timeout_s=1.0)
-    p._started.result(timeout=10)
+    p.wait_started(10)
     uploaded(p, [1, 2], blocks(2))
     proxy.mode = fault
     started = time.monotonic()
@@ -173,7 +173,7 @@ def test_refused_credentials_degrade_the_tier(s3_server: S3Server, monkeypatch: 
     for name, value in s3_server.env(secret_key="not-the-secret").items():
         monkeypatch.setenv(name, value)
     p = pool("s3://strata-test/refused")
-    p._started.result(timeout=10)
+    p.wait_started(10)
     assert requests(p, "list", "denied") == 1
     assert p.metrics.registry.get_sample_value("kvbm_object_store_up", {"model": "m", "tier": "G5"}) == 0
     assert p.contains([1]) == [False]
