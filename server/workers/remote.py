@@ -449,6 +449,9 @@ class RemoteEngine:
             if self._dead is not None:
                 return
             self._dead = reason
+            # decided once, here: a close() that comes while the outputs below go out (discovery forgetting a
+            # worker whose bye this thread is handling) must not turn the rest of them into final errors
+            retryable = not self._closing
             sinks, self._sinks = self._sinks, {}
             calls, self._calls = self._calls, {}
             for request_id in self._submitting.values():  # its submit raises WorkerDied: no output as well
@@ -469,7 +472,7 @@ class RemoteEngine:
                     finished=True,
                     finish_reason="error",
                     error=f"worker {self.worker_id} died: {reason}",
-                    retryable=not self._closing,
+                    retryable=retryable,
                 )
             )
 

@@ -81,7 +81,7 @@ def test_engine_config_from_json(tmp_path):
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        ('{"modle": "x"}', "modle: unknown key; allowed: block_size, cache_dir,"),
+        ('{"modle": "x"}', "modle: unknown key; allowed: batch_invariant, block_size, cache_dir,"),
         ('{"dtype": "float16"}', "dtype: must be one of auto, float32, fp32, bfloat16, bf16, got 'float16'"),
         ('{"block_size": 0}', "block_size: must be a positive integer, got 0"),
         ('{"num_kv_blocks": 1}', "num_kv_blocks: must be >= 2, got 1"),
