@@ -256,6 +256,33 @@ def test_a_dropped_worker_ends_its_requests_as_retryable() -> None:
     assert not remote.alive
 
 
+def test_a_close_while_a_death_is_reported_keeps_every_request_retryable() -> None:
+    """A worker killed with two requests running: while its death goes out to their sinks, the worker is closed
+    (as discovery forgets a worker whose bye is being handled). Both requests still end retryable, so the router
+    resumes both; before, the second one became a final error."""
+    remote = RemoteEngine.spawn(WorkerId("w-race"), WorkerSpec(StepEngine, (0.01,)))
+    streaming: set[str] = set()
+    finals: list[GenerationOutput] = []
+    closer = threading.Thread(target=remote.close, kwargs={"timeout_s": 5})
+
+    def sink(output: GenerationOutput) -> None:
+        if not output.finished:
+            streaming.add(output.request_id)
+            return
+        finals.append(output)
+        if len(finals) == 1:  # the first request's death report: another thread closes the worker meanwhile
+            closer.start()
+            time.sleep(0.3)  # close() marks the worker closing at once, then waits for this thread
+
+    remote.submit(request("a", [1], max_tokens=200), sink)
+    remote.submit(request("b", [2], max_tokens=200), sink)
+    wait_for(lambda: streaming == {"a", "b"}, 10, what="both requests streaming")
+    remote.kill()
+    wait_for(lambda: len(finals) == 2, 10, what="both requests ended")
+    closer.join(10)
+    assert [(out.finish_reason, out.retryable) for out in finals] == [("error", True), ("error", True)]
+
+
 def test_a_worker_dying_during_a_submit_fails_the_submit_and_sends_nothing_to_its_sink() -> None:
     """The caller of a submit the worker never accepted gets WorkerDied (the router tries another worker); its sink
     must not also get an error, which would reach the client of the retried request."""
