@@ -64,7 +64,8 @@ def test_explicit_mode_load_unload_and_config_override(strata, tmp_path):
         config["max_batch_size"] = 4
         client.load_model("string_upper", config=json.dumps(config))
         assert client.get_model_config("string_upper")["max_batch_size"] == 4
-        assert client.is_server_ready()
+        # Triton unloads the replaced instance after the load returns; strict readiness waits for that
+        wait_for(client.is_server_ready, 30, what="the server ready again after the reload")
     finally:
         client.close()
 
