@@ -165,6 +165,18 @@ def start_strata(
     return server
 
 
+def triton_generate(server: StrataProcess, prompt: str, max_tokens: int, model: str = "smollm2") -> dict:
+    """A greedy request to `model`'s Triton generate endpoint, with `num_cached_tokens` in the answer."""
+    body = {
+        "text_input": prompt,
+        "return_num_cached_tokens": True,
+        "parameters": {"temperature": 0, "max_tokens": max_tokens},
+    }
+    response = httpx.post(f"http://{server.http_url}/v2/models/{model}/generate", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()
+
+
 @dataclass
 class Server:
     """An OpenAI-compatible server a benchmark drives: its base URL and the pid of its process tree's root."""

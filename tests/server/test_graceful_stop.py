@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import signal
-import urllib.request
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from harness.servers import copy_models
+from harness.servers import copy_models, triton_generate
 from kvbm.config import GIB
 from kvbm.disk_pool import PAGE, RECORD
 from kvbm.host_pool import SHM_DIR
@@ -32,18 +31,7 @@ def document(topic: str) -> str:
 
 
 def generate(server, prompt: str) -> dict:
-    body = {
-        "text_input": prompt,
-        "return_num_cached_tokens": True,
-        "parameters": {"temperature": 0, "max_tokens": 1},
-    }
-    request = urllib.request.Request(
-        f"http://{server.http_url}/v2/models/smollm2/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    return triton_generate(server, prompt, max_tokens=1)
 
 
 def g3_blocks(disk_path: Path) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from harness.fault_proxy import FaultProxy
 from harness.metrics import samples, scrape
 from harness.s3_server import BUCKET
-from harness.servers import copy_models
+from harness.servers import copy_models, triton_generate
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +29,7 @@ def document(topic: str) -> str:
 
 
 def generate(server, prompt: str) -> dict:
-    body = {
-        "text_input": prompt,
-        "return_num_cached_tokens": True,
-        "parameters": {"temperature": 0, "max_tokens": 8},
-    }
-    request = urllib.request.Request(
-        f"http://{server.http_url}/v2/models/smollm2/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    return triton_generate(server, prompt, max_tokens=8)
 
 
 def series(server, name: str, **labels: str) -> float:
