@@ -372,14 +372,16 @@ class KVBMConnector:
         below = self._below(host) if self.config.flush_budget_s > 0 else None
         deadline = time.monotonic() + self.config.flush_budget_s
         min_uses = self.config.disk_min_uses
+        own = host.flush_candidates(self.worker_id, min_uses)
         if below is not None:
-            self._flush(host, below, host.flush_candidates(self.worker_id, min_uses), deadline)
-        self._flush_to_bucket(host, host.flush_candidates(self.worker_id, min_uses))
+            self._flush(host, below, own, deadline)
+        self._flush_to_bucket(host, own)
         last = host.leave()
-        if last and below is not None:
-            self._flush(host, below, host.flush_candidates(None, min_uses), deadline)
         if last:
-            self._flush_to_bucket(host, host.flush_candidates(None, min_uses))
+            orphans = host.flush_candidates(None, min_uses)
+            if below is not None:
+                self._flush(host, below, orphans, deadline)
+            self._flush_to_bucket(host, orphans)
         if last and not self.config.keep_host_cache:
             host.destroy()
             log.info("kvbm %s: removed G2 segment %s (last process to close it)", self.worker_id, host.path)

@@ -96,30 +96,36 @@ class ModelRunner:
         prompt chunk of any size, after a cached prefix, or decoding, and whatever else is in the step."""
         bs = self.block_size
         token_ids: list[int] = []
-        positions: list[int] = []
-        tables: list[list[int]] = []
+        positions: list[torch.Tensor] = []
+        tables: list[tuple[torch.Tensor, int]] = []  # per chunk: its block table (to its last row), its rows
         first_row: dict[int, int] = {}
+        rows = 0
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            first_row[id(chunk)] = len(positions)
-            for position in range(start, start + chunk.num_tokens):
-                token_ids.append(seq.token_ids[position])
-                positions.append(position)
-                tables.append(seq.block_table[: position // bs + 1])
-        width = max(len(table) for table in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = torch.tensor(table)
-        all_positions = torch.tensor(positions, dtype=torch.int64)
-        slot_blocks = block_tables[torch.arange(len(tables)), all_positions // bs]
+            end = start + chunk.num_tokens
+            first_row[id(chunk)] = rows
+            token_ids.extend(seq.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            tables.append(
+                (torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64), chunk.num_tokens)
+            )
+            rows += chunk.num_tokens
+        # each row gets its chunk's table; the kernel reads only its `lengths` keys, never the blocks past them
+        block_tables = torch.zeros(rows, max(table.numel() for table, _ in tables), dtype=torch.int64)
+        row = 0
+        for table, count in tables:
+            block_tables[row : row + count, : table.numel()] = table
+            row += count
+        all_positions = torch.cat(positions)
+        slot_blocks = block_tables[torch.arange(rows), all_positions // bs]
         lengths = all_positions + 1
-        group = DecodeGroup(0, len(tables), block_tables.to(self.device), None, lengths)
+        group = DecodeGroup(0, rows, block_tables.to(self.device), None, lengths)
         return StepBatch(
             token_ids=torch.tensor(token_ids, device=self.device),
             positions=all_positions.to(self.device),
             slot_blocks=slot_blocks.to(self.device),
             slot_offsets=(all_positions % bs).to(self.device),
-            num_decode=len(tables),
+            num_decode=rows,
             decode_groups=[group],
             prefills=[],
             logits_rows=self._rows_of(chunks, first_row),
