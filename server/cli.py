@@ -44,7 +44,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="repository folder; repeat for several",
     )
-    p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
+    p.add_argument(
+        "--model-control-mode",
+        choices=["none", "poll", "explicit"],
+        default="none",
+        help="tritonserver's flag: none loads every model of the repositories at start and changes nothing after; "
+        "poll rescans them every --repository-poll-secs and loads, reloads or unloads what changed; explicit loads "
+        "only the --load-model models at start, the rest through the repository API (default: none)",
+    )
     p.add_argument(
         "--repository-poll-secs",
         type=float,
@@ -57,10 +64,31 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="explicit mode: model to load at start; repeat; '*' loads all",
     )
-    p.add_argument("--http-address", default="0.0.0.0")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument(
+        "--http-address",
+        default="0.0.0.0",
+        help="tritonserver's flag: the address the HTTP server binds to (default 0.0.0.0); Strata binds the gRPC, "
+        "metrics and OpenAI ports to it too",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="tritonserver's flag: the KServe v2 HTTP port (default 8000)",
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=8001,
+        help="tritonserver's flag: the KServe v2 gRPC port (default 8001)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8002,
+        help="tritonserver's flag: the port reporting Prometheus metrics, Triton's nv_* series then Strata's "
+        "(default 8002; docs/metrics.md)",
+    )
     p.add_argument(
         "--strict-readiness",
         action=argparse.BooleanOptionalAction,
@@ -69,12 +97,23 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "model is ready (a model that failed to load keeps the server not ready); --no-strict-readiness: ready "
         "as soon as the server is up",
     )
-    p.add_argument("--exit-timeout-secs", type=int, default=30)
+    p.add_argument(
+        "--exit-timeout-secs",
+        type=int,
+        default=30,
+        help="tritonserver's flag: on SIGTERM or SIGINT, seconds in-flight requests get to finish; after it the "
+        "server exits even if some are still in flight (default 30)",
+    )
     p.add_argument(
         "--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG"
     )
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
-    p.add_argument("--allow-openai", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--allow-openai",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the OpenAI-compatible API on --openai-port (--no-allow-openai: Triton's ports only)",
+    )
     _request_limit_flags(p.add_argument_group("OpenAI request limits (checked before a prompt is tokenized)"))
     llm = p.add_argument_group("LLM serving (models with backend strata_llm or vllm)")
     llm.add_argument(
@@ -94,6 +133,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--routing-strategy",
         choices=["kv-aware", "round-robin", "random", "least-loaded"],
         default="kv-aware",
+        help="how a request picks one of its model's workers: kv-aware (the lowest cost of the prefix left to "
+        "prefill plus load, docs/routing.md), round-robin, random, or least-loaded (fewest KV blocks in use per "
+        "unit of decode speed)",
     )
     llm.add_argument(
         "--router-fallback",
@@ -107,7 +149,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="0: pick the cheapest worker; >0: sample by softmax of -cost",
     )
-    llm.add_argument("--router-overlap-weight", type=float, default=1.0)
+    llm.add_argument(
+        "--router-overlap-weight",
+        type=float,
+        default=1.0,
+        help="kv-aware cost = this x blocks still to prefill + active blocks: how much a cached prefix outweighs "
+        "load (1.0 is Dynamo's, for GPUs; CPU workers, whose prefill is dear, gain from more: docs/routing.md)",
+    )
     llm.add_argument(
         "--router-busy-threshold",
         type=float,
@@ -355,6 +403,20 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         "its prompt is chunked or cached, and when it resumes elsewhere (one attention computation per token; "
         "costs throughput, see docs/llm.md)",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="override tensor_parallel_size of every LLM (vLLM's flag): each worker runs as this many rank "
+        "processes that split every layer's attention heads, KV heads and MLP columns (docs/sharding.md)",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=None,
+        help="override pipeline_parallel_size of every LLM (vLLM's flag): each worker runs as this many stages of "
+        "contiguous layers, times the tensor-parallel size in rank processes (docs/sharding.md)",
+    )
 
 
 def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
@@ -367,7 +429,12 @@ def _kvbm_flags(kv: argparse._ArgumentGroup) -> None:
     kv.add_argument(
         "--kvbm-disk-cache-gb", type=float, default=0.0, help="G3: preallocated disk cache (0: off)"
     )
-    kv.add_argument("--kvbm-disk-path", type=Path, default=Path(".strata-cache/kvbm"))
+    kv.add_argument(
+        "--kvbm-disk-path",
+        type=Path,
+        default=Path(".strata-cache/kvbm"),
+        help="G3: folder of each worker's block file and its index (relative to the working directory)",
+    )
     kv.add_argument(
         "--kvbm-write-through",
         action="store_true",
@@ -520,8 +587,8 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
 
 def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
     """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests,
-    --max-num-batched-tokens, --chat-template (a file's text; ValueError naming the flag if it is missing) and
-    --batch-invariant."""
+    --max-num-batched-tokens, --chat-template (a file's text; ValueError naming the flag if it is missing),
+    --batch-invariant, --tensor-parallel-size and --pipeline-parallel-size."""
     from server.engine.config import chat_template_text
     from server.errors import ConfigError
 
@@ -538,6 +605,8 @@ def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
             ("max_num_batched_tokens", flags.max_num_batched_tokens),
             ("chat_template", template),
             ("batch_invariant", flags.batch_invariant),
+            ("tensor_parallel_size", flags.tensor_parallel_size),
+            ("pipeline_parallel_size", flags.pipeline_parallel_size),
         )
         if value is not None
     }

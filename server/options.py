@@ -30,6 +30,8 @@ class EngineFlags(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int | None = None  # tokens per step
     chat_template: str | None = None  # Jinja text, or a file of it
     batch_invariant: bool | None = None  # True: --batch-invariant
+    tensor_parallel_size: int | None = None  # ranks per worker splitting each layer
+    pipeline_parallel_size: int | None = None  # stages of layers per worker
 
 
 class KVBMFlags(msgspec.Struct, frozen=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NewType, Protocol
 
 import msgspec
@@ -392,8 +392,21 @@ OutputSink = Callable[[GenerationOutput], None]
 
 
 @dataclass(slots=True)
+class RankStats:
+    """One rank of a sharded engine: whether it serves (`up`), its process, resident memory (bytes) and seconds
+    spent computing steps so far."""
+
+    rank: int
+    pid: int
+    up: bool
+    rss_bytes: int
+    busy_s: float
+
+
+@dataclass(slots=True)
 class PoolStats:
-    """An engine's KV pool occupancy in blocks, its queues in sequences, and its preemptions so far."""
+    """An engine's KV pool occupancy in blocks, its queues in sequences, and its preemptions so far. A sharded
+    engine adds its ranks (the driver first) and how many times its group restarted, by reason."""
 
     num_blocks: int
     num_free_blocks: int  # not referenced by a request (cached ones included)
@@ -401,6 +414,8 @@ class PoolStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    ranks: list[RankStats] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,6 +155,17 @@ class BlockManager:
             block.block_hash = block.token_ids = block.parent_hash = None
         self._notify(BlockRemoved(hashes))
 
+    def forget_cached(self) -> int:
+        """Drop every cached block without offloading it (the pool's contents are lost: a rank of a sharded
+        worker died), announcing them removed. Call with no sequence holding a block. Returns how many."""
+        hashes = tuple(self.cached)
+        for block in self.cached.values():
+            block.block_hash = block.token_ids = block.parent_hash = None
+        self.cached.clear()
+        if hashes:
+            self._notify(BlockRemoved(hashes))
+        return len(hashes)
+
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table hold `num_tokens` tokens; False (nothing changed) if the pool is short."""
         needed = -(-num_tokens // self.block_size) - len(seq.block_table)

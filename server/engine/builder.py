@@ -9,26 +9,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
 from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt
-from kvbm.connector import block_rows
+from kvbm.connector import KVBMConnector, block_rows
 from kvbm.transfer import KVTransfer
 from server.engine import kernels
 from server.engine.api import EngineResources, KVBlockLayout, RequestId
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
-from server.engine.core import EngineCore
+from server.engine.core import EngineCore, ModelExecutor
 from server.engine.kv_transfer import KVTransferConnector
-from server.engine.loader import ModelFiles, load_config, load_weights, prepare_model
+from server.engine.loader import ModelFiles, load_config, load_weights, open_weights, prepare_model
 from server.engine.model import LlamaModel, ModelShape
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
+from server.engine.parallel.executor import ShardedConnector, ShardedExecutor
+from server.engine.parallel.group import GroupFailure, GroupSettings, RankGroup, RankSpec, rank_title
+from server.engine.parallel.plan import ShardPlan, check_shardable, local_shape, usable_cores
 from server.engine.sampler import LogitBias, MinTokens, Penalties, RepetitionPenalty, Sampler
 from server.engine.scheduler import Scheduler
 from server.engine.structured import GrammarCompiler, GrammarMask
@@ -55,27 +59,57 @@ class EngineParts:
     grammars: GrammarCompiler  # structured outputs: a request's grammar, compiled at submit
 
 
+@dataclass(slots=True)
+class Sharding:
+    """How a sharded engine's group is run: its worker's id (in rank titles), what to call when it fails."""
+
+    worker_id: str
+    on_failure: Callable[[GroupFailure], None]
+    settings: GroupSettings = field(default_factory=GroupSettings)
+
+
 def build(
     config: EngineConfig,
     num_threads: int,
     connector: KVConnector | None,
     transfer: KVTransfer | None,
     on_finished: Callable[[RequestId], None],
+    sharding: Sharding | None = None,
 ) -> EngineParts:
-    """Load the model and assemble the core; `connector` (the KVBM tiers) is bound to the new KV pool."""
+    """Load the model and assemble the core; `connector` (the KVBM tiers) is bound to the new KV pool. A config
+    with tensor_parallel_size or pipeline_parallel_size above 1 starts its other ranks (`sharding` says how; a
+    default one if None), loads the driver's part here and steps them together (server/engine/parallel)."""
     started = time.monotonic()
     files = prepare_model(config.model, Path(config.cache_dir).expanduser() if config.cache_dir else None)
     hf_config = load_config(files)
     shape = ModelShape.from_config(hf_config)
-    model = _model(config, shape, files)
-    layout = _kv_layout(files, config, shape)
+    plan = shard_plan(config, shape)
+    layout = kv_layout(files, config, shape, plan)
     num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // layout.block_bytes)
-    runner = ModelRunner(model, num_blocks, config.block_size)
+    group = None
+    if plan is not None:  # the other ranks load while this one does
+        sharding = sharding or Sharding(config.model_name or files.name, lambda failure: None)
+        group = _spawn_ranks(config, plan, num_blocks, num_threads, connector, sharding, files.name)
+    try:
+        model = load_model(config, files, shape, plan)
+        local = ModelRunner(model, num_blocks, config.block_size)  # this rank's part (all of it unsharded)
+        runner: ModelExecutor = local
+        if group is not None:
+            executor = ShardedExecutor(local, group, plan, sharding.settings.collective_timeout_s)
+            executor.start()
+            runner = executor
+            connector = ShardedConnector(connector, group) if connector is not None else None
+    except BaseException:
+        if group is not None:
+            group.stop()
+        raise
     block_manager = BlockManager(num_blocks, config.block_size, connector)
-    if runner.kv_cache.device.type == "cpu":  # handoffs read and write pool rows as host memory
-        block_manager.rows = block_rows(runner.kv_cache, num_blocks)
+    if (
+        local.kv_cache.device.type == "cpu" and group is None
+    ):  # handoffs read and write pool rows as host memory
+        block_manager.rows = block_rows(local.kv_cache, num_blocks)
     if connector is not None:
-        connector.bind(runner.kv_cache, layout)
+        connector.bind(local.kv_cache, layout)
     max_model_len = min(config.max_model_len, shape.max_position_embeddings)
     eos_token_ids = _eos_ids(hf_config)
     kv_transfer = KVTransferConnector(
@@ -95,7 +129,9 @@ def build(
         Scheduler(block_manager, config.max_num_batched_tokens, config.max_concurrent_requests),
         runner, Sampler(eos_token_ids, model.device, processors), outputs, kv_transfer, on_finished,
     )  # fmt: skip
-    salt = model_salt(layout.fingerprint)
+    salt = model_salt(
+        kv_layout(files, config, shape).fingerprint
+    )  # the whole model's: the same for any sharding
     parts = EngineParts(
         files=files, model=model, tokenizer=tokenizer,
         model_name=config.model_name or files.name, max_model_len=max_model_len,
@@ -116,14 +152,59 @@ def build(
     return parts
 
 
-def _model(config: EngineConfig, shape: ModelShape, files: ModelFiles) -> LlamaModel:
+def shard_plan(config: EngineConfig, shape: ModelShape) -> ShardPlan | None:
+    """The driver's plan when the config shards the model (None otherwise); ValueError naming the dimension a
+    size does not divide; a warning when the ranks outnumber this host's cores or devices."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp * pp == 1:
+        return None
+    check_shardable(shape, tp, pp)
+    device = config.torch_device
+    usable = torch.cuda.device_count() if device.startswith("cuda") else usable_cores()
+    if tp * pp > usable:
+        log.warning(
+            "%s: %d ranks (tensor_parallel_size %d x pipeline_parallel_size %d) on %d usable %s: they will "
+            "share them and each step waits on the slowest", config.model_name or config.model, tp * pp, tp, pp,
+            usable, "devices" if device.startswith("cuda") else "cores",
+        )  # fmt: skip
+    return ShardPlan(tp, pp, 0, shape.num_layers)
+
+
+def _spawn_ranks(
+    config: EngineConfig, plan: ShardPlan, num_blocks: int, num_threads: int, connector: KVConnector | None,
+    sharding: Sharding, name: str,
+) -> RankGroup:  # fmt: skip
+    """Ranks 1..world-1 of a new group, loading (the driver's `ShardedExecutor.start` waits for them)."""
+    kvbm = connector.config if isinstance(connector, KVBMConnector) else None
+    model_name = config.model_name or name
+    settings = sharding.settings
+
+    def spec(rank: int, store_port: int, control: str, replies: str) -> RankSpec:
+        return RankSpec(
+            engine=config, kvbm=kvbm, tp_size=plan.tp_size, pp_size=plan.pp_size, rank=rank,
+            num_layers=plan.num_layers, num_blocks=num_blocks, worker_id=sharding.worker_id,
+            title=rank_title(model_name, sharding.worker_id, rank, plan.world_size), store_port=store_port,
+            control=control, replies=replies, num_threads=num_threads, heartbeat_s=settings.heartbeat_s,
+            collective_timeout_s=settings.collective_timeout_s,
+        )  # fmt: skip
+
+    group = RankGroup(spec, plan.world_size, settings, sharding.on_failure)
+    group.spawn()
+    return group
+
+
+def load_model(
+    config: EngineConfig, files: ModelFiles, shape: ModelShape, shard: ShardPlan | None
+) -> LlamaModel:
+    """The model, or with `shard` one rank's part of it (reading only that part of each weight)."""
     compiled = None
     if config.torch_device == "cpu" and (
         config.paged_kernel or config.fused_ops or config.prefill_kernel or config.linear_kernel
     ):
         compiled = kernels.cpu_kernels()
+    weights = load_weights(files) if shard is None else open_weights(files)
     return LlamaModel(
-        shape, load_weights(files), config.torch_dtype, config.torch_device, config.pack_weights,
+        shape, weights, config.torch_dtype, config.torch_device, config.pack_weights,
         decode_kernel=compiled if config.paged_kernel else None,
         fused_ops=compiled if config.fused_ops else None,
         prefill_kernel=compiled if config.prefill_kernel else None,
@@ -131,6 +212,7 @@ def _model(config: EngineConfig, shape: ModelShape, files: ModelFiles) -> LlamaM
         linear_kernel=compiled
         if config.linear_kernel and (config.batch_invariant or _linear_kernel_preferred(compiled))
         else None,
+        shard=shard,
     )  # fmt: skip
 
 
@@ -140,13 +222,20 @@ def _linear_kernel_preferred(compiled) -> bool:
     return compiled is not None and "amx" not in compiled.prefill_attention_isas()
 
 
-def _kv_layout(files: ModelFiles, config: EngineConfig, shape: ModelShape) -> KVLayout:
-    """The pool's layout and fingerprint (model, dtype, block size, shape): tiers share blocks only when equal."""
+def kv_layout(
+    files: ModelFiles, config: EngineConfig, shape: ModelShape, shard: ShardPlan | None = None
+) -> KVLayout:
+    """The pool's layout and fingerprint (model, dtype, block size, shape): tiers share blocks only when equal.
+    With `shard`, the layout of that rank's part of each block (its layers and KV heads), named by its plan."""
     dtype = config.torch_dtype  # `auto` resolved once, for this machine
+    fingerprint = (
+        f"{files.name}|{str(dtype).removeprefix('torch.')}|bs{config.block_size}"
+        f"|l{shape.num_layers}h{shape.num_kv_heads}d{shape.head_dim}"
+    )
+    part = shape if shard is None else local_shape(shape, shard)
     return KVLayout(
-        fingerprint=f"{files.name}|{str(dtype).removeprefix('torch.')}|bs{config.block_size}"
-        f"|l{shape.num_layers}h{shape.num_kv_heads}d{shape.head_dim}",
-        num_layers=shape.num_layers, block_size=config.block_size, num_kv_heads=shape.num_kv_heads,
+        fingerprint=fingerprint if shard is None else fingerprint + shard.tag,
+        num_layers=part.num_layers, block_size=config.block_size, num_kv_heads=part.num_kv_heads,
         head_dim=shape.head_dim, dtype=dtype,
     )  # fmt: skip
 

@@ -84,7 +84,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"  # auto: see auto_dtype
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=DEVICES)] = "auto"
     block_size: PositiveInt = 16  # tokens per KV block
+    # the KV pool in blocks of block_size tokens, fixed; None: as many as fit in kv_cache_bytes
     num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    # the KV pool in bytes (K and V of every layer) when num_kv_blocks is None
     kv_cache_bytes: PositiveInt = 512 * 1024 * 1024
     max_model_len: PositiveInt = 4096  # tokens: prompt + output
     max_num_batched_tokens: PositiveInt = 2048  # tokens computed per step (prefill chunks + decodes)
@@ -98,9 +100,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # vLLM's --chat-template: a Jinja chat template, or a file holding one (relative to model.json's folder)
     chat_template: str | None = None
     num_threads: PositiveInt | None = None  # torch intra-op threads on CPU; None: leave torch's default
-    pack_weights: bool = (
-        True  # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py)
-    )
+    # CPU: linear weights packed once (oneDNN's layout, or linear_kernel's; linear.py); false: F.linear
+    pack_weights: bool = True
     paged_kernel: bool = True  # CPU: decode attention by the compiled kernel (kernels/); false: gather + SDPA
     fused_ops: bool = True  # CPU: RMSNorm, RoPE + KV write, SiLU*up by the compiled kernels; false: torch ops
     # CPU bf16 (AVX512-BF16 or AMX): prefill attention by the compiled kernel; false: SDPA
@@ -110,6 +111,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     # the same tokens for a request whatever its batch, chunking, cache state or worker (model.py, "Batch
     # invariance"); CPU with the compiled kernels only
     batch_invariant: bool = False
+    # vLLM's names: ranks that each hold a slice of every layer (heads, KV heads, MLP columns) and step together;
+    # the size must divide the model's attention heads, KV heads and intermediate size (docs/sharding.md)
+    tensor_parallel_size: PositiveInt = 1
+    # vLLM's names: stages of contiguous layers, each its own tensor-parallel group of ranks (docs/sharding.md)
+    pipeline_parallel_size: PositiveInt = 1
 
     def validate(self, source: str = "EngineConfig") -> None:
         """Raise ConfigError naming `source` and the key for any value of the wrong type or out of range."""

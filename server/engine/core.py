@@ -30,9 +30,16 @@ from server.engine.sequence import Sequence, SequenceStatus
 log = logging.getLogger(__name__)
 
 
+class ExecutorFailure(RuntimeError):
+    """The executor lost a part of itself (a rank of a sharded worker died or hung): the step did not happen,
+    nothing in the KV pool can be trusted, and it runs nothing until it is restarted. Not a request's fault: the
+    core lets it through to the engine, which ends or requeues every request (server/engine/llm_engine.py)."""
+
+
 class ModelExecutor(Protocol):
     """Computes one step: logits [sampling chunks, vocab] fp32, one row per chunk that ends at its sequence's last
-    token, in the order of `chunks`. KV for every scheduled token is written into the pool."""
+    token, in the order of `chunks`. KV for every scheduled token is written into the pool. Raises
+    ExecutorFailure when it cannot compute any step (see there); any other exception is the step's own."""
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
 
@@ -77,6 +84,8 @@ class EngineCore:
             return
         try:
             logits = self.runner.run(chunks)
+        except ExecutorFailure:
+            raise
         except Exception as err:
             if len(chunks) == 1:
                 log.exception("engine step failed for request %s", chunks[0].seq.request_id)
@@ -95,6 +104,8 @@ class EngineCore:
             return
         try:
             logits = self.runner.run([chunk])
+        except ExecutorFailure:
+            raise
         except Exception as err:
             log.exception("engine step failed for request %s", chunk.seq.request_id)
             self.fail([chunk.seq], err)
@@ -208,6 +219,24 @@ class EngineCore:
         reason = f"internal engine error: {type(err).__name__}: {err}"[:500]
         for seq in seqs:
             self.finish(seq, "error", error=reason)
+
+    def requeue_all(self) -> list[Sequence]:
+        """After an executor failure: every running sequence back to the head of the wait queue, its blocks freed
+        (recomputed, as after a preemption), oldest first. Returns the requeued sequences."""
+        requeued = list(self.scheduler.running)
+        for seq in reversed(requeued):
+            self.scheduler.running.remove(seq)
+            self.scheduler.preempt(seq)
+        return requeued
+
+    def hand_back(self, seq: Sequence, error: str) -> None:
+        """End `seq` here without failing it: its final output is a retryable error, so that a router resumes it
+        on another worker from the tokens its client has (server/router/migration.py)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        self._on_finished(seq.request_id)
+        self.outputs.emit_retryable(seq, error)
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End `seq` (free its blocks) and send its final output. Idempotent."""

@@ -85,9 +85,8 @@ def linear(
     min_rows: int = 1,
 ) -> torch.Tensor:
     """x [rows, in] -> [rows, out], for a weight from `pack`. `min_rows` 2: one row is computed as two (a zero
-    row after it): oneDNN's packed fp32 GEMM sums one row over K in another order than it sums each row of two
-    or more (measured on AMD EPYC for K = 1536; every count from 2 to 300 agreed), so a batch-invariant model
-    never hands it a single row."""
+    row after it): oneDNN's packed fp32 GEMM can sum one row over K in another order than it sums each row of two
+    or more (docs/benchmarks.md), so a batch-invariant model never hands it a single row."""
     if isinstance(weight, TiledWeight):
         if x.stride(-1) != 1 or x.stride(0) % 2:
             x = x.contiguous()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -24,19 +24,28 @@ from kvbm.transfer_params import KVHandoff, RemoteDecode
 from server.engine import chat
 from server.engine.api import (
     EngineOverloaded,
+    EngineUnavailable,
     GenerationRequest,
     OutputSink,
     PoolStats,
+    RankStats,
     RequestError,
     RequestId,
     validate_request,
 )
-from server.engine.builder import EngineParts, build
+from server.engine.builder import EngineParts, Sharding, build
 from server.engine.config import EngineConfig
+from server.engine.core import ExecutorFailure
 from server.engine.detokenizer import Detokenizer
+from server.engine.parallel.executor import ShardedExecutor
+from server.engine.parallel.group import GroupFailure
+from server.engine.parallel.plan import usable_cores
 from server.engine.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
+
+RankFailurePolicy = Literal["resume", "migrate"]
+GroupState = Literal["up", "failed", "restarting", "down"]  # a sharded engine's ranks; always "up" unsharded
 
 
 class LLMEngine:
@@ -44,13 +53,35 @@ class LLMEngine:
     `LLMEngine.from_json`. The loaded parts (model, tokenizer, layouts, core) are attributes after `__init__`."""
 
     def __init__(
-        self, config: EngineConfig, connector: KVConnector | None = None, transfer: KVTransfer | None = None
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        transfer: KVTransfer | None = None,
+        *,
+        worker_id: str = "0",
+        on_rank_failure: RankFailurePolicy = "resume",
+        resume_limit: int = 3,
     ) -> None:
         """`transfer`: how prefill handoffs move (default: shared memory on this host).
 
+        A sharded engine (tensor_parallel_size or pipeline_parallel_size above 1) whose group loses a rank ends
+        its requests as retryable errors for its router to resume elsewhere (`on_rank_failure` "migrate": a worker
+        process among others), or requeues them for the restarted group ("resume": the only engine of a model,
+        each request at most `resume_limit` times). `worker_id` names its ranks' processes.
+
         The model is loaded on the engine thread, which then runs every step: see `_run`."""
         self.config = config
-        self._num_threads = config.num_threads or torch.get_num_threads()
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self._num_threads = config.num_threads or (
+            max(1, usable_cores() // world) if world > 1 else torch.get_num_threads()
+        )
+        self._sharding = None
+        if world > 1:
+            self._sharding = Sharding(worker_id, self._on_group_failure)
+        self._on_rank_failure = on_rank_failure
+        self._resume_limit = resume_limit
+        self._resumes: dict[RequestId, int] = {}  # requests requeued after a group failure -> how many times
+        self._group: GroupState = "up"  # guarded by _cond
         self._cond = threading.Condition()
         self._inbox: list[Seq] = []
         self._abort_ids: list[RequestId] = []
@@ -79,7 +110,9 @@ class LLMEngine:
         barriers a step has. So the model loads here too, not on the caller's thread."""
         torch.set_num_threads(self._num_threads)  # OpenMP thread counts are per calling thread
         try:
-            self._take(build(self.config, self._num_threads, connector, transfer, self._forget))
+            self._take(
+                build(self.config, self._num_threads, connector, transfer, self._forget, self._sharding)
+            )
         except BaseException as err:
             self._load_error = err
             self._loaded.set()
@@ -147,6 +180,7 @@ class LLMEngine:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("engine is shut down")
+            self._check_group()
             if request.request_id in self._active:
                 raise RequestError("request_id", f"{request.request_id!r} is already running")
             queued = len(self._inbox) + len(self.scheduler.waiting)  # the deque's len is safe from any thread
@@ -187,6 +221,17 @@ class LLMEngine:
             )
         return params
 
+    def _check_group(self) -> None:
+        """Under `_cond`: refuse a request the group cannot take now (a restarting worker among others is busy:
+        its router tries another; a group whose restart failed is unavailable). A restarting group of the only
+        engine queues it."""
+        if self._group == "down":
+            raise EngineUnavailable(f"{self.model_name}: its ranks failed and are restarting; retry later")
+        if self._group == "restarting" and self._on_rank_failure == "migrate":
+            raise EngineOverloaded(
+                f"{self.model_name}: this worker is restarting its ranks", retry_after_s=1.0
+            )
+
     def abort(self, request_id: RequestId) -> None:
         with self._cond:
             if request_id in self._active:
@@ -194,9 +239,10 @@ class LLMEngine:
                 self._cond.notify()
 
     def stats(self) -> PoolStats:
-        """A snapshot (read without locking: counts may be one step stale)."""
+        """A snapshot (read without locking: counts may be one step stale). A sharded engine adds each rank's
+        state and memory, and its group's restarts by reason."""
         manager = self.block_manager
-        return PoolStats(
+        stats = PoolStats(
             manager.num_blocks,
             manager.num_free_blocks,
             manager.num_cached_blocks,
@@ -204,6 +250,12 @@ class LLMEngine:
             len(self.scheduler.waiting),
             self.scheduler.num_preemptions,
         )
+        if isinstance(self.runner, ShardedExecutor):
+            stats.ranks = [
+                RankStats(r.rank, r.pid, r.up, r.rss_bytes, r.busy_s) for r in self.runner.statuses()
+            ]
+            stats.restarts = dict(self.runner.restarts)
+        return stats
 
     @property
     def healthy(self) -> bool:
@@ -220,7 +272,12 @@ class LLMEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        sharded = isinstance(self.runner, ShardedExecutor)
+        if sharded:
+            self.runner.group.begin_close()  # a restart in progress gives up
         self._thread.join()
+        if sharded:
+            self.runner.group.stop()  # after the thread: no step is running; each rank closes its tiers
         self.kv_transfer.close()
         if self._connector is not None:
             self._connector.close()
@@ -236,8 +293,15 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._abort_ids or self._stopping or self.core.has_work()):
+                while not (
+                    self._inbox or self._abort_ids or self._stopping or self.core.has_work()
+                    or self._group == "failed"
+                ):  # fmt: skip
                     self._cond.wait()
+                failed = self._group == "failed" and not self._stopping
+            if failed:  # the group failed between steps (its monitor saw it)
+                self._recover()
+            with self._cond:
                 new, self._inbox = self._inbox, []
                 aborts, self._abort_ids = self._abort_ids, []
                 stopping = self._stopping
@@ -255,6 +319,8 @@ class LLMEngine:
                 return
             try:
                 self.core.step()
+            except ExecutorFailure:  # a rank died or hung during the step
+                self._recover()
             except (
                 Exception
             ) as err:  # a bug outside any one sequence's work: fail the running batch, keep serving
@@ -265,6 +331,99 @@ class LLMEngine:
         """The core finished `request_id` (called on the engine thread before its final output)."""
         with self._cond:
             self._active.pop(request_id, None)
+        self._resumes.pop(request_id, None)
+
+    # ---- a sharded engine's group failure ----
+
+    def _on_group_failure(self, failure: GroupFailure) -> None:
+        """From the group's monitor (or the engine thread): wake the engine thread to recover."""
+        with self._cond:
+            if self._group == "up":
+                self._group = "failed"
+            self._cond.notify()
+
+    def _recover(self) -> None:
+        """The group lost a rank and killed the others; what the pool held is gone. Ends or requeues every
+        request (see `__init__`), forgets the prefix cache, and restarts the group with backoff (1 s doubling to
+        30 s) until it runs or the engine closes. The cause is counted by reason and logged with the rank."""
+        executor = self.runner
+        assert isinstance(executor, ShardedExecutor)
+        failure = executor.group.failure or GroupFailure(0, "unknown")
+        with self._cond:
+            self._group = "restarting"
+            unfinished = list(self._active.values())
+            if self._on_rank_failure == "migrate":
+                self._inbox = []
+        self._count_restart(executor, failure)
+        if self._on_rank_failure == "migrate":
+            for seq in unfinished:
+                self.core.hand_back(seq, f"the worker's rank group failed ({failure})")
+        else:
+            self._requeue(failure)
+        forgotten = self.block_manager.forget_cached()
+        log.error(
+            "%s worker %s: %s; %d requests %s, %d cached blocks dropped; restarting the group",
+            self.model_name, self._sharding.worker_id, failure, len(unfinished),
+            "handed back for migration" if self._on_rank_failure == "migrate" else "requeued", forgotten,
+        )  # fmt: skip
+        self._restart(executor)
+
+    def _count_restart(self, executor: ShardedExecutor, failure: GroupFailure) -> None:
+        reason = _restart_reason(failure)
+        executor.restarts[reason] = executor.restarts.get(reason, 0) + 1
+
+    def _requeue(self, failure: GroupFailure) -> None:
+        """Running requests wait for the restarted group, each at most `resume_limit` times; past that one ends
+        with a retryable error (503 at the frontend)."""
+        for seq in self.core.requeue_all():
+            resumes = self._resumes.get(seq.request_id, 0) + 1
+            self._resumes[seq.request_id] = resumes
+            if resumes > self._resume_limit:
+                self.core.hand_back(
+                    seq,
+                    f"{self.model_name}: its rank group failed {resumes} times during this request ({failure})",
+                )
+
+    def _restart(self, executor: ShardedExecutor) -> None:
+        delay = 1.0
+        while True:
+            try:
+                executor.restart()
+            except GroupFailure as again:
+                if executor.group.closing:
+                    return
+                self._count_restart(executor, again)
+                log.error("%s: restarting the rank group failed (%s); next try in %.0f s", self.model_name,
+                          again, delay)  # fmt: skip
+                with self._cond:
+                    self._group = "down"
+                    waiting, self._inbox = list(self._active.values()), []
+                for seq in waiting:  # nothing runs until the group does: none of them waits for it
+                    self.core.hand_back(seq, f"{self.model_name}: its rank group is down ({again})")
+                with self._cond:
+                    if self._cond.wait_for(lambda: self._stopping, timeout=delay):
+                        return
+                delay = min(2 * delay, 30.0)
+                continue
+            with self._cond:
+                self._group = "up"
+            log.info("%s worker %s: rank group running again", self.model_name, self._sharding.worker_id)
+            return
+
+
+def _restart_reason(failure: GroupFailure) -> str:
+    """A short label for `strata_worker_restarts_total`: how the rank ended (its signal or exit code), a lost
+    heartbeat, a step that failed, or a start that failed."""
+    reason = failure.reason
+    if reason.startswith("exited on "):
+        return reason.removeprefix("exited on ")
+    if reason.startswith("exited with code"):
+        return "exit_code_" + reason.rsplit(" ", 1)[-1]
+    if reason.startswith("no heartbeat"):
+        return "heartbeat"
+    if reason.startswith(("failed to load", "not ready", "joining")):
+        return "start_failed"
+    return "step_failed"
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:

@@ -21,8 +21,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from server import settings
@@ -110,6 +112,20 @@ def _save_safetensors(model, folder: Path) -> None:
 def load_config(files: ModelFiles) -> dict:
     """The Hugging Face config.json of the model, as a dict."""
     return json.loads((files.folder / "config.json").read_text())
+
+
+def open_weights(files: ModelFiles) -> dict[str, Any]:
+    """Every tensor of every *.safetensors file by name, unread: each a slice handle that reads (memory-mapped)
+    only the rows or columns it is indexed with (`w[a:b]`, `w[:, a:b]`, `w[:]` for all). A rank of a sharded model
+    reads its part of each weight this way, never the whole model."""
+    shards = sorted(files.folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{files.folder}: no *.safetensors files")
+    handles: dict[str, Any] = {}
+    for shard in shards:
+        opened = safe_open(str(shard), framework="pt")
+        handles.update({name: opened.get_slice(name) for name in opened.keys()})  # noqa: SIM118
+    return handles
 
 
 def load_weights(files: ModelFiles) -> dict[str, torch.Tensor]:

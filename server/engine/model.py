@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from server.engine import linear as packed_linear
+from server.engine.parallel.plan import ShardPlan, local_shape, vocab_slice
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +165,7 @@ class LlamaModel:
     def __init__(
         self,
         shape: ModelShape,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Any],
         dtype: torch.dtype,
         device: str,
         pack_weights: bool = True,
@@ -171,6 +174,7 @@ class LlamaModel:
         prefill_kernel: ModuleType | None = None,
         linear_kernel: ModuleType | None = None,
         batch_invariant: bool = False,
+        shard: ShardPlan | None = None,
     ):
         """`decode_kernel`: the compiled kernels (server/engine/kernels) whose paged attention decodes from a CPU
         pool; None: gather. `fused_ops`: the same module, whose fused RMSNorm, RoPE + KV write and SiLU*up run
@@ -178,8 +182,14 @@ class LlamaModel:
         attention reads a chunk's keys from the pool (bf16 on a CPU with AVX512-BF16 or AMX, head_dim 64 or 128
         only; the model drops it otherwise); None: SDPA. `linear_kernel`: the same module, whose bf16 linear
         layers (AVX512-BF16) take the weights it can (linear.py); None: oneDNN or F.linear. `batch_invariant`:
-        see the class docstring (needs `decode_kernel`; without it the model warns and stays as it is)."""
-        self.shape = shape
+        see the class docstring (needs `decode_kernel`; without it the model warns and stays as it is).
+        `shard`: this rank's part of a sharded model (server/engine/parallel/plan.py): its slice of every weight,
+        its layers, and `local` its shape (`join_group` before the first forward when it splits tensors). None:
+        the whole model. `weights`: tensors, or slice handles (loader.open_weights) that read only a rank's part."""
+        self.shape = shape  # the whole model's
+        self.shard = shard
+        self.local = shape if shard is None else local_shape(shape, shard)  # this rank's part
+        self._tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dtype = dtype
         self.device = torch.device(device)
         # linear weights reordered once for the CPU GEMM kernel (see linear.py); the embedding stays plain
@@ -198,16 +208,29 @@ class LlamaModel:
                 "this engine's tokens may depend on its batch"
             )
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
+            """The weight, or its `rows` / `cols` (a rank's slice), on the device in the model's dtype."""
             if name not in weights:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return weights[name].to(device=self.device, dtype=dtype)
+            weight = weights[name]  # a tensor, or a slice handle that reads what it is indexed with
+            if rows is not None:
+                weight = weight[rows.start : rows.stop]
+            elif cols is not None:
+                weight = weight[:, cols.start : cols.stop]
+            elif not isinstance(weight, torch.Tensor):
+                weight = weight[:]
+            return weight.to(device=self.device, dtype=dtype)
 
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
+        plan = shard or ShardPlan(1, 1, 0, shape.num_layers)
         tied = shape.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self._pack(self.embed if tied else get("lm_head.weight"))
-        self.layers = [self._layer(get, i) for i in range(shape.num_layers)]
+        self.embed = get("model.embed_tokens.weight") if plan.first_stage else None
+        self.norm = get("model.norm.weight") if plan.last_stage else None
+        self.vocab_rows = vocab_slice(shape.vocab_size, plan.tp_size, plan.tp_rank)  # lm_head rows here
+        self.lm_head = None
+        if plan.last_stage:
+            head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            self.lm_head = self._pack(get(head, rows=self.vocab_rows))
+        self.layers = [self._layer(get, i, plan) for i in plan.layers]
         positions = torch.arange(shape.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, _rope_inv_freq(shape))
         table = torch.cat((freqs, freqs), dim=-1)
@@ -216,20 +239,38 @@ class LlamaModel:
         self.scale = shape.head_dim**-0.5
         self._buffers = [torch.empty(0, dtype=dtype, device=self.device) for _ in range(5)]
 
-    def _layer(self, get, i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+    def _layer(self, get, i: int, plan: ShardPlan) -> LayerWeights:
+        """Layer `i`'s weights, this rank's slices: its heads' rows of q, k, v and columns of o_proj, its
+        intermediate rows of gate and up and columns of down (all of them without tensor parallelism)."""
+        p, local, d = f"model.layers.{i}.", self.local, self.shape.head_dim
+        heads = range(plan.tp_rank * local.num_heads * d, (plan.tp_rank + 1) * local.num_heads * d)
+        kv_heads = range(plan.tp_rank * local.num_kv_heads * d, (plan.tp_rank + 1) * local.num_kv_heads * d)
+        inter = range(plan.tp_rank * local.intermediate_size, (plan.tp_rank + 1) * local.intermediate_size)
+        qkv_rows = {"q": heads, "k": kv_heads, "v": kv_heads}
         bias = None
         if self.shape.qkv_bias:
-            bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            bias = torch.cat([get(p + f"self_attn.{n}_proj.bias", rows=qkv_rows[n]) for n in "qkv"])
+        qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight", rows=qkv_rows[n]) for n in "qkv"])
+        gate_up = torch.cat([get(p + f"mlp.{n}_proj.weight", rows=inter) for n in ("gate", "up")])
         return LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=self._pack(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            qkv=self._pack(qkv),
             qkv_bias=bias,
-            o_proj=self._pack(get(p + "self_attn.o_proj.weight")),
+            o_proj=self._pack(get(p + "self_attn.o_proj.weight", cols=heads)),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=self._pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-            down=self._pack(get(p + "mlp.down_proj.weight")),
+            gate_up=self._pack(gate_up),
+            down=self._pack(get(p + "mlp.down_proj.weight", cols=inter)),
         )
+
+    def join_group(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Row-parallel outputs are summed by `all_reduce` (in place) over the tensor-parallel ranks from now on (a
+        group's new generation after a restart brings a new one)."""
+        if self.shard is not None and self.shard.tp_size > 1:
+            self._tp_reduce = all_reduce
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the tensor-parallel group (itself without one)."""
+        return partial if self._tp_reduce is None else self._tp_reduce(partial)
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return packed_linear.pack(weight, self.packed, self.linear_kernel)
@@ -241,13 +282,19 @@ class LlamaModel:
         return (h * variance.rsqrt_()).to(x.dtype).mul_(weight)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Run one step; write K/V of every row into `kv_cache`; return logits [S, vocab] (fp32) for logits_rows."""
+    def forward(
+        self, batch: StepBatch, kv_cache: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one step of this rank's layers; write K/V of every row into `kv_cache`. Returns logits
+        [S, vocab rows here] (fp32) for logits_rows on the last pipeline stage, else the residual stream [T, hidden]
+        for the next stage. `hidden`: the previous stage's residual stream (this rank updates it in place); None on
+        the first stage, which embeds `batch.token_ids`."""
+        if hidden is None:
+            hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
         if self.fused is not None:
-            return self._forward_fused(batch, kv_cache)
-        s = self.shape
+            return self._forward_fused(batch, kv_cache, hidden)
+        s = self.local
         linear = packed_linear.linear
-        hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -261,20 +308,21 @@ class LlamaModel:
             kv_cache[:, index, 0][batch.slot_blocks, batch.slot_offsets] = k
             kv_cache[:, index, 1][batch.slot_blocks, batch.slot_offsets] = v
             attn = self._attention(batch, q, k, v, kv_cache, index)
-            hidden.add_(linear(attn, layer.o_proj, None, self.min_rows))
+            hidden.add_(self._reduce(linear(attn, layer.o_proj, None, self.min_rows)))
             x = self._rms_norm(hidden, layer.post_norm)
             gate, up = linear(x, layer.gate_up, None, self.min_rows).chunk(2, dim=-1)
-            hidden.add_(linear(F.silu(gate).mul_(up), layer.down, None, self.min_rows))
+            hidden.add_(self._reduce(linear(F.silu(gate).mul_(up), layer.down, None, self.min_rows)))
+        if self.lm_head is None:
+            return hidden
         last = self._rms_norm(hidden[batch.logits_rows], self.norm)
         return linear(last, self.lm_head, None, self.min_rows).float()
 
-    def _forward_fused(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, batch: StepBatch, kv_cache: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """`forward` with each layer's elementwise work in the compiled fused ops: the same operations and
         roundings as the torch path above, one pass and one call each, into buffers reused by every layer."""
-        s, ops, eps = self.shape, self.fused, self.shape.rms_norm_eps
+        s, ops, eps = self.local, self.fused, self.shape.rms_norm_eps
         linear = packed_linear.linear
         rows = batch.token_ids.shape[0]
-        hidden = self.embed[batch.token_ids]  # a fresh tensor: the residual stream is updated in place
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = torch.empty_like(hidden)  # each norm's output, the next linear's input
@@ -290,20 +338,23 @@ class LlamaModel:
             k = qkv[:, q_size : q_size + kv_size].view(rows, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(rows, s.num_kv_heads, s.head_dim)
             attn = self._attention(batch, q, k, v, kv_cache, index)
-            ops.add_rms_norm(hidden, linear(attn, layer.o_proj, None, self.min_rows), layer.post_norm, eps, x)
+            o_proj = self._reduce(linear(attn, layer.o_proj, None, self.min_rows))
+            ops.add_rms_norm(hidden, o_proj, layer.post_norm, eps, x)
             ops.silu_mul(linear(x, layer.gate_up, None, self.min_rows), act)
-            down = linear(act, layer.down, None, self.min_rows)
+            down = self._reduce(linear(act, layer.down, None, self.min_rows))
             if index + 1 < len(self.layers):
                 ops.add_rms_norm(hidden, down, self.layers[index + 1].input_norm, eps, x)
             else:
                 hidden.add_(down)
+        if self.lm_head is None:
+            return hidden
         last = hidden[batch.logits_rows]
         ops.rms_norm(last, self.norm, eps, x[: last.shape[0]])
         return linear(x[: last.shape[0]], self.lm_head, None, self.min_rows).float()
 
     def _attention(self, batch: StepBatch, q, k, v, kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention output [T, H*D] for every row of `layer`: decode rows batched, each prefill chunk on its own."""
-        s = self.shape
+        s = self.local
         out = torch.empty(q.shape[0], s.num_heads * s.head_dim, dtype=q.dtype, device=q.device)
         # this layer's K and V rows of each block: [num_blocks, 2, block_size*Hkv*D]
         layer_cache = kv_cache.view(kv_cache.shape[0], s.num_layers, 2, -1)[:, layer]
@@ -371,7 +422,7 @@ class LlamaModel:
         values = self._workspace(1, ids.numel() * row).view(-1, row)
         torch.index_select(layer_cache[:, 0], 0, ids, out=keys)
         torch.index_select(layer_cache[:, 1], 0, ids, out=values)
-        shape = (block_tables.shape[0], -1, self.shape.num_kv_heads, self.shape.head_dim)
+        shape = (block_tables.shape[0], -1, self.local.num_kv_heads, self.local.head_dim)
         return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
 
     def _workspace(self, slot: int, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:

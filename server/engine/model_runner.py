@@ -22,7 +22,7 @@ MAX_GROUP_PADDING_BLOCKS = 32
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
-        shape = model.shape
+        shape = model.local  # this rank's layers and KV heads (the whole model unsharded)
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -33,8 +33,8 @@ class ModelRunner:
 
     @staticmethod
     def block_bytes(model: LlamaModel, block_size: int) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        s = model.shape
+        """Bytes of one block across this rank's layers (K and V of its KV heads)."""
+        s = model.local
         elem = torch.empty((), dtype=model.dtype).element_size()
         return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * elem
 
@@ -42,10 +42,10 @@ class ModelRunner:
         """Forward the step; returns logits [S + P, vocab]: S rows for the chunks that end at their sequence's last
         token, in the order of `chunks`, then P rows of prompt positions whose logprobs are owed (each chunk's
         `seq.prompt_logprob_positions`, in the order of `chunks`)."""
-        batch = self._prepare(chunks)
-        return self.model.forward(batch, self.kv_cache)
+        return self.model.forward(self.prepare(chunks), self.kv_cache)
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        """The step's inputs as tensors on the model's device (what every rank of a sharded worker gets)."""
         if self.model.batch_invariant and self.model.prefill_kernel is None:
             return self._prepare_rows(chunks)
         if self.model.batch_invariant:  # every row, a decode's too, through the prefill kernel (model.py)

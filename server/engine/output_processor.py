@@ -63,6 +63,19 @@ class OutputProcessor:
             return "length"
         return None
 
+    def emit_retryable(self, seq: Sequence, error: str) -> None:
+        """`seq`'s final output as a retryable error: no tokens or text beyond those already sent (a router
+        resumes it from those), the error for the log."""
+        output = GenerationOutput(
+            request_id=seq.request_id, new_token_ids=[], new_text="", finished=True, finish_reason="error",
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_reported_tokens, error=error, retryable=True,
+        )  # fmt: skip
+        try:
+            seq.sink(output)
+        except Exception:
+            log.exception("sink of request %s failed", seq.request_id)
+
     def emit(
         self,
         seq: Sequence,

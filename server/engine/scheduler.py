@@ -80,7 +80,7 @@ class Scheduler:
             try:
                 while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
                     preempted = True
-                    self._preempt(self.running.pop())
+                    self.preempt(self.running.pop())
                     if seq.status is SequenceStatus.WAITING:
                         break
             except Exception as err:
@@ -156,7 +156,9 @@ class Scheduler:
             return 0
         return num_tokens
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence no longer in `running` and put it first in the wait queue: it is recomputed from its
+        tokens when admitted again (its registered blocks are likely still cached)."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -34,6 +34,8 @@ OVERRIDES = {
     "max_model_len": "max_model_len",
     "max_concurrent_requests": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
 }
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 DEFAULT_MAX_MODEL_LEN = 4096  # only until the first worker says what vLLM derived from the model

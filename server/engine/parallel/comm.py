@@ -1,0 +1,79 @@
+"""The collectives of one rank of a sharded worker: gloo on the CPU, NCCL on CUDA.
+
+Groups are built directly on a TCPStore that the driver (rank 0) hosts on a free loopback port, never as torch's
+default process group: one process may drive several sharded models, each its own group, and a group restarted
+after a failure gets a new store (so nothing of the dead generation is read again). Every collective has the
+group's timeout: a peer that stops answering raises here instead of hanging the step.
+
+    world group    every rank: hidden states stage to stage, logits slices to the driver (point to point)
+    tp group       the ranks of this rank's pipeline stage: the all-reduce of each row-parallel layer
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from server.engine.parallel.plan import ShardPlan
+
+HIDDEN_TAG, LOGITS_TAG = 0, 1 << 16  # point-to-point tags: + the micro-batch's index
+
+
+def connect_store(port: int, plan: ShardPlan, timeout_s: float) -> dist.TCPStore:
+    """A rank's client of the driver's store (the driver makes its own with `host_store`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("127.0.0.1", port, plan.world_size, False, timeout=timeout)
+
+
+def host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The driver's store, on a free loopback port (`.port`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
+
+
+class GroupComm:
+    def __init__(self, store: dist.Store, plan: ShardPlan, device: torch.device, timeout_s: float) -> None:
+        """Joins the groups (collective: every rank of the world, then of its stage, builds its own)."""
+        self.plan = plan
+        self.device = device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.world = _group(dist.PrefixStore("world", store), plan.rank, plan.world_size, device, timeout)
+        if plan.pp_size == 1:
+            self.tp = self.world
+        elif plan.tp_size > 1:
+            prefix = dist.PrefixStore(f"tp-stage{plan.stage}", store)
+            self.tp = _group(prefix, plan.tp_rank, plan.tp_size, device, timeout)
+        else:
+            self.tp = None
+        # gloo sums bf16 in bf16: partial sums of a row-parallel layer are added in fp32, as one GEMM would
+        self._reduce_in_fp32 = device.type == "cpu"
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum `partial` over the stage's tensor-parallel ranks, in place; returns it."""
+        if self._reduce_in_fp32 and partial.dtype != torch.float32:
+            total = partial.float()
+            self.tp.allreduce([total]).wait()
+            return partial.copy_(total)
+        self.tp.allreduce([partial]).wait()
+        return partial
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Start sending `tensor` to rank `dst`; keep `tensor` alive until the returned work is waited on."""
+        return self.world.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        """Receive into `tensor` from rank `src` (blocks, up to the group's timeout)."""
+        self.world.recv([tensor], src, tag).wait()
+
+    def barrier(self) -> None:
+        self.world.barrier().wait()
+
+
+def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
+    if device.type == "cuda":  # written for CUDA machines, not exercised on the CPU-only CI
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -1,0 +1,146 @@
+"""A sharded worker as the engine core sees it: a `ModelExecutor` and a `KVConnector` over a group of ranks.
+
+The core stays as it is: it schedules, asks the executor for logits and samples on the driver. `ShardedExecutor`
+builds the step's inputs once (the driver's `ModelRunner._prepare`), sends them to every rank, computes the
+driver's own part, and joins the logits the last stage's ranks send back. `ShardedConnector` gives every rank's
+tiers the same KV operation: each rank holds its part of a block in tiers keyed by its part's layout
+(`ShardPlan.tag`), and a block is only as available as its scarcest part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvbm.api import BlockEvent, KVConnector, KVLayout
+from kvbm.block_hash import BlockHash
+from server.engine.model import StepBatch
+from server.engine.model_runner import ModelRunner
+from server.engine.parallel import wire
+from server.engine.parallel.comm import GroupComm
+from server.engine.parallel.group import GroupFailure, RankGroup, RankStatus, resident_bytes
+from server.engine.parallel.plan import ShardPlan
+from server.engine.parallel.stage import StageRunner
+from server.engine.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+
+class ShardedExecutor:
+    """Implements `server.engine.core.ModelExecutor` on the driver (rank 0) of a group."""
+
+    def __init__(self, runner: ModelRunner, group: RankGroup, plan: ShardPlan, collective_timeout_s: float):
+        self.runner = runner  # the driver's part: its layers and KV heads, its pool rows
+        self.group = group
+        self.plan = plan
+        self._timeout_s = collective_timeout_s
+        self.stage: StageRunner | None = None
+        self.restarts: dict[str, int] = {}  # why the group was restarted -> how many times
+        self.step_s = (
+            0.0  # wall seconds of steps, cumulative (with `StageRunner.busy_s`: the pipeline's bubble)
+        )
+
+    def start(self) -> None:
+        """Wait for the spawned ranks, then join the collectives (engine thread). GroupFailure if it fails."""
+        store = self.group.join()
+        try:
+            comm = GroupComm(store, self.plan, self.runner.device, self._timeout_s)
+        except RuntimeError as err:  # a rank died while the group formed
+            raise self.group.fail(0, f"joining the group failed: {err}") from err
+        self.runner.model.join_group(comm.all_reduce)
+        self.stage = StageRunner(self.runner.model, self.runner.kv_cache, comm, self.plan)
+
+    def restart(self) -> None:
+        """A new generation of ranks after a failure: spawn, load, join. The driver's pool is zeroed (what it held
+        is unusable without the other parts). GroupFailure if this generation fails too."""
+        self.stage = None
+        self.group.spawn()
+        self.runner.kv_cache.zero_()
+        self.start()
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        if self.stage is None:
+            raise self.group.failure or GroupFailure(0, "the group is not running")
+        started = time.perf_counter()
+        groups = _micro_batches(chunks, self.plan.pp_size)
+        batches = [self.runner.prepare(group) for group in groups]
+        self.group.send(wire.Step([wire.encode_batch(batch) for batch in batches]))
+        try:  # from here on every rank is in the step: any failure leaves the group out of step
+            own = self.stage.run(batches)
+            logits = self.stage.gather_logits(batches, own)
+        except Exception as err:
+            failure = self.group.failure or self.group.fail(0, f"step failed on the driver: {err!r}"[:300])
+            raise failure from err
+        self.step_s += time.perf_counter() - started
+        return _join(groups, batches, logits)
+
+    def statuses(self) -> list[RankStatus]:
+        """Every rank, the driver first."""
+        busy = self.stage.busy_s if self.stage is not None else 0.0
+        own = RankStatus(0, os.getpid(), self.stage is not None, resident_bytes(), busy)
+        return [own, *self.group.statuses()]
+
+
+def _micro_batches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:
+    """Contiguous groups of chunks with about equal tokens, at most `count` (one per pipeline stage, so that
+    every stage has work while the next computes the group before)."""
+    if count <= 1 or len(chunks) <= 1:
+        return [chunks]
+    total = sum(c.num_tokens for c in chunks)
+    groups: list[list[ScheduledChunk]] = [[]]
+    done = 0
+    for chunk in chunks:
+        if groups[-1] and len(groups) < count and done >= total * len(groups) / count:
+            groups.append([])
+        groups[-1].append(chunk)
+        done += chunk.num_tokens
+    return groups
+
+
+def _join(
+    groups: list[list[ScheduledChunk]], batches: list[StepBatch], logits: list[torch.Tensor]
+) -> torch.Tensor:
+    """One logits tensor in the order the core reads (sampling rows of every chunk in order, then the prompt
+    logprob rows in order) from the micro-batches' logits (each: its sampling rows, then its prompt rows)."""
+    if len(logits) == 1:
+        return logits[0]
+    sampling = [sum(c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in g) for g in groups]
+    return torch.cat([part[:n] for part, n in zip(logits, sampling, strict=True)]
+                     + [part[n:] for part, n in zip(logits, sampling, strict=True)])  # fmt: skip
+
+
+class ShardedConnector:
+    """Implements `kvbm.api.KVConnector` for a group: the driver's tiers (`local`, which also publishes the
+    index's events) and every other rank's, asked in the same order."""
+
+    def __init__(self, local: KVConnector, group: RankGroup) -> None:
+        self.local = local
+        self.group = group
+
+    def bind(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        self.local.bind(kv_cache, layout)
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        found = self.local.lookup(block_hashes)
+        if found == 0:
+            return 0
+        answers = self.group.ask(wire.Lookup(0, [int(h) for h in block_hashes[:found]]))
+        return min(found, *answers)
+
+    def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        answers = self.group.ask(wire.Onboard(0, [int(h) for h in block_hashes], list(block_ids)))
+        return min(self.local.onboard(block_hashes, block_ids), *answers)
+
+    def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        self.group.send(wire.Offload([int(h) for h in block_hashes], list(block_ids)))
+        self.local.offload(block_hashes, block_ids)
+
+    def on_event(self, event: BlockEvent) -> None:
+        self.local.on_event(event)
+
+    def close(self) -> None:
+        self.local.close()
