@@ -45,13 +45,40 @@ def _cell(text: Any) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return "off" if isinstance(action, argparse._StoreTrueAction) else "on"
+    if isinstance(action, argparse._StoreConstAction) and action.const is True:  # store_true too
+        return "off"
+    if isinstance(action, argparse._StoreFalseAction):
+        return "on"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
     if action.default in (None, argparse.SUPPRESS):
         return ""
-    if isinstance(action.default, (list, tuple)) and not action.default:
-        return ""
+    if isinstance(action.default, (list, tuple)):
+        return f"`{','.join(str(item) for item in action.default)}`" if action.default else ""
     return f"`{action.default}`"
+
+
+_FLAG_TYPES = {int: "int", float: "float", str: "str", Path: "path"}
+
+
+def _flag_type(action: argparse.Action) -> str:
+    """What the flag takes: `flag` (no value), its choices, a metavar such as `HOST:PORT`, or a type."""
+    if action.nargs == 0:
+        return "flag"
+    if action.choices:
+        kind = " | ".join(f'"{choice}"' for choice in action.choices)
+    elif action.metavar and action.type in (None, str):
+        kind = f"`{action.metavar}`"
+    elif action.type in _FLAG_TYPES or action.type is None:
+        kind = _FLAG_TYPES.get(action.type, "str")
+    else:  # a parsing function: its return annotation (`tuple[int, ...]`: comma-separated numbers)
+        annotation = str(getattr(action.type, "__annotations__", {}).get("return", "str"))
+        kind = "int,int,..." if annotation == "tuple[int, ...]" else annotation
+    if isinstance(action, argparse._AppendAction):
+        kind += ", repeatable"
+    elif action.nargs in ("+", "*"):
+        kind += ", one or more"
+    return kind
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -61,12 +88,17 @@ def _flags(parser: argparse.ArgumentParser) -> list[str]:
         positionals = [a for a in group._group_actions if not a.option_strings]
         if not actions and not positionals:
             continue
-        lines += ["", f"**{group.title}**", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            f"**{group.title}**",
+            "",
+            "| flag | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
         for action in positionals + actions:
             names = ", ".join(f"`{name}`" for name in action.option_strings) or f"`{action.dest}`"
-            if action.choices:
-                names += " " + "\\|".join(str(choice) for choice in action.choices)
-            lines.append(f"| {names} | {_cell(_default(action))} | {_cell(action.help or '')} |")
+            cells = (_flag_type(action), _default(action), action.help or "")
+            lines.append(f"| {names} | " + " | ".join(_cell(cell) for cell in cells) + " |")
     return lines
 
 
@@ -123,7 +155,11 @@ def _struct_keys(cls: type, title: str, intro: str) -> list[str]:
         if field.default_factory is not msgspec.NODEFAULT:
             default = field.default_factory()
         shown = (
-            "" if default is None else f"`{default!r}`" if not isinstance(default, str) else f"`{default}`"
+            ""
+            if default is None
+            else f"`{default}`"
+            if isinstance(default, (str, Path))
+            else f"`{default!r}`"
         )
         kind = _type_name(field.type).replace("\n", " ")
         lines.append(f"| `{field.name}` | {kind} | {_cell(shown)} | {_cell(comments.get(field.name, ''))} |")

@@ -24,54 +24,52 @@ class KVBMConfigError(ValueError):
 
 
 class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Sizes are GiB of block payload; a tier sized 0 (or a Redis url of None) is off.
+    """Sizes are GiB of block payload; a tier sized 0 (or a Redis url of None) is off."""
 
-    host_cache_gb      G2: POSIX shared-memory pool shared by every worker on the node (--kvbm-host-cache-gb)
-    disk_cache_gb      G3: preallocated block file under `disk_path`/<worker id>/<layout tag>/, per worker
-                       (--kvbm-disk-cache-gb, --kvbm-disk-path); survives restarts of the same worker id
-    redis_url          G4: Redis holding blocks for every node (--redis-url); None = no G4
-    redis_cache_gb     G4 capacity bound kept by our own LRU sorted set; 0 = unbounded (server maxmemory rules)
-    redis_ttl_s        G4 expiry of a block in seconds; 0 = none
-    object_url         G5: s3://BUCKET/PREFIX, blocks as objects for every server, kept across restarts
-                       (--kvbm-object-url); credentials, region and endpoint from the AWS_* environment
-    object_cache_gb    G5 bound on the objects this process knows of (LRU deleted past it); 0 = unbounded
-                       (the bucket's lifecycle rule bounds it)
-    object_timeout_s   G5 per-request timeout (--kvbm-object-timeout-secs); a miss's lookup waits less
-                       (object_pool.LOOKUP_TIMEOUT_S)
-    write_through      blocks offloaded from G1 also go to G4 (shared with other nodes); without it G4 is
-                       written only when no local tier (G2/G3) is configured. The engine offloads on G1
-                       eviction, so a chain reaches G4 tail first, as its blocks are evicted. With G5, every
-                       block leaving G1 goes to the bucket anyway; write_through sends each block there as
-                       soon as it is computed
-    disk_min_uses      a G2 block is spilled to G3 on eviction only if it was used at least this many times
-    disk_fsync         fdatasync each G3 write before committing its index record (durability, slower)
-    cache_id           node-local name of the G2 segment; workers sharing it share blocks
-    keep_host_cache    leave the G2 segment in /dev/shm when its last process closes (a restart finds its
-                       blocks); off: the last process to close removes it (--kvbm-keep-host-cache)
-    flush_budget_s     on close, each process copies the G2 blocks it stored (the last one: also those whose
-                       owners left without doing so) to its G3, coldest first, for at most this many seconds
-                       (--kvbm-flush-secs); 0: no copy
-    g4_key             32-byte key that signs and verifies G4 and G5 blocks (cluster.secret.derive_key(cluster
-                       secret, "g4-mac")); required with redis_url or object_url: shared storage is not trusted
-                       storage
-    """
-
+    # G2: POSIX shared-memory pool shared by every worker on the node, GiB (--kvbm-host-cache-gb)
     host_cache_gb: NonNegative = 1.0
+    # G3: a preallocated block file per worker under `disk_path`, GiB (--kvbm-disk-cache-gb); survives restarts
+    # of the same worker id
     disk_cache_gb: NonNegative = 0.0
+    # G3: the folder of every worker's block file, as `disk_path`/<worker id>/<layout tag>/ (--kvbm-disk-path)
     disk_path: Path = Path(".strata-cache/kvbm")
+    # G4: Redis holding blocks for every node (--redis-url); None: no G4
     redis_url: str | None = None
+    # G4 capacity bound kept by Strata's own LRU sorted set, GiB (--kvbm-redis-cache-gb); 0: unbounded (the
+    # server's maxmemory rules)
     redis_cache_gb: NonNegative = 0.0
+    # G4 expiry of a block, seconds (--kvbm-redis-ttl-secs); 0: none
     redis_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # G5: s3://BUCKET/PREFIX, blocks as objects for every server, kept across restarts (--kvbm-object-url);
+    # credentials, region and endpoint from the AWS_* environment
     object_url: str | None = None
+    # G5 bound on the objects this process knows of, GiB, the least recently used deleted past it
+    # (--kvbm-object-cache-gb); 0: unbounded (the bucket's lifecycle rule bounds it)
     object_cache_gb: NonNegative = 0.0
+    # G5 timeout of each request, seconds (--kvbm-object-timeout-secs); a miss's lookup waits less
+    # (object_pool.LOOKUP_TIMEOUT_S)
     object_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # blocks offloaded from G1 also go to G4 (shared with other nodes); without it G4 is written only when no
+    # local tier (G2/G3) is configured. The engine offloads on G1 eviction, so a chain reaches G4 tail first, as
+    # its blocks are evicted. With G5, every block leaving G1 goes to the bucket anyway; write_through sends each
+    # block there as soon as it is computed (--kvbm-write-through)
     write_through: bool = False
+    # a G2 block is spilled to G3 on eviction only if it was used at least this many times
     disk_min_uses: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # fdatasync each G3 write before committing its index record (durability, slower)
     disk_fsync: bool = False
+    # node-local name of the G2 segment; workers sharing it share blocks (--kvbm-cache-id)
     cache_id: Name = "default"
+    # leave the G2 segment in /dev/shm when its last process closes (a restart finds its blocks); off: the last
+    # process to close removes it (--kvbm-keep-host-cache)
     keep_host_cache: bool = False
+    # on close, each process copies the G2 blocks it stored (the last one: also those whose owners left without
+    # doing so) to its G3, hottest first, for at most this many seconds (--kvbm-flush-secs); 0: no copy
     flush_budget_s: NonNegative = 5.0
-    g4_key: bytes | None = None  # never in repr
+    # 32-byte key that signs and verifies G4 and G5 blocks (cluster.secret.derive_key(cluster secret,
+    # "g4-mac")), from the cluster secret; required with redis_url or object_url: shared storage is not trusted
+    # storage. Never in repr
+    g4_key: bytes | None = None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "g4_key")

@@ -6,15 +6,14 @@ outliving all of them (AWS S3, MinIO, Ceph, SeaweedFS, GCS through its S3 API).
                                                  tensor-parallel layout), written once, for whoever browses
 
 One object per block, not runs of them: a block is the unit every other tier and the index deal in (its hash
-names its whole prefix), so any server reuses any prefix of any prompt; raw GETs of 8-block objects ran at
-0.85-1.3x the rate of 1-block ones in bench/kvbm.py (docs/kvbm.md), not worth giving that up.
+names its whole prefix), so any server reuses any prefix of any prompt; what runs of blocks gained in
+bench/kvbm.py was not worth giving that up (docs/kvbm.md).
 
 Client: obstore (Rust's object_store: no hand-written signing, the standard AWS_* environment, path-style
 requests to a custom endpoint), through its async API on one event loop thread that owns the store (its sync
 calls from a thread pool stalled on their first request here). MACs are checked and rows copied on that loop as
-each GET completes: handing them to a thread pool measured 0.75x of the raw GET rate against 0.95x inline
-(bench/kvbm.py's store shares the 2 cores; the hops cost more than the parallel hashing saves). Measured against
-boto3 on the same server: about twice its GET rate, under half its HEAD latency (docs/kvbm.md).
+each GET completes: the hops to a thread pool cost more than its parallel hashing saves. obstore, the loop and
+the concurrency below were chosen by measurement (docs/kvbm.md).
 
 Where each call runs:
   put       on the engine thread only a copy of the G1 row (it is reused as soon as offload returns); the
@@ -69,7 +68,7 @@ LOOKUP_TIMEOUT_S = 0.05  # the HEAD that decides a miss: a slow store costs a re
 REST_TIMEOUT_S = 0.25  # a hit's other HEADs (the engine thread waits on them): late ones are misses
 NEGATIVE_TTL_S = 2.0  # a block found absent is not asked for again this long (a queued request's retries)
 UPLOAD_QUEUE_BYTES = 256 << 20  # block copies waiting for their PUT
-IO_CONCURRENCY = 32  # GETs and HEADs in flight (8/16/32: 0.67/0.82/0.97 GB/s on SeaweedFS here)
+IO_CONCURRENCY = 32  # GETs and HEADs in flight (fewer onboarded slower: docs/kvbm.md)
 UPLOAD_CONCURRENCY = 4  # PUTs in flight: uploads must not crowd out an onboarding's GETs
 CIRCUIT_OPEN_S, CIRCUIT_MAX_S = 1.0, 30.0
 KNOWN_LIMIT = 1 << 18  # blocks remembered as present when no capacity bounds the tier

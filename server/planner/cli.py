@@ -37,7 +37,13 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="plan aggregated workers (role both) instead of prefill + decode",
     )
-    p.add_argument("--connector", choices=["local", "kubernetes"], default="local")
+    p.add_argument(
+        "--connector",
+        choices=["local", "kubernetes"],
+        default="local",
+        help="how workers are added and removed: local (`strata worker` processes on this host, below) or "
+        "kubernetes (the scale of one Deployment per role, below)",
+    )
     p.add_argument("--dry-run", action="store_true", help="log what it would scale, change nothing")
     p.add_argument("--metrics-port", type=int, default=9100, help="the planner's own /metrics (0: none)")
     p.add_argument(
@@ -50,7 +56,9 @@ def add_planner_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key", default=settings.api_key(), help="the frontend's --api-key (default: $STRATA_API_KEY)"
     )
     local = p.add_argument_group("local connector (strata worker processes on this host)")
-    local.add_argument("--model-repository", type=Path, default=None)
+    local.add_argument(
+        "--model-repository", type=Path, default=None, help="repository folder the started workers serve from"
+    )
     local.add_argument(
         "--redis-url", default=None, help="the server's --redis-url; also holds the planner lease"
     )
@@ -122,15 +130,15 @@ def add_profile_parser(
     sub: argparse._SubParsersAction, engine_flags: Callable[[argparse._ArgumentGroup], None]
 ) -> None:
     p = sub.add_parser("profile", help="measure one worker of a model on this hardware, for the planner")
-    p.add_argument("--model-repository", type=Path, required=True)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model-repository", type=Path, required=True, help="repository folder holding the model")
+    p.add_argument("--model", required=True, help="the LLM model (folder name) to profile")
     p.add_argument("--output", type=Path, required=True, help="the profile file the planner reads (JSON)")
     p.add_argument(
         "--prompt-lengths", type=_ints, default=(128, 512, 1024, 2048), help="comma-separated tokens"
     )
     p.add_argument("--concurrency", type=_ints, default=(1, 4, 8, 16), help="comma-separated stream counts")
     p.add_argument("--contexts", type=_ints, default=(256, 1024), help="comma-separated context tokens")
-    p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--decode-tokens", type=int, default=24, help="tokens each stream decodes per ITL point")
     p.add_argument("--repeats", type=int, default=3, help="TTFT samples per prompt length (median)")
     engine_flags(p.add_argument_group("engine overrides (as `strata worker` takes them)"))
 
