@@ -65,10 +65,12 @@ from server.workers.worker import WorkerSpec, build_llm_engine
 log = logging.getLogger(__name__)
 
 
-def _share_cores(config: EngineConfig, processes: int) -> None:
-    """Without `num_threads` in model.json, a model's local engine processes split this host's cores between them
-    (at least one thread each) instead of each taking all of them: OpenMP teams that together outnumber the cores
-    preempt each other at every barrier (docs/llm.md, "CPU threads"). One process keeps every core."""
+def _share_cores(config: EngineConfig, workers: int) -> None:
+    """Without `num_threads` in model.json, a model's local engine processes (each worker's ranks when sharded)
+    split this host's cores between them (at least one thread each) instead of each taking all of them: OpenMP
+    teams that together outnumber the cores preempt each other at every barrier (docs/llm.md, "CPU threads").
+    One process keeps every core."""
+    processes = workers * config.tensor_parallel_size * config.pipeline_parallel_size
     cores = len(os.sched_getaffinity(0))
     if config.num_threads is None and processes > 1:
         config.num_threads = max(1, cores // processes)
@@ -281,7 +283,9 @@ class LLMDeployment:
                 metrics=self._kvbm_metrics,
                 model=plan.name,
             )
-        return LLMEngine(plan.config, connector)
+        # a sharded model's only engine: requests wait for its restarted group, as often as a router migrates
+        limit = self.serving.router.migration_limit
+        return LLMEngine(plan.config, connector, worker_id=f"{plan.name}-0", resume_limit=limit)
 
     def _routed(self, plan: EnginePlan) -> RoutedEngine:
         standalone = self.serving.kvbm_service is not None

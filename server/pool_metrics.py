@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.engine.api import Engine
+from server.engine.api import Engine, PoolStats
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class PoolCollector(Collector):
         preemptions = CounterMetricFamily(
             "strata_num_preemptions", "Sequences preempted (blocks freed, recomputed later)", labels=["model"]
         )
+        ranks = _RankFamilies()
         for name, engine in list(self.engines.items()):
             try:
                 stats = engine.stats()
@@ -47,4 +48,40 @@ class PoolCollector(Collector):
             running.add_metric([name], stats.num_running)
             waiting.add_metric([name], stats.num_waiting)
             preemptions.add_metric([name], stats.num_preemptions)
-        yield from (usage, running, waiting, preemptions)
+            ranks.add(name, stats)
+        yield from (usage, running, waiting, preemptions, *ranks.families())
+
+
+class _RankFamilies:
+    """Sharded engines' series: each rank's state, memory and compute time, and the groups' restarts."""
+
+    def __init__(self) -> None:
+        labels = ["model", "worker", "rank"]
+        self.up = GaugeMetricFamily(
+            "strata_rank_up", "1 while the rank serves, 0 while its group restarts", labels=labels
+        )
+        self.memory = GaugeMetricFamily(
+            "strata_rank_resident_memory_bytes", "Resident memory of the rank's process", labels=labels
+        )
+        self.busy = CounterMetricFamily(
+            "strata_rank_busy_seconds", "Seconds the rank spent computing steps (not waiting on its peers)",
+            labels=labels,
+        )  # fmt: skip
+        self.restarts = CounterMetricFamily(
+            "strata_worker_restarts",
+            "Times a sharded worker's rank group was restarted, by what ended it (the rank's signal, exit code, "
+            "heartbeat, step_failed, start_failed)",
+            labels=["model", "reason"],
+        )
+
+    def add(self, model: str, stats: PoolStats) -> None:
+        for rank in stats.ranks:
+            labels = [model, rank.worker, str(rank.rank)]
+            self.up.add_metric(labels, 1.0 if rank.up else 0.0)
+            self.memory.add_metric(labels, rank.rss_bytes)
+            self.busy.add_metric(labels, rank.busy_s)
+        for reason, count in stats.restarts.items():
+            self.restarts.add_metric([model, reason], count)
+
+    def families(self) -> tuple[Metric, ...]:
+        return self.up, self.memory, self.busy, self.restarts

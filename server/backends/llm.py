@@ -234,6 +234,8 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
     async for output in aiterate_outputs(engine, generation):
         if output.finish_reason == "error":
             log.error("%s: generation failed: %s", engine.model_name, output.error)
+            if output.retryable:  # no worker could resume it (its ranks failed): the client may retry
+                raise TritonUnavailableError(f"{engine.model_name} could not finish the request now; retry")
             raise TritonClientError("internal error while generating; see the server log")
         logprobs.add(output.logprobs)
         if asked.stream:

@@ -393,9 +393,10 @@ OutputSink = Callable[[GenerationOutput], None]
 
 @dataclass(slots=True)
 class RankStats:
-    """One rank of a sharded engine: whether it serves (`up`), its process, resident memory (bytes) and seconds
-    spent computing steps so far."""
+    """One rank of a sharded engine (of worker `worker`): whether it serves (`up`), its process, resident memory
+    (bytes) and seconds spent computing steps so far."""
 
+    worker: str
     rank: int
     pid: int
     up: bool

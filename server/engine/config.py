@@ -80,8 +80,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     `from_json`, `validate` after command-line overrides), not when code builds one.
     """
 
+    # the weights: pkg://<package>/<file.gguf>, a GGUF file, or a Hugging Face folder (relative to model.json)
     model: Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")] = DEFAULT_MODEL
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"  # auto: see auto_dtype
+    # where the engine computes: auto (cuda if available, else cpu), cpu, cuda or cuda:N
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=DEVICES)] = "auto"
     block_size: PositiveInt = 16  # tokens per KV block
     # the KV pool in blocks of block_size tokens, fixed; None: as many as fit in kv_cache_bytes

@@ -251,11 +251,18 @@ class LLMEngine:
             self.scheduler.num_preemptions,
         )
         if isinstance(self.runner, ShardedExecutor):
+            worker = self._sharding.worker_id
             stats.ranks = [
-                RankStats(r.rank, r.pid, r.up, r.rss_bytes, r.busy_s) for r in self.runner.statuses()
+                RankStats(worker, r.rank, r.pid, r.up, r.rss_bytes, r.busy_s) for r in self.runner.statuses()
             ]
             stats.restarts = dict(self.runner.restarts)
         return stats
+
+    @property
+    def shard_layout(self) -> str:
+        """ "tp<T>pp<P>" when sharded (each rank's tiers hold its part of a block), "" otherwise."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        return f"tp{tp}pp{pp}" if tp * pp > 1 else ""
 
     @property
     def healthy(self) -> bool:

@@ -69,6 +69,19 @@ def internal_error(reason: str | None = None) -> OpenAIError:
     return OpenAIError(500, reason or "internal server error; see the server log", "internal_server_error")
 
 
+def failed(output: GenerationOutput) -> OpenAIError:
+    """A request that ended with an error: 503 when it was retryable (its worker or ranks failed and no other
+    could resume it: the client may retry), else 500 with the engine's account."""
+    if output.retryable:
+        return OpenAIError(
+            503,
+            f"the request could not be finished now ({output.error}); retry",
+            type_="service_unavailable",
+            code="engine_unavailable",
+        )
+    return internal_error(output.error)
+
+
 def overloaded(model: str, exc: EngineOverloaded) -> OpenAIError:
     """429 with Retry-After (whole seconds, at least 1): the engine's wait queue is full."""
     return OpenAIError(
@@ -424,7 +437,7 @@ class OpenAIServing:
                 _accumulate(choices[index], output)
                 if output.finish_reason == "error":
                     status = "error"
-                    raise internal_error(output.error)
+                    raise failed(output)
             status = "aborted" if any(c.finish_reason == "abort" for c in choices) else "success"
             return choices
         finally:
@@ -440,7 +453,7 @@ class OpenAIServing:
             async for index, output in generation.outputs():
                 if output.finish_reason == "error":
                     status = "error"
-                    yield _sse(p.ErrorResponse(error=internal_error(output.error).info))
+                    yield _sse(p.ErrorResponse(error=failed(output).info))
                     return
                 first = not choices[index].started
                 _accumulate(choices[index], output)

@@ -110,6 +110,13 @@ class Membership:
                 f"KV layout differs (block size {info.block_size}, salt {info.salt}; this model: "
                 f"{self.block_size}, {self.salt}): check dtype and block_size in its model.json"
             )
+        others = {w.info.shards for w in self._workers.values()}
+        if self.prefill_router is not None and others and others != {info.shards}:
+            return (
+                f"is sharded {info.shards or 'tp1pp1'}, the model's workers {sorted(s or 'tp1pp1' for s in others)}: "
+                "prefill and decode workers hand KV blocks over by rank part, so a disaggregated model's workers "
+                "need equal tensor_parallel_size and pipeline_parallel_size"
+            )
         return None
 
     def get(self, worker_id: WorkerId | None) -> RoutableWorker | None:
@@ -168,6 +175,9 @@ class Membership:
             total.num_running += pool.num_running
             total.num_waiting += pool.num_waiting
             total.num_preemptions += pool.num_preemptions
+            total.ranks.extend(pool.ranks)
+            for reason, count in pool.restarts.items():
+                total.restarts[reason] = total.restarts.get(reason, 0) + count
         return total
 
     def on_any(self, call: Callable[[RoutableWorker], T]) -> T:

@@ -48,11 +48,17 @@ class CheckedArgs(msgspec.Struct):
     """The engine arguments Strata itself reads or overrides, checked on the server's side; model.json's other
     keys go to vLLM as written, which checks them in the worker (engine.py), so unknown keys are allowed here."""
 
+    # a local model folder (config.json, weights, tokenizer): nothing is downloaded
     model: Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string (a local model folder)")]
+    # tokens: prompt + output (None: vLLM derives it from the model); --context-length sets it
     max_model_len: PositiveInt | None = None
+    # sequences running at once; --max-concurrent-requests sets it
     max_num_seqs: PositiveInt | None = None
+    # tokens computed per step; --max-num-batched-tokens sets it
     max_num_batched_tokens: PositiveInt | None = None
+    # vLLM's ranks splitting every layer; --tensor-parallel-size sets it
     tensor_parallel_size: PositiveInt = 1
+    # vLLM's stages of layers; --pipeline-parallel-size sets it
     pipeline_parallel_size: PositiveInt = 1
 
 

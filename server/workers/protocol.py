@@ -69,6 +69,9 @@ class WorkerInfo:
     hardware: HardwareInfo | None = None
     speeds: Speeds = field(default_factory=Speeds)
     role: str = "both"  # prefill | decode | both (server/router/disagg.py)
+    shards: str = (
+        ""  # "tp<T>pp<P>" for a sharded Strata engine: the rank parts its KV tiers hold; "" unsharded
+    )
 
     def summary(self) -> str:
         """One log line: where it runs and how fast it measured."""

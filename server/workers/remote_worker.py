@@ -240,7 +240,7 @@ def run_worker(
     connector = build_connector(
         kvbm or KVBMConfig(host_cache_gb=0.0), worker_id, index=events, model=flags.model
     )
-    engine = LLMEngine(config, connector, transfer)
+    engine = LLMEngine(config, connector, transfer, worker_id=worker_id, on_rank_failure="migrate")
     announce = connector.request_announce if forward else None
     return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])
 

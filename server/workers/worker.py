@@ -175,13 +175,20 @@ def build_llm_engine(
     an LLMEngine with a KVBM agent (tiers per `kvbm_config`; G1 only if None) whose events go to `events` (the
     server's index), or with `events` None to the KVBM service over Redis when `kvbm_config.redis_url` is set;
     disaggregated handoffs move as `transfer` says (default: shared memory on this host only)."""
+    import setproctitle
+
     from kvbm.agent import build_connector
     from server.engine.llm_engine import LLMEngine
+    from server.engine.parallel.group import rank_title
 
     config = kvbm_config or KVBMConfig(host_cache_gb=0.0)
     kv_transfer = (transfer or KVTransferConfig()).build()
     connector = build_connector(config, worker_id, index=events, model=engine_config.model_name or "")
-    return LLMEngine(engine_config, connector, kv_transfer)
+    world = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+    if world > 1:  # this process is the group's driver
+        setproctitle.setproctitle(rank_title(engine_config.model_name or "model", worker_id, 0, world))
+    # a group that loses a rank hands its requests back: the router resumes them on another worker meanwhile
+    return LLMEngine(engine_config, connector, kv_transfer, worker_id=worker_id, on_rank_failure="migrate")
 
 
 def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerInfo:
@@ -196,6 +203,7 @@ def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerI
         hardware=describe_hardware(engine),
         speeds=speeds,
         role=role,
+        shards=getattr(engine, "shard_layout", ""),
     )
 
 

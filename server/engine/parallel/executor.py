@@ -18,7 +18,6 @@ import torch
 
 from kvbm.api import BlockEvent, KVConnector, KVLayout
 from kvbm.block_hash import BlockHash
-from server.engine.model import StepBatch
 from server.engine.model_runner import ModelRunner
 from server.engine.parallel import wire
 from server.engine.parallel.comm import GroupComm
@@ -73,10 +72,9 @@ class ShardedExecutor:
             own = self.stage.run(batches)
             logits = self.stage.gather_logits(batches, own)
         except Exception as err:
-            failure = self.group.failure or self.group.fail(0, f"step failed on the driver: {err!r}"[:300])
-            raise failure from err
+            raise self.group.step_failed(err) from err
         self.step_s += time.perf_counter() - started
-        return _join(groups, batches, logits)
+        return _join(groups, logits)
 
     def statuses(self) -> list[RankStatus]:
         """Every rank, the driver first."""
@@ -101,9 +99,7 @@ def _micro_batches(chunks: list[ScheduledChunk], count: int) -> list[list[Schedu
     return groups
 
 
-def _join(
-    groups: list[list[ScheduledChunk]], batches: list[StepBatch], logits: list[torch.Tensor]
-) -> torch.Tensor:
+def _join(groups: list[list[ScheduledChunk]], logits: list[torch.Tensor]) -> torch.Tensor:
     """One logits tensor in the order the core reads (sampling rows of every chunk in order, then the prompt
     logprob rows in order) from the micro-batches' logits (each: its sampling rows, then its prompt rows)."""
     if len(logits) == 1:

@@ -79,6 +79,25 @@ class RankSpec(msgspec.Struct, frozen=True):
     def plan(self) -> ShardPlan:
         return ShardPlan(self.tp_size, self.pp_size, self.rank, self.num_layers)
 
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self, enc_hook=_to_json)
+
+    @classmethod
+    def decode(cls, line: bytes) -> RankSpec:
+        return msgspec.json.decode(line, type=cls, dec_hook=_from_json)
+
+
+def _to_json(value: object) -> object:
+    if isinstance(value, Path):  # KVBMConfig.disk_path
+        return str(value)
+    raise NotImplementedError(f"{type(value).__name__} in a RankSpec")
+
+
+def _from_json(kind: type, value: object) -> object:
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise NotImplementedError(f"{kind} in a RankSpec")
+
 
 @dataclass(slots=True)
 class GroupSettings:
@@ -201,7 +220,7 @@ class RankGroup:
             start_new_session=True,
         )
         assert process.stdin is not None
-        process.stdin.write(msgspec.json.encode(spec) + b"\n")
+        process.stdin.write(spec.encode() + b"\n")
         process.stdin.flush()  # the pipe stays open: its EOF tells the rank that the driver is gone
         return RankProcess(spec.rank, process, os.pidfd_open(process.pid))
 
@@ -239,6 +258,18 @@ class RankGroup:
             log.error("sharded group failed: %s", failure)
             self._on_failure(failure)
         return failure
+
+    def step_failed(self, error: BaseException) -> GroupFailure:
+        """The driver's part of a step raised (a peer's connection reset, a collective's timeout): name the rank
+        that caused it when one did (a rank's exit is seen a moment after its closed socket), else the driver."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.failure is not None, timeout=self.settings.heartbeat_s)
+        if self.failure is not None:
+            return self.failure
+        for rank in self._ranks.values():
+            if rank.process.poll() is not None:
+                return self.fail(rank.rank, _exit_reason(rank.process.returncode))
+        return self.fail(0, f"step failed on the driver: {error!r}"[:300])
 
     def _kill_all(self) -> None:
         for rank in self._ranks.values():

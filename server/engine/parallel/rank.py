@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import setproctitle
@@ -26,7 +27,7 @@ log = logging.getLogger("strata.rank")
 
 
 def main() -> None:
-    spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=RankSpec)
+    spec = RankSpec.decode(sys.stdin.buffer.readline())
     setproctitle.setproctitle(spec.title)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.title} %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_driver, name="driver-watch", daemon=True).start()
@@ -111,9 +112,7 @@ def _load(spec: RankSpec):
     from server.engine.model_runner import ModelRunner
 
     config = spec.engine
-    files = prepare_model(
-        config.model, None if config.cache_dir is None else os.path.expanduser(config.cache_dir)
-    )
+    files = prepare_model(config.model, Path(config.cache_dir).expanduser() if config.cache_dir else None)
     shape = ModelShape.from_config(load_config(files))
     plan = spec.plan
     runner = ModelRunner(load_model(config, files, shape, plan), spec.num_blocks, config.block_size)
