@@ -135,22 +135,24 @@ class VLLMConfig:
 def cpu_binds(engine_args: dict[str, Any], workers: int, cores: list[int] | None = None) -> list[str] | None:
     """One VLLM_CPU_OMP_THREADS_BIND value per local vLLM worker: disjoint core ranges, each split among the
     worker's tensor/pipeline ranks. vLLM's own "auto" binding looks at one process only, so every worker of a
-    host binds the same cores (two SmolLM2 workers on 2 cores: both on core 1). None when one worker keeps
-    vLLM's auto binding, when the operator set the variable, or when the cores cannot go round (each rank
-    needs one)."""
-    if workers < 2 or CPU_BIND_ENV in os.environ:
-        return None
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    host binds the same cores (two SmolLM2 workers on 2 cores: both on core 1), and it refuses more ranks than
+    NUMA nodes. Where a core per rank does not go round, ranks share cores in turn ("0|1|0": 3 ranks on 2 cores).
+    None when one worker of one rank keeps vLLM's auto binding, or when the operator set the variable."""
     ranks = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(
         engine_args.get("pipeline_parallel_size", 1) or 1
     )
+    if (workers < 2 and ranks < 2) or CPU_BIND_ENV in os.environ:
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     per_rank = len(cores) // (workers * ranks)
     if per_rank == 0:
         log.warning(
-            "%d vLLM workers x %d ranks do not fit on %d cores one core each; vLLM binds them itself",
+            "%d vLLM workers x %d ranks on %d cores: ranks share cores in turn (each step waits on the slowest)",
             workers, ranks, len(cores),
         )  # fmt: skip
-        return None
+        return [
+            "|".join(str(cores[(w * ranks + r) % len(cores)]) for r in range(ranks)) for w in range(workers)
+        ]
     per_worker = per_rank * ranks
     binds = []
     for worker in range(workers):

@@ -385,6 +385,13 @@ def _connector_config(
 
     if kvbm is None:
         return None
+    ranks = int(args.get("tensor_parallel_size", 1) or 1) * int(args.get("pipeline_parallel_size", 1) or 1)
+    if ranks > 1:  # each rank's worker half would store its part of a block under the whole block's key
+        logger.warning(
+            "%s: Strata's KV tiers are not attached to a vLLM engine of %d ranks (StrataKVConnector holds whole "
+            "blocks); vLLM's own prefix cache serves it", worker_id, ranks,
+        )  # fmt: skip
+        return None
     if "kv_transfer_config" in args:
         logger.info("%s: model.json sets kv_transfer_config; Strata's KV tiers are not attached", worker_id)
         return None

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from harness.waiting import wait_for
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.host_pool import remove_segments
+from kvbm.transfer_params import KVHandoff, RemoteDecode, decode_transfer_params, encode_transfer_params
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -166,6 +169,37 @@ def test_a_sharded_engine_onboards_its_parts_from_g2_and_an_unsharded_one_does_n
         with engine(connector=KVBMConnector(kvbm, "w-c")) as unsharded:  # the same G2, whole blocks
             other = ask(unsharded, "g2-tp1", ids)
         assert other.num_cached_tokens == 0 and other.new_token_ids == reference[-1]
+    finally:
+        remove_segments(cache_id)
+
+
+def test_sharded_prefill_and_decode_engines_hand_the_prompt_over_through_their_ranks_tiers(reference):
+    """Disaggregated and sharded alike (TP 3 both): the prefill engine's ranks offload their parts of the prompt's
+    blocks to G2 after its first token (no direct handoff for parts); the decode engine's ranks read theirs back
+    at admission and it decodes on, giving what one engine gives."""
+    cache_id = f"test-{uuid.uuid4().hex[:12]}"
+    kvbm = KVBMConfig(cache_id=cache_id, host_cache_gb=0.25)
+    request = GenerationRequest(RequestId("disagg"), [], SamplingParams(max_tokens=TOKENS, temperature=0))
+    try:
+        with (
+            engine(tp=3, connector=KVBMConnector(kvbm, "w-p")) as prefill,
+            engine(tp=3, connector=KVBMConnector(kvbm, "w-d")) as decode,
+        ):
+            request = msgspec.structs.replace(request, prompt_token_ids=prefill.encode(PROMPTS[-1]))
+            params = encode_transfer_params(RemoteDecode(socket.gethostname()))
+            first = generate(
+                prefill, msgspec.structs.replace(request, kv_transfer_params=params), timeout=600
+            )
+            handoff = decode_transfer_params(first.kv_transfer_params)
+            assert isinstance(handoff, KVHandoff) and handoff.transport == "kvbm"
+            resumed = msgspec.structs.replace(
+                request,
+                request_id=RequestId("disagg-decode"),
+                kv_transfer_params=encode_transfer_params(handoff),
+            )
+            rest = generate(decode, resumed, timeout=600)
+        assert first.new_token_ids + rest.new_token_ids == reference[-1]
+        assert rest.num_cached_tokens >= (len(request.prompt_token_ids) - 1) // 16 * 16
     finally:
         remove_segments(cache_id)
 

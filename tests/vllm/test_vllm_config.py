@@ -69,6 +69,9 @@ def test_local_vllm_workers_get_disjoint_cores(monkeypatch):
     assert cpu_binds({}, 2, [0, 1]) == ["0", "1"]
     assert cpu_binds({}, 2, [0, 1, 2, 3, 4]) == ["0,1", "2,3"]
     assert cpu_binds({"tensor_parallel_size": 2}, 2, list(range(8))) == ["0,1|2,3", "4,5|6,7"]
-    assert cpu_binds({"tensor_parallel_size": 2}, 2, [0, 1]) is None  # a core per rank does not go round
+    assert cpu_binds({"tensor_parallel_size": 2}, 2, [0, 1]) == ["0|1", "0|1"]  # no core per rank: in turn
+    # one worker of 3 ranks: vLLM's auto binding wants a NUMA node per rank, so Strata binds them
+    assert cpu_binds({"tensor_parallel_size": 3}, 1, [0, 1]) == ["0|1|0"]
+    assert cpu_binds({"pipeline_parallel_size": 2}, 1, [0, 1, 2, 3]) == ["0,1|2,3"]
     monkeypatch.setenv(CPU_BIND_ENV, "nobind")
     assert cpu_binds({}, 2, [0, 1]) is None  # the operator's setting wins

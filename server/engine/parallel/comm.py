@@ -12,6 +12,7 @@ group's timeout: a peer that stops answering raises here instead of hanging the 
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,20 @@ class GroupComm:
             self.tp = None
         # gloo sums bf16 in bf16: partial sums of a row-parallel layer are added in fp32, as one GEMM would
         self._reduce_in_fp32 = device.type == "cpu"
+        self.reduce_s = 0.0  # seconds in all_reduce (waiting for the slowest peer included), cumulative
+        self.reduce_calls = 0
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum `partial` over the stage's tensor-parallel ranks, in place; returns it."""
+        started = time.perf_counter()
         if self._reduce_in_fp32 and partial.dtype != torch.float32:
             total = partial.float()
             self.tp.allreduce([total]).wait()
-            return partial.copy_(total)
-        self.tp.allreduce([partial]).wait()
+            partial.copy_(total)
+        else:
+            self.tp.allreduce([partial]).wait()
+        self.reduce_s += time.perf_counter() - started
+        self.reduce_calls += 1
         return partial
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
