@@ -180,10 +180,11 @@ def test_sharded_prefill_and_decode_engines_hand_the_prompt_over_through_their_r
     cache_id = f"test-{uuid.uuid4().hex[:12]}"
     kvbm = KVBMConfig(cache_id=cache_id, host_cache_gb=0.25)
     request = GenerationRequest(RequestId("disagg"), [], SamplingParams(max_tokens=TOKENS, temperature=0))
+    decoder = KVBMConnector(kvbm, "w-d")
     try:
         with (
             engine(tp=3, connector=KVBMConnector(kvbm, "w-p")) as prefill,
-            engine(tp=3, connector=KVBMConnector(kvbm, "w-d")) as decode,
+            engine(tp=3, connector=decoder) as decode,
         ):
             request = msgspec.structs.replace(request, prompt_token_ids=prefill.encode(PROMPTS[-1]))
             params = encode_transfer_params(RemoteDecode(socket.gethostname()))
@@ -199,7 +200,10 @@ def test_sharded_prefill_and_decode_engines_hand_the_prompt_over_through_their_r
             )
             rest = generate(decode, resumed, timeout=600)
         assert first.new_token_ids + rest.new_token_ids == reference[-1]
-        assert rest.num_cached_tokens >= (len(request.prompt_token_ids) - 1) // 16 * 16
+        onboarded = decoder.metrics.registry.get_sample_value(
+            "kvbm_onboard_blocks_total", {"model": decoder.metrics.model, "direction": "G2->G1"}
+        )
+        assert onboarded == len(request.prompt_token_ids) // 16  # every full block of the prompt
     finally:
         remove_segments(cache_id)
 
