@@ -157,8 +157,8 @@ def _exit_reason(returncode: int) -> str:
 
 
 class RankGroup:
-    """Ranks 1..world-1 of one sharded worker, seen from the driver. `start` (engine thread) runs a generation;
-    a monitor thread watches it; `send` and `ask` (engine thread) talk to every rank."""
+    """Ranks 1..world-1 of one sharded worker, seen from the driver. `spawn` then `join` (engine thread) start a
+    generation; a monitor thread watches it; `send` and `ask` (engine thread) talk to every rank."""
 
     def __init__(
         self,
