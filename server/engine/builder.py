@@ -31,7 +31,7 @@ from server.engine.model import LlamaModel, ModelShape
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.parallel.executor import ShardedConnector, ShardedExecutor
-from server.engine.parallel.group import GroupFailure, GroupSettings, RankGroup, RankSpec, rank_title
+from server.engine.parallel.group import GroupFailure, GroupSettings, RankGroup, RankSpec, ShmPlan, rank_title
 from server.engine.parallel.plan import ShardPlan, check_shardable, local_shape, usable_cores
 from server.engine.sampler import LogitBias, MinTokens, Penalties, RepetitionPenalty, Sampler
 from server.engine.scheduler import Scheduler
@@ -89,7 +89,9 @@ def build(
     group = None
     if plan is not None:  # the other ranks load while this one does
         sharding = sharding or Sharding(config.model_name or files.name, lambda failure: None)
-        group = _spawn_ranks(config, plan, num_blocks, num_threads, connector, sharding, files.name)
+        group = _spawn_ranks(
+            config, plan, num_blocks, num_threads, connector, sharding, files.name, shape.hidden_size
+        )
     try:
         model = load_model(config, files, shape, plan)
         local = ModelRunner(model, num_blocks, config.block_size)  # this rank's part (all of it unsharded)
@@ -172,25 +174,34 @@ def shard_plan(config: EngineConfig, shape: ModelShape) -> ShardPlan | None:
 
 def _spawn_ranks(
     config: EngineConfig, plan: ShardPlan, num_blocks: int, num_threads: int, connector: KVConnector | None,
-    sharding: Sharding, name: str,
+    sharding: Sharding, name: str, hidden_size: int,
 ) -> RankGroup:  # fmt: skip
     """Ranks 1..world-1 of a new group, loading (the driver's `ShardedExecutor.start` waits for them)."""
     kvbm = connector.config if isinstance(connector, KVBMConnector) else None
     model_name = config.model_name or name
     settings = sharding.settings
 
-    def spec(rank: int, store_port: int, control: str, replies: str) -> RankSpec:
+    def spec(rank: int, store_port: int, control: str, replies: str, reduce_segment: str) -> RankSpec:
         return RankSpec(
             engine=config, kvbm=kvbm, tp_size=plan.tp_size, pp_size=plan.pp_size, rank=rank,
             num_layers=plan.num_layers, num_blocks=num_blocks, worker_id=sharding.worker_id,
             title=rank_title(model_name, sharding.worker_id, rank, plan.world_size), store_port=store_port,
             control=control, replies=replies, num_threads=num_threads, heartbeat_s=settings.heartbeat_s,
-            collective_timeout_s=settings.collective_timeout_s,
+            collective_timeout_s=settings.collective_timeout_s, reduce_segment=reduce_segment,
         )  # fmt: skip
 
-    group = RankGroup(spec, plan.world_size, settings, sharding.on_failure)
+    shm = _shm_plan(config, plan, hidden_size)
+    group = RankGroup(spec, plan.world_size, settings, sharding.on_failure, shm)
     group.spawn()
     return group
+
+
+def _shm_plan(config: EngineConfig, plan: ShardPlan, hidden_size: int) -> ShmPlan | None:
+    """Shared-memory all-reduces for a CPU group with tensor parallelism and the compiled kernels (else gloo's)."""
+    compiled = kernels.cpu_kernels() if config.torch_device == "cpu" and plan.tp_size > 1 else None
+    if compiled is None:
+        return None
+    return ShmPlan(compiled, plan.tp_size, plan.pp_size, config.max_num_batched_tokens * hidden_size)
 
 
 def load_model(

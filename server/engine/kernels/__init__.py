@@ -4,7 +4,8 @@
 (prefill_attention.cpp, bf16 on AMX tiles or AVX512-BF16 registers: `prefill_attention_isas()` says which this
 build and OS have, best first), the fused elementwise ops of a layer (fused_ops.cpp: `rms_norm`, `add_rms_norm`,
 `silu_mul`, `rope_cache`) and bf16 linear layers on AVX512-BF16 (linear_bf16.cpp: `pack_bf16_linear`,
-`bf16_linear`, `bf16_linear_available()`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
+`bf16_linear`, `bf16_linear_available()`) and the shared-memory all-reduce of a sharded worker's ranks
+(shm_allreduce.cpp: `shm_allreduce_init`, `shm_allreduce_bytes`, `shm_allreduce`, `shm_allreduce_abort`); None when it cannot be built here (no C++ compiler, or a torch build without headers), and the engine then takes its torch path and says so
 once in the log. The build (`-O3 -march=native`) is cached under `<cache>/kernels/`, keyed
 by torch's version and this CPU (and by the sources and flags), so `make install` builds it once
 (`python -m server.engine.kernels`) and every process after loads it in well under a second.
@@ -33,6 +34,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "fused_ops.cpp",
         "linear_bf16.cpp",
+        "shm_allreduce.cpp",
         "bindings.cpp",
     )
 ]

@@ -1,5 +1,5 @@
-// The Python module of the CPU kernels: paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp and
-// linear_bf16.cpp.
+// The Python module of the CPU kernels: paged_attention.cpp, prefill_attention.cpp, fused_ops.cpp,
+// linear_bf16.cpp and shm_allreduce.cpp.
 
 #include <torch/extension.h>
 
@@ -23,6 +23,11 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, in
                 at::Tensor kv_cache, int64_t layer, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                 at::Tensor q_out);
 
+void shm_allreduce_init(at::Tensor segment, int64_t world, int64_t slot_floats);
+int64_t shm_allreduce_bytes(int64_t world, int64_t slot_floats);
+bool shm_allreduce(at::Tensor x, const at::Tensor& segment, int64_t rank, int64_t call, double timeout_s);
+void shm_allreduce_abort(const at::Tensor& segment);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention from the paged pool (bf16)",
@@ -39,4 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta; out = RMSNorm(hidden) * weight");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
   m.def("rope_cache", &rope_cache, "RoPE on q (into q_out) and k (in place); K/V written to the pool");
+  m.def("shm_allreduce_init", &shm_allreduce_init, "lay out a shared-memory all-reduce segment (the driver)");
+  m.def("shm_allreduce_bytes", &shm_allreduce_bytes, "bytes of a segment for world ranks and slot_floats");
+  m.def("shm_allreduce", &shm_allreduce, "sum x over the ranks in rank order, in place; false: aborted or late",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("shm_allreduce_abort", &shm_allreduce_abort, "wake and fail every wait on the segment");
 }

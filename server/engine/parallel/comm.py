@@ -7,12 +7,19 @@ group's timeout: a peer that stops answering raises here instead of hanging the 
 
     world group    every rank: hidden states stage to stage, logits slices to the driver (point to point)
     tp group       the ranks of this rank's pipeline stage: the all-reduce of each row-parallel layer
+
+On the CPU, with the compiled kernels, a stage's all-reduce goes through a shared-memory segment instead of gloo
+(`ShmAllReduce`, kernels/shm_allreduce.cpp): one copy in, a barrier, one pass adding the ranks' parts in rank
+order (the same order at every tensor size). gloo remains for what does not fit a slot and for the points to
+point; NCCL does all of it on CUDA.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -34,11 +41,61 @@ def host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
 
 
+class ShmAllReduce:
+    """A stage's all-reduce through a segment in /dev/shm that every rank of the stage maps. The driver creates
+    and lays out one per stage before the ranks start (`create`), each rank maps its stage's (`open`) before it
+    says Ready, and the driver unlinks them once all are Ready (the mappings stay)."""
+
+    def __init__(self, kernels: ModuleType, path: Path, tp_rank: int, timeout_s: float) -> None:
+        self.kernels = kernels
+        self.path = path
+        self.rank = tp_rank
+        self.timeout_s = timeout_s
+        size = path.stat().st_size
+        self.segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.slot_floats = int(self.segment[8:16].view(torch.int64).item())
+        self.calls = 0
+
+    @staticmethod
+    def create(kernels: ModuleType, path: Path, world: int, slot_floats: int) -> None:
+        size = kernels.shm_allreduce_bytes(world, slot_floats)
+        with open(path, "wb") as segment:
+            segment.truncate(size)
+        kernels.shm_allreduce_init(torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8), world,
+                                   slot_floats)  # fmt: skip
+
+    def __call__(self, partial: torch.Tensor) -> None:
+        """Sum `partial` in place; RuntimeError if the group aborted or a peer did not come within the timeout."""
+        done = self.kernels.shm_allreduce(partial, self.segment, self.rank, self.calls, self.timeout_s)
+        self.calls += 1
+        if not done:
+            raise RuntimeError(
+                f"shared-memory all-reduce: the group failed or a peer missed {self.timeout_s:.0f} s"
+            )
+
+    def fits(self, partial: torch.Tensor) -> bool:
+        return partial.is_contiguous() and partial.numel() <= self.slot_floats
+
+    def abort(self) -> None:
+        """Any thread: every wait on the segment, this process's and the peers', fails at once."""
+        self.kernels.shm_allreduce_abort(self.segment)
+
+
+def segment_path(folder: str, stage: int) -> Path:
+    """Where a group's all-reduce segment for `stage` lives (/dev/shm: memory, not disk)."""
+    return Path("/dev/shm") / f"{folder}-stage{stage}"
+
+
 class GroupComm:
-    def __init__(self, store: dist.Store, plan: ShardPlan, device: torch.device, timeout_s: float) -> None:
-        """Joins the groups (collective: every rank of the world, then of its stage, builds its own)."""
+    def __init__(
+        self, store: dist.Store, plan: ShardPlan, device: torch.device, timeout_s: float,
+        shm: ShmAllReduce | None = None,
+    ) -> None:  # fmt: skip
+        """Joins the groups (collective: every rank of the world, then of its stage, builds its own). `shm`: the
+        stage's shared-memory all-reduce, mapped (None: gloo or NCCL for it too)."""
         self.plan = plan
         self.device = device
+        self.shm = shm
         timeout = datetime.timedelta(seconds=timeout_s)
         self.world = _group(dist.PrefixStore("world", store), plan.rank, plan.world_size, device, timeout)
         if plan.pp_size == 1:
@@ -56,7 +113,9 @@ class GroupComm:
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum `partial` over the stage's tensor-parallel ranks, in place; returns it."""
         started = time.perf_counter()
-        if self._reduce_in_fp32 and partial.dtype != torch.float32:
+        if self.shm is not None and self.shm.fits(partial):
+            self.shm(partial)
+        elif self._reduce_in_fp32 and partial.dtype != torch.float32:
             total = partial.float()
             self.tp.allreduce([total]).wait()
             partial.copy_(total)

@@ -47,7 +47,7 @@ class ShardedExecutor:
         """Wait for the spawned ranks, then join the collectives (engine thread). GroupFailure if it fails."""
         store = self.group.join()
         try:
-            comm = GroupComm(store, self.plan, self.runner.device, self._timeout_s)
+            comm = GroupComm(store, self.plan, self.runner.device, self._timeout_s, self.group.driver_shm)
         except RuntimeError as err:  # a rank died while the group formed
             raise self.group.fail(0, f"joining the group failed: {err}") from err
         self.runner.model.join_group(comm.all_reduce)

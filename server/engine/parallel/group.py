@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from kvbm.config import KVBMConfig
 from server.engine.config import EngineConfig
 from server.engine.core import ExecutorFailure
 from server.engine.parallel import wire
-from server.engine.parallel.comm import host_store
+from server.engine.parallel.comm import ShmAllReduce, host_store, segment_path
 from server.engine.parallel.plan import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class RankSpec(msgspec.Struct, frozen=True):
     num_threads: int
     heartbeat_s: float
     collective_timeout_s: float
+    reduce_segment: str = ""  # its stage's shared-memory all-reduce segment ("": gloo's all-reduce)
 
     @property
     def plan(self) -> ShardPlan:
@@ -108,6 +110,17 @@ class GroupSettings:
     collective_timeout_s: float = 60.0  # a collective that waits longer raises (a stuck peer)
     start_timeout_s: float = 300.0  # loading weights and joining the group
     answer_timeout_s: float = 10.0  # a KV lookup or onboard asked of every rank
+
+
+@dataclass(frozen=True, slots=True)
+class ShmPlan:
+    """Shared-memory all-reduce segments for a group's stages: `slot_floats` per rank (the largest partial sum
+    of a step: tokens per step x hidden size), through the compiled kernels."""
+
+    kernels: ModuleType
+    tp_size: int
+    pp_size: int
+    slot_floats: int
 
 
 @dataclass(slots=True)
@@ -162,13 +175,18 @@ class RankGroup:
 
     def __init__(
         self,
-        spec: Callable[[int, int, str, str], RankSpec],
+        spec: Callable[[int, int, str, str, str], RankSpec],
         world_size: int,
         settings: GroupSettings,
         on_failure: Callable[[GroupFailure], None],
+        shm: ShmPlan | None = None,
     ) -> None:
-        """`spec(rank, store_port, control_endpoint, replies_endpoint)`: rank's RankSpec for a generation;
-        `on_failure`: called once per failed generation, from whichever thread saw it first."""
+        """`spec(rank, store_port, control_endpoint, replies_endpoint, reduce_segment)`: rank's RankSpec for a
+        generation; `on_failure`: called once per failed generation, from whichever thread saw it first; `shm`:
+        the stages all-reduce through shared memory (None: through gloo)."""
+        self._shm = shm
+        self._segments: list[Path] = []
+        self.driver_shm: ShmAllReduce | None = None  # the driver's stage's segment, this generation
         self._spec = spec
         self.world_size = world_size
         self.settings = settings
@@ -199,6 +217,7 @@ class RankGroup:
         self._store = host_store(self.world_size, self.settings.start_timeout_s)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(f"ipc://{folder / 'replies'}")
+        self._create_segments(folder.name)
         for rank in range(1, self.world_size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 100_000)
@@ -206,12 +225,28 @@ class RankGroup:
             control = f"ipc://{folder / f'rank{rank}'}"
             push.bind(control)
             self._pushes[rank] = push
-            spec = self._spec(rank, self._store.port, control, f"ipc://{folder / 'replies'}")
+            segment = str(self._segments[rank // self._shm.tp_size]) if self._segments else ""
+            spec = self._spec(rank, self._store.port, control, f"ipc://{folder / 'replies'}", segment)
             self._ranks[rank] = self._launch(spec)
         self._monitor = threading.Thread(
             target=self._watch, args=(self._generation,), name="strata-ranks", daemon=True
         )
         self._monitor.start()
+
+    def _create_segments(self, name: str) -> None:
+        """A shared-memory all-reduce segment per stage, laid out; the driver maps its own stage's now."""
+        if self._shm is None:
+            return
+        self._segments = [segment_path(name, stage) for stage in range(self._shm.pp_size)]
+        for path in self._segments:
+            ShmAllReduce.create(self._shm.kernels, path, self._shm.tp_size, self._shm.slot_floats)
+        timeout = self.settings.collective_timeout_s
+        self.driver_shm = ShmAllReduce(self._shm.kernels, self._segments[0], 0, timeout)
+
+    def _unlink_segments(self) -> None:
+        for path in self._segments:
+            path.unlink(missing_ok=True)
+        self._segments = []
 
     def _launch(self, spec: RankSpec) -> RankProcess:
         process = subprocess.Popen(
@@ -241,6 +276,7 @@ class RankGroup:
         if not all(r.ready for r in self._ranks.values()):
             late = [r.rank for r in self._ranks.values() if not r.ready]
             raise self.fail(late[0], f"not ready within {self.settings.start_timeout_s:.0f} s")
+        self._unlink_segments()  # every rank maps its stage's by now: nothing is left behind if they all die
         assert self._store is not None
         return self._store
 
@@ -252,6 +288,8 @@ class RankGroup:
             if first:
                 self.failure = GroupFailure(rank, reason)
             self._kill_all()
+            if self.driver_shm is not None:
+                self.driver_shm.abort()  # the driver's own wait in an all-reduce fails now
             self._lock.notify_all()
             failure = self.failure
         if first:
@@ -427,6 +465,8 @@ class RankGroup:
         if self._pull is not None:
             self._pull.close(0)
         self._ranks, self._pushes, self._pull, self._store = {}, {}, None, None
+        self._unlink_segments()
+        self.driver_shm = None
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None

@@ -69,14 +69,14 @@ def _serve(spec: RankSpec, control: zmq.Socket, reply, work: Work) -> bool:
     torch.set_num_threads(spec.num_threads)
     plan = spec.plan
     try:
-        runner, connector = _load(spec)
+        runner, connector, shm = _load(spec)
     except Exception as err:
         log.exception("loading rank %d failed", spec.rank)
         reply(wire.LoadFailed(spec.rank, f"{type(err).__name__}: {err}"[:1000]))
         return False
     reply(wire.Ready(spec.rank, os.getpid()))
     store = connect_store(spec.store_port, plan, spec.collective_timeout_s)
-    comm = GroupComm(store, plan, runner.device, spec.collective_timeout_s)
+    comm = GroupComm(store, plan, runner.device, spec.collective_timeout_s, shm)
     runner.model.join_group(comm.all_reduce)
     stage = StageRunner(runner.model, runner.kv_cache, comm, plan)
     decoder = msgspec.msgpack.Decoder(wire.ToRank)
@@ -104,12 +104,14 @@ def _serve(spec: RankSpec, control: zmq.Socket, reply, work: Work) -> bool:
 
 
 def _load(spec: RankSpec):
-    """This rank's model part, pool and tiers."""
+    """This rank's model part, pool and tiers, and its stage's all-reduce segment mapped (None: gloo's)."""
     from kvbm.connector import KVBMConnector
+    from server.engine import kernels
     from server.engine.builder import kv_layout, load_model
     from server.engine.loader import load_config, prepare_model
     from server.engine.model import ModelShape
     from server.engine.model_runner import ModelRunner
+    from server.engine.parallel.comm import ShmAllReduce
 
     config = spec.engine
     files = prepare_model(config.model, Path(config.cache_dir).expanduser() if config.cache_dir else None)
@@ -120,7 +122,15 @@ def _load(spec: RankSpec):
     if spec.kvbm is not None:  # its part of every block; the driver's connector tells the index
         connector = KVBMConnector(spec.kvbm, spec.worker_id, events=None, model=config.model_name or "")
         connector.bind(runner.kv_cache, kv_layout(files, config, shape, plan))
-    return runner, connector
+    shm = None
+    if spec.reduce_segment:  # mapped before Ready: the driver unlinks it once every rank is
+        compiled = kernels.cpu_kernels()
+        if compiled is None:
+            raise RuntimeError(
+                "the driver all-reduces through shared memory, but this rank has no compiled kernels"
+            )
+        shm = ShmAllReduce(compiled, Path(spec.reduce_segment), plan.tp_rank, spec.collective_timeout_s)
+    return runner, connector, shm
 
 
 def _beat(spec: RankSpec, reply, work: Work) -> None:

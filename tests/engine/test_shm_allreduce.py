@@ -1,0 +1,96 @@
+"""The shared-memory all-reduce of a sharded worker's tensor-parallel ranks (kernels/shm_allreduce.cpp), with real
+processes: sums in rank order whatever the tensor's size (fp32 bit for bit against (a + b) + c), bf16 summed in
+fp32 and rounded once, many calls in a row on the two alternating halves, and a wait that ends at once when the
+group aborts, or at its timeout when a peer never comes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+
+import pytest
+import torch
+
+from server.engine.kernels import cpu_kernels
+from server.engine.parallel.comm import ShmAllReduce, segment_path
+
+WORLD = 3
+SLOT = 1 << 16
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no compiled CPU kernels here")
+
+
+def parts(rows: int, call: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """What each rank sums at `call`: values of very different magnitudes, so the order of the sum shows."""
+    generator = torch.Generator().manual_seed(call)
+    return [
+        (torch.randn(rows, 512, generator=generator) * 10.0 ** (rank * 3 - 3)).to(dtype)
+        for rank in range(WORLD)
+    ]
+
+
+def _rank(path: str, rank: int, calls: list[tuple[int, str]], results) -> None:
+    torch.set_num_threads(1)
+    shm = ShmAllReduce(cpu_kernels(), segment_path(path, 0), rank, timeout_s=30)
+    out = []
+    for call, (rows, dtype) in enumerate(calls):
+        tensor = parts(rows, call, getattr(torch, dtype))[rank].clone()
+        shm(tensor)
+        out.append(tensor.float().numpy().tobytes())  # bytes: a tensor would travel as a handle to this process
+    results.put((rank, out))
+
+
+@pytest.fixture
+def segment():
+    name = f"strata-test-{uuid.uuid4().hex[:8]}"
+    ShmAllReduce.create(cpu_kernels(), segment_path(name, 0), WORLD, SLOT)
+    yield name
+    segment_path(name, 0).unlink(missing_ok=True)
+
+
+def test_sums_in_rank_order_at_every_size_and_dtype(segment):
+    calls = [
+        (1, "float32"),
+        (7, "float32"),
+        (100, "float32"),
+        (1, "bfloat16"),
+        (64, "bfloat16"),
+        (3, "float32"),
+    ]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_rank, args=(segment, r, calls, results)) for r in range(WORLD)]
+    for process in ranks:
+        process.start()
+    got = dict(results.get(timeout=120) for _ in range(WORLD))
+    for process in ranks:
+        process.join(30)
+    for call, (rows, dtype) in enumerate(calls):
+        a, b, c = (part.float() for part in parts(rows, call, getattr(torch, dtype)))
+        expected = ((a + b) + c).to(getattr(torch, dtype))  # rank order, fp32, rounded once
+        for rank in range(WORLD):
+            assert got[rank][call] == expected.float().numpy().tobytes(), (call, rank)
+
+
+def test_a_wait_ends_at_once_on_abort_and_at_its_timeout_without_a_peer(segment):
+    lonely = ShmAllReduce(cpu_kernels(), segment_path(segment, 0), 0, timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the group failed or a peer missed"):
+        lonely(torch.ones(4, 8))  # ranks 1 and 2 never come
+    assert 0.4 < time.monotonic() - started < 5
+
+    waiting = ShmAllReduce(cpu_kernels(), segment_path(segment, 0), 1, timeout_s=60)
+    context = multiprocessing.get_context("spawn")
+    aborter = context.Process(target=_abort_after, args=(segment, 0.5))
+    aborter.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        waiting(torch.ones(4, 8))
+    assert time.monotonic() - started < 10  # not the 60-s timeout
+    aborter.join(30)
+
+
+def _abort_after(name: str, delay_s: float) -> None:
+    time.sleep(delay_s)  # the test's waiter is in its wait by then
+    ShmAllReduce(cpu_kernels(), segment_path(name, 0), 2, timeout_s=1).abort()
