@@ -33,11 +33,12 @@ A worker counts as alive from its start (local) or from the server's "joined" lo
 kills it; requests that overlap a time with no live worker are counted apart (only --kill-last makes such times).
 
 Report: requests sent, completed, failed (grouped by cause, with the server's log line for the request),
-answers that differ from the reference, migrations (`strata_router_migrations_total`), RSS and open file
-descriptors of the serve process, Triton and each worker at the start of the chaos, at --baseline-s and at the
-end, and /dev/shm use. Goals (exit status 1 if one is missed): no failed or wrong request while a worker was
-alive, every malformed request answered with a 4xx, RSS growth < 5 % from --baseline-s to the end for the serve
-process and every worker process alive over that span. Prints a table and one JSON line.
+answers that differ from the reference and how many of them were migrated (`changed_by_migration`: answers a
+worker kill changed; 0 when migrated requests continue exactly), migrations (`strata_router_migrations_total`),
+RSS and open file descriptors of the serve process, Triton and each worker at the start of the chaos, at
+--baseline-s and at the end, and /dev/shm use. Goals (exit status 1 if one is missed): no failed or wrong
+request while a worker was alive, every malformed request answered with a 4xx, RSS growth < 5 % from --baseline-s
+to the end for the serve process and every worker process alive over that span. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -647,6 +648,7 @@ def judge(
         "failed_with_no_worker_alive": len(in_outage),
         "wrong_answers": len(wrong),
         "completed_after_migration": sum(o.error is None and request_id(o) in migrated for o in outcomes),
+        "changed_by_migration": sum(request_id(o) in migrated for o in wrong),
     }
     return {
         "bench": "chaos",
@@ -765,11 +767,14 @@ def describe(args: argparse.Namespace, num_prompts: int) -> str:
 def print_table(report: dict[str, Any]) -> None:
     requests, chaos = report["requests"], report["chaos"]
     print(f"chaos soak: {report['scale']}")
-    print(f"{'sent':>6}{'completed':>11}{'failed':>8}{'(no worker)':>13}{'wrong':>7}{'migrated ok':>13}")
+    print(
+        f"{'sent':>6}{'completed':>11}{'failed':>8}{'(no worker)':>13}{'wrong':>7}{'migrated ok':>13}"
+        f"{'changed by migration':>22}"
+    )
     print(
         f"{requests['sent']:>6}{requests['completed']:>11}{requests['failed']:>8}"
         f"{requests['failed_with_no_worker_alive']:>13}{requests['wrong_answers']:>7}"
-        f"{requests['completed_after_migration']:>13}"
+        f"{requests['completed_after_migration']:>13}{requests['changed_by_migration']:>22}"
     )
     for title, key in (
         ("failures", "failures"),

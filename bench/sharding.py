@@ -15,7 +15,8 @@ Per configuration (medians over --reps, fresh random prompts each time, so nothi
   decode 8   8 requests at once, generated tokens / wall (the pipeline's micro-batches overlap here)
   all-reduce mean seconds per decode step in the driver's all-reduces (waiting for the slowest rank included),
              against `floor`: the same number of gloo processes all-reducing the same [1, hidden] fp32 tensor
-             back to back (gloo's own cost, measured in this run; goal: at most 1.3x of it)
+             back to back (gloo's own cost, measured in this run; goal: at most 1.3x of it), and `shm`: the
+             shared-memory all-reduce the engine uses on the CPU, back to back the same way
   bubble     pipeline only, during decode 8: 1 - (seconds every rank computed) / (ranks x wall seconds)
   lm_head    on the unsharded engine: the whole head's GEMM for 8 rows against one rank's vocabulary slice of it
              plus gloo's transfer of that slice's logits (why the head is vocab-parallel)
@@ -288,6 +289,46 @@ def _floor_rank(rank: int, world: int, port: int, hidden: int, calls: int, resul
         result.put((time.perf_counter() - started) / calls)
 
 
+def _shm_floor_rank(name: str, rank: int, hidden: int, calls: int, result) -> None:
+    from server.engine.kernels import cpu_kernels
+    from server.engine.parallel.comm import ShmAllReduce, segment_path
+
+    torch.set_num_threads(1)
+    shm = ShmAllReduce(cpu_kernels(), segment_path(name, 0), rank, timeout_s=60)
+    tensor = torch.ones(1, hidden)
+    for _ in range(20):
+        shm(tensor)
+    started = time.perf_counter()
+    for _ in range(calls):
+        shm(tensor)
+    if rank == 0:
+        result.put((time.perf_counter() - started) / calls)
+
+
+def shm_floor(world: int, hidden: int, calls: int = 2000) -> float | None:
+    """Seconds per shared-memory all-reduce (the engine's on the CPU) of the same tensor, back to back."""
+    from server.engine.kernels import cpu_kernels
+    from server.engine.parallel.comm import ShmAllReduce, segment_path
+
+    if cpu_kernels() is None:
+        return None
+    name = f"strata-bench-{os.getpid()}"
+    ShmAllReduce.create(cpu_kernels(), segment_path(name, 0), world, 1 << 16)
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    ranks = [
+        context.Process(target=_shm_floor_rank, args=(name, r, hidden, calls, result)) for r in range(world)
+    ]
+    try:
+        for process in ranks:
+            process.start()
+        return result.get(timeout=600)
+    finally:
+        for process in ranks:
+            process.join(60)
+        segment_path(name, 0).unlink(missing_ok=True)
+
+
 def allreduce_floor(world: int, hidden: int, calls: int = 600) -> float:
     """Seconds per gloo all-reduce of a [1, hidden] fp32 tensor among `world` processes, back to back."""
     import torch.distributed as dist
@@ -361,9 +402,12 @@ def main() -> None:
                 )  # the driver's stage
             if tp > 1:
                 if tp not in floors:
-                    floors[tp] = allreduce_floor(tp, hidden)
-                row["floor_step_ms"] = floors[tp] * 2 * layers * 1e3
+                    floors[tp] = (allreduce_floor(tp, hidden), shm_floor(tp, hidden))
+                gloo, shm = floors[tp]
+                row["floor_step_ms"] = gloo * 2 * layers * 1e3
                 row["allreduce_vs_floor"] = row["allreduce_step_ms"] / row["floor_step_ms"]
+                if shm is not None:
+                    row["shm_floor_step_ms"] = shm * 2 * layers * 1e3
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -383,6 +427,8 @@ def main() -> None:
         reduce = ""
         if row.get("allreduce_step_ms") is not None and "floor_step_ms" in row:
             reduce = f"{row['allreduce_step_ms']:7.2f} ({row['floor_step_ms']:.2f}, {row['allreduce_vs_floor']:.2f}x)"
+            if "shm_floor_step_ms" in row:
+                reduce += f" shm {row['shm_floor_step_ms']:.2f}"
         bubble = f"{row['bubble']:.2f}" if row.get("bubble") is not None else ""
         print(f"{row['config']:<9} {row['ranks']:>5} {row['threads_per_rank']:>3}  {cell['prefill_tok_s']}  "
               f"{cell['decode1_tok_s']}  {cell['decode8_tok_s']}  {reduce:<26} {bubble}")  # fmt: skip

@@ -144,6 +144,20 @@ def collect_concurrently(engine: LLMEngine, requests: list[GenerationRequest]) -
     return tokens
 
 
+def watch_steps(engine: LLMEngine) -> list[list[str]]:
+    """From now on, the request ids of each step `engine` runs, appended to the list returned (its runner's `run`
+    wrapped; for an engine the test owns)."""
+    steps: list[list[str]] = []
+    forward = engine.runner.run
+
+    def watched(chunks: list) -> torch.Tensor:
+        steps.append([chunk.seq.request_id for chunk in chunks])
+        return forward(chunks)
+
+    engine.runner.run = watched
+    return steps
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
     """Re-check `condition` until it holds; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -1,7 +1,8 @@
 """Batch-invariant engines (`batch_invariant`): a request gets the same tokens and the same logprobs, bit for bit,
-alone or among 3, 8 or 32 others, with its prompt prefilled whole or in chunks of 16 or 48 tokens, with its prefix
-cached (including a last chunk of one token, which by default takes the decode kernel), and when it is resumed from
-its prompt plus the tokens it had (a migration's or a disaggregated decode's continuation); seeded sampling too.
+alone or among 2, 7 or 31 others (all of them in one step at least once), with its prompt prefilled whole or in
+chunks of 16 or 48 tokens, with its prefix cached (including a last chunk of one token, which by default takes the
+decode kernel), and when it is resumed from its prompt plus the tokens it had (a migration's or a disaggregated
+decode's continuation); seeded sampling too.
 Real SmolLM2 in bf16 and fp32; the linear layers' row invariance, which the mode relies on, is checked on this CPU.
 """
 
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import watch_steps
 
 from server.engine import kernels
 from server.engine import linear as packed_linear
-from server.engine.api import GenerationRequest, RequestId, SamplingParams
+from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.engine.stream import generate
@@ -47,29 +49,35 @@ def prompts(e: LLMEngine, count: int) -> list[list[int]]:
     return found
 
 
-def run(e: LLMEngine, prompt: list[int], tag: str, max_tokens: int = TOKENS, **sampling) -> tuple:
+def run(e: LLMEngine, prompt: list[int], tag: str, max_tokens: int = TOKENS, **sampling) -> GenerationOutput:
     params = SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, logprobs=1, **{"temperature": 0.0, **sampling}
     )
-    output = generate(e, GenerationRequest(RequestId(tag), list(prompt), params), timeout=600)
+    return generate(e, GenerationRequest(RequestId(tag), list(prompt), params), timeout=600)
+
+
+def answer(output: GenerationOutput) -> tuple:
+    """What the mode keeps the same: the tokens and their logprobs."""
     return tuple(output.new_token_ids), tuple(lp.logprob for lp in output.logprobs)
 
 
 def together(
     e: LLMEngine, batch: list[list[int]], tag: str, sampling: list[dict] | None = None
-) -> list[tuple]:
-    """Every prompt submitted at once (`sampling[i]`: prompt i's sampling fields)."""
+) -> tuple[list[tuple], int]:
+    """Every prompt submitted at once (`sampling[i]`: prompt i's sampling fields): their answers, and the most of
+    them that one step of `e` ran."""
     results: list = [None] * len(batch)
+    steps = watch_steps(e)
 
     def one(i: int) -> None:
-        results[i] = run(e, batch[i], f"{tag}-{i}", **(sampling[i] if sampling else {}))
+        results[i] = answer(run(e, batch[i], f"{tag}-{i}", **(sampling[i] if sampling else {})))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return results
+    return results, max(len(step) for step in steps)
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -78,14 +86,16 @@ def reference(request) -> tuple[str, list[list[int]], list[tuple]]:
     dtype = request.param
     with engine(dtype) as e:
         batch = prompts(e, 32)
-        alone = [run(e, p, f"alone-{i}") for i, p in enumerate(batch[:8])]
+        alone = [answer(run(e, p, f"alone-{i}")) for i, p in enumerate(batch)]
         cached = [run(e, p, f"cached-{i}") for i, p in enumerate(batch[:8])]
         resumed = [
-            run(e, p + list(a[0][:7]), f"resumed-{i}", TOKENS - 7)
-            for i, (p, a) in enumerate(zip(batch[:8], alone, strict=True))
+            answer(run(e, p + list(a[0][:7]), f"resumed-{i}", TOKENS - 7))
+            for i, (p, a) in enumerate(zip(batch[:8], alone[:8], strict=True))
         ]
-    assert cached == alone, "a cached prefix changed the answer"
-    for (tokens, logprobs), (more, more_logprobs) in zip(alone, resumed, strict=True):
+    # every full block before the prompt's last token came from the cache
+    assert [o.num_cached_tokens for o in cached] == [(len(p) - 1) // 16 * 16 for p in batch[:8]]
+    assert [answer(o) for o in cached] == alone[:8], "a cached prefix changed the answer"
+    for (tokens, logprobs), (more, more_logprobs) in zip(alone[:8], resumed, strict=True):
         assert (tokens[7:], logprobs[7:]) == (more, more_logprobs), "a continuation is not the original's"
     return dtype, batch, alone
 
@@ -94,16 +104,18 @@ def reference(request) -> tuple[str, list[list[int]], list[tuple]]:
 def test_the_same_tokens_and_logprobs_in_any_batch(reference, size: int) -> None:
     dtype, batch, alone = reference
     with engine(dtype) as e:
-        results = together(e, batch[:size], f"batch{size}")
-    assert results[: len(alone)] == alone[:size]
+        results, widest = together(e, batch[:size], f"batch{size}")
+    assert widest == size  # they did share steps
+    assert results == alone[:size]
 
 
 @pytest.mark.parametrize("chunk", [16, 48])
 def test_the_same_tokens_and_logprobs_with_the_prompt_in_chunks(reference, chunk: int) -> None:
     dtype, batch, alone = reference
     with engine(dtype, chunk) as e:
-        results = together(e, batch[:8], f"chunk{chunk}")
-    assert results == alone
+        results, widest = together(e, batch[:8], f"chunk{chunk}")
+    assert widest == 8
+    assert results == alone[:8]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(reference) -> None:
@@ -112,9 +124,10 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(reference) -> None:
     dtype, batch, _ = reference
     seeded = [{"temperature": 1.0, "seed": 100 + i} for i in range(4)]
     with engine(dtype) as e:
-        alone = [run(e, batch[i], f"seed-alone-{i}", **seeded[i]) for i in range(4)]
+        alone = [answer(run(e, batch[i], f"seed-alone-{i}", **seeded[i])) for i in range(4)]
     with engine(dtype, 48) as e:
-        mixed = together(e, batch[:8], "seed-batch", seeded + [{"temperature": 1.0}] * 4)
+        mixed, widest = together(e, batch[:8], "seed-batch", seeded + [{"temperature": 1.0}] * 4)
+    assert widest == 8
     assert mixed[:4] == alone
 
 

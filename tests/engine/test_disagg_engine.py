@@ -1,6 +1,7 @@
 """Disaggregated serving inside the engine: a prefill-only request hands its prompt's KV off after its first
 token, a second engine resumes from the handoff; what the client would see (tokens and text, concatenated) is
-what one engine produces alone. Real SmolLM2 engines, fp32; the handoff moves through /dev/shm (kvbm/transfer.py).
+what one engine produces alone. Real SmolLM2 engines, fp32 (and a batch-invariant bf16 pair, each busy with other
+requests: tokens and logprobs bit for bit); the handoff moves through /dev/shm (kvbm/transfer.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 
 import msgspec
 import pytest
-from conftest import LONG_TEXT, engine_config, greedy, run
+from conftest import LONG_TEXT, engine_config, greedy, run, watch_steps
 
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
@@ -95,6 +96,41 @@ def test_greedy_output_is_the_same_split_across_two_engines(engine, decoder, pro
         assert (tokens, text) == (alone.new_token_ids, alone.new_text), f"prompt {i}"
         assert shown[-1].finish_reason == alone.finish_reason
         assert shown[-1].num_output_tokens == alone.num_output_tokens
+
+
+def test_batch_invariant_engines_busy_with_others_split_a_request_as_one_engine_alone(prompt_ids):
+    """bf16, both engines in the mode, each stepping three other requests meanwhile: a request prefilled on one and
+    decoded on the other gets the tokens and logprobs one engine gives it alone (salted there, so that the split
+    request finds none of its blocks cached)."""
+    config = engine_config(dtype="bfloat16", batch_invariant=True)
+    requests = [greedy(prompt_ids[i], f"bi-{i}", 16, ignore_eos=True, logprobs=1) for i in (9, 12, 19)]
+    with LLMEngine(config) as prefill, LLMEngine(config) as decode:
+        alone = [
+            run(prefill, msgspec.structs.replace(r, request_id=RequestId(f"alone-{i}"), cache_salt="alone"))
+            for i, r in enumerate(requests)
+        ]
+        steps = [watch_steps(prefill), watch_steps(decode)]
+        busy = [
+            (engine, greedy(prompt_ids[i], f"busy-{n}-{i}", 200, ignore_eos=True))
+            for n, engine in enumerate((prefill, decode))
+            for i in (4, 5, 14)
+        ]
+        for engine, other in busy:
+            engine.submit(other, lambda output: None)
+        split = []
+        for request in requests:
+            first = run(prefill, prefill_only(request))
+            handoff = handoff_of(first)
+            rest = list(iterate_outputs(decode, resumed(request, handoff), 120))
+            # the decode engine read every block the prefill engine sent, and recomputed none
+            assert received_bytes(rest[0]) == handoff.sent_bytes > 0
+            split.append(first.logprobs + [entry for output in rest for entry in output.logprobs])
+        for engine, other in busy:
+            engine.abort(other.request_id)
+    for request in requests:  # each part of it ran beside the other requests
+        for engine_steps in steps:
+            assert any(request.request_id in step and len(step) > 1 for step in engine_steps)
+    assert split == [output.logprobs for output in alone]  # token ids, logprobs and top logprobs
 
 
 def test_the_handoff_carries_the_prompt_blocks_and_is_removed_once_read(engine, decoder):

@@ -37,7 +37,9 @@ def _rank(path: str, rank: int, calls: list[tuple[int, str]], results) -> None:
     for call, (rows, dtype) in enumerate(calls):
         tensor = parts(rows, call, getattr(torch, dtype))[rank].clone()
         shm(tensor)
-        out.append(tensor.float().numpy().tobytes())  # bytes: a tensor would travel as a handle to this process
+        out.append(
+            tensor.float().numpy().tobytes()
+        )  # bytes: a tensor would travel as a handle to this process
     results.put((rank, out))
 
 

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import logging
 import platform
+import subprocess
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -98,7 +99,7 @@ def _build(name: str, sources: list[Path], directory: Path) -> ModuleType | None
             build_directory=str(directory),
             verbose=False,
         )
-    except (OSError, RuntimeError, ImportError, cpp_extension.CalledProcessError) as err:
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         log.warning(
             "CPU kernels unavailable, the engine runs torch ops (decode attention gathers K/V): %s",
