@@ -168,7 +168,7 @@ def measure_kill(engine: LLMEngine, rng: random.Random, tokens: int) -> dict:
     for request in requests:
         engine.submit(request, outputs.put)
     finished = generated = 0
-    killed = detected = recovered = None
+    killed = recovered = victim = None
     group = engine.runner.group
     while finished < len(requests) or recovered is None:
         try:
@@ -181,12 +181,16 @@ def measure_kill(engine: LLMEngine, rng: random.Random, tokens: int) -> dict:
             finished += output.finished
             errors += [output.error] if output.error else []
         if killed is None and generated >= 8:
-            os.kill(engine.stats().ranks[-1].pid, 9)
-            killed = time.perf_counter()
-        if killed is not None and detected is None and group.failure is not None:
-            detected = time.perf_counter() - killed
-        if detected is not None and recovered is None and all(r.up for r in engine.stats().ranks):
-            recovered = time.perf_counter() - killed
+            victim = engine.stats().ranks[-1].pid
+            os.kill(victim, 9)
+            killed = time.monotonic()
+        seen = group.last_failure is not None and killed is not None and group.last_failure.at >= killed
+        ranks = engine.stats().ranks if seen and recovered is None else []
+        if (
+            ranks and all(r.up for r in ranks) and victim not in {r.pid for r in ranks}
+        ):  # new processes, serving
+            recovered = time.monotonic() - killed
+    detected = group.last_failure.at - killed
     changed = 0
     for request in requests:
         rerun = GenerationRequest(

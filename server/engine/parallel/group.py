@@ -55,6 +55,7 @@ class GroupFailure(ExecutorFailure):
         super().__init__(f"rank {rank}: {reason}")
         self.rank = rank
         self.reason = reason
+        self.at = time.monotonic()  # when it was seen
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -196,7 +197,8 @@ class RankGroup:
         self._ranks: dict[int, RankProcess] = {}
         self._answers: dict[int, dict[int, int]] = {}
         self._call_ids = itertools.count(1)
-        self.failure: GroupFailure | None = None
+        self.failure: GroupFailure | None = None  # this generation's
+        self.last_failure: GroupFailure | None = None  # any generation's latest, kept across restarts
         self._closing = threading.Event()
         self._generation = 0
         self._pushes: dict[int, zmq.Socket] = {}
@@ -286,7 +288,7 @@ class RankGroup:
         with self._lock:
             first = self.failure is None
             if first:
-                self.failure = GroupFailure(rank, reason)
+                self.failure = self.last_failure = GroupFailure(rank, reason)
             self._kill_all()
             if self.driver_shm is not None:
                 self.driver_shm.abort()  # the driver's own wait in an all-reduce fails now
