@@ -317,7 +317,9 @@ def shm_floor(world: int, hidden: int, calls: int = 2000) -> float | None:
     if cpu_kernels() is None:
         return None
     name = f"strata-bench-{os.getpid()}"
-    ShmAllReduce.create(cpu_kernels(), segment_path(name, 0), world, 1 << 16)
+    ShmAllReduce.create(
+        cpu_kernels(), segment_path(name, 0), world, 1 << 16, spin=world <= len(os.sched_getaffinity(0))
+    )
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
     ranks = [

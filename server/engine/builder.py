@@ -190,18 +190,20 @@ def _spawn_ranks(
             collective_timeout_s=settings.collective_timeout_s, reduce_segment=reduce_segment,
         )  # fmt: skip
 
-    shm = _shm_plan(config, plan, hidden_size)
+    shm = _shm_plan(config, plan, hidden_size, num_threads)
     group = RankGroup(spec, plan.world_size, settings, sharding.on_failure, shm)
     group.spawn()
     return group
 
 
-def _shm_plan(config: EngineConfig, plan: ShardPlan, hidden_size: int) -> ShmPlan | None:
-    """Shared-memory all-reduces for a CPU group with tensor parallelism and the compiled kernels (else gloo's)."""
+def _shm_plan(config: EngineConfig, plan: ShardPlan, hidden_size: int, num_threads: int) -> ShmPlan | None:
+    """Shared-memory all-reduces for a CPU group with tensor parallelism and the compiled kernels (else gloo's);
+    their waiters spin only where the ranks' threads have cores of their own."""
     compiled = kernels.cpu_kernels() if config.torch_device == "cpu" and plan.tp_size > 1 else None
     if compiled is None:
         return None
-    return ShmPlan(compiled, plan.tp_size, plan.pp_size, config.max_num_batched_tokens * hidden_size)
+    spin = plan.world_size * num_threads <= usable_cores()
+    return ShmPlan(compiled, plan.tp_size, plan.pp_size, config.max_num_batched_tokens * hidden_size, spin)
 
 
 def load_model(

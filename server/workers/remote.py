@@ -172,7 +172,9 @@ class RemoteEngine:
         worker_id: WorkerId,
         spec: WorkerSpec | ExternalSpec,
         start_timeout_s: float = 300.0,
-        heartbeat_timeout_s: float = 5.0,
+        # its exit is seen at once (the process is watched); silence this long means hung: 5 s once fell to a
+        # live vLLM worker sharing 2 cores with another vLLM engine
+        heartbeat_timeout_s: float = 10.0,
         call_timeout_s: float = 60.0,
         event_sink: EventSink | None = None,
     ) -> RemoteEngine:

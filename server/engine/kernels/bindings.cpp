@@ -23,7 +23,7 @@ void rope_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, in
                 at::Tensor kv_cache, int64_t layer, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                 at::Tensor q_out);
 
-void shm_allreduce_init(at::Tensor segment, int64_t world, int64_t slot_floats);
+void shm_allreduce_init(at::Tensor segment, int64_t world, int64_t slot_floats, int64_t spins);
 int64_t shm_allreduce_bytes(int64_t world, int64_t slot_floats);
 bool shm_allreduce(at::Tensor x, const at::Tensor& segment, int64_t rank, int64_t call, double timeout_s);
 void shm_allreduce_abort(const at::Tensor& segment);

@@ -8,7 +8,7 @@
 //
 // Segment (created by the driver, one per tensor-parallel group; offsets in bytes):
 //
-//     0      magic (u32), world (u32), slot_floats (u64)
+//     0      magic (u32), world (u32), slot_floats (u64), spins (u32: how long a waiter spins first)
 //     64     count: ranks arrived at the current barrier (atomic u32)
 //     128    phase: barriers completed (atomic u32, the futex word waiters sleep on)
 //     192    abort: non-zero once the group failed (atomic u32): every wait returns at once
@@ -16,7 +16,9 @@
 //
 // Calls alternate between the two halves of the slots: rank A can write call k+1 while rank B still reads call
 // k, and no rank writes call k+2 before every rank arrived at call k+1's barrier, i.e. finished reading call k.
-// A waiter spins briefly (the peers are usually a few microseconds behind), then sleeps on the phase futex.
+// A waiter spins briefly where every rank has a core of its own (the peers are usually a few microseconds behind),
+// then sleeps on the phase futex; where ranks share cores it sleeps at once (spinning would take the core from the
+// rank it waits for).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,13 +37,13 @@ namespace {
 
 constexpr uint32_t kMagic = 0x53414c52;  // "SALR"
 constexpr int64_t kHeaderBytes = 256;
-constexpr int kSpins = 4000;
 
 struct Header {
   uint32_t magic;
   uint32_t world;
   uint64_t slot_floats;
-  char pad0[48];
+  uint32_t spins;
+  char pad0[44];
   std::atomic<uint32_t> count;
   char pad1[60];
   std::atomic<uint32_t> phase;
@@ -78,7 +80,7 @@ bool barrier(Header* h, double timeout_s) {
     futex(&h->phase, FUTEX_WAKE, INT_MAX, nullptr);
     return h->abort.load(std::memory_order_acquire) == 0;
   }
-  for (int i = 0; i < kSpins; ++i) {
+  for (uint32_t i = 0; i < h->spins; ++i) {
     if (h->phase.load(std::memory_order_acquire) != phase) return h->abort.load(std::memory_order_acquire) == 0;
     cpu_relax();
   }
@@ -109,13 +111,14 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 
 }  // namespace
 
-void shm_allreduce_init(at::Tensor segment, int64_t world, int64_t slot_floats) {
+void shm_allreduce_init(at::Tensor segment, int64_t world, int64_t slot_floats, int64_t spins) {
   TORCH_CHECK(segment.scalar_type() == at::kByte && segment.is_contiguous(), "shm_allreduce: uint8 segment");
   TORCH_CHECK(segment.numel() >= kHeaderBytes + 2 * world * slot_floats * 4, "shm_allreduce: segment too small");
   std::memset(segment.data_ptr(), 0, kHeaderBytes);
   Header* h = header_of(segment);
   h->world = static_cast<uint32_t>(world);
   h->slot_floats = static_cast<uint64_t>(slot_floats);
+  h->spins = static_cast<uint32_t>(spins);
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kMagic;
 }

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from server.engine.parallel.plan import ShardPlan
 
 HIDDEN_TAG, LOGITS_TAG = 0, 1 << 16  # point-to-point tags: + the micro-batch's index
+SPINS = 4000  # pause instructions a shared-memory all-reduce's waiter spins before it sleeps (tens of microseconds)
 
 
 def connect_store(port: int, plan: ShardPlan, timeout_s: float) -> dist.TCPStore:
@@ -57,12 +58,14 @@ class ShmAllReduce:
         self.calls = 0
 
     @staticmethod
-    def create(kernels: ModuleType, path: Path, world: int, slot_floats: int) -> None:
+    def create(kernels: ModuleType, path: Path, world: int, slot_floats: int, spin: bool = True) -> None:
+        """Lay out a segment; `spin`: waiters spin briefly before they sleep (only where ranks have cores of
+        their own)."""
         size = kernels.shm_allreduce_bytes(world, slot_floats)
         with open(path, "wb") as segment:
             segment.truncate(size)
-        kernels.shm_allreduce_init(torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8), world,
-                                   slot_floats)  # fmt: skip
+        segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        kernels.shm_allreduce_init(segment, world, slot_floats, SPINS if spin else 0)
 
     def __call__(self, partial: torch.Tensor) -> None:
         """Sum `partial` in place; RuntimeError if the group aborted or a peer did not come within the timeout."""

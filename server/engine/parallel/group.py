@@ -122,6 +122,7 @@ class ShmPlan:
     tp_size: int
     pp_size: int
     slot_floats: int
+    spin: bool  # every rank has cores of its own: waiters spin a little before they sleep
 
 
 @dataclass(slots=True)
@@ -241,7 +242,9 @@ class RankGroup:
             return
         self._segments = [segment_path(name, stage) for stage in range(self._shm.pp_size)]
         for path in self._segments:
-            ShmAllReduce.create(self._shm.kernels, path, self._shm.tp_size, self._shm.slot_floats)
+            ShmAllReduce.create(
+                self._shm.kernels, path, self._shm.tp_size, self._shm.slot_floats, self._shm.spin
+            )
         timeout = self.settings.collective_timeout_s
         self.driver_shm = ShmAllReduce(self._shm.kernels, self._segments[0], 0, timeout)
 
