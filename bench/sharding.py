@@ -240,6 +240,26 @@ def lm_head_costs(engine: LLMEngine, tp: int, rows: int = 8, reps: int = 50) -> 
     return costs
 
 
+def rank_zero_result(target, world: int, *args) -> float:
+    """Run `target(rank, *args, result)` in `world` spawned processes; what rank 0 puts in `result`."""
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    ranks = [context.Process(target=target, args=(rank, *args, result)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    try:
+        return result.get(timeout=600)
+    finally:
+        for process in ranks:
+            process.join(60)
+
+
+def _free_port() -> int:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 1, True).port  # a free port (this store is dropped right away)
+
+
 def _p2p_rank(rank: int, port: int, numel: int, calls: int, result) -> None:
     import torch.distributed as dist
 
@@ -262,18 +282,7 @@ def _p2p_rank(rank: int, port: int, numel: int, calls: int, result) -> None:
 
 def p2p_seconds(numel: int, calls: int = 200) -> float:
     """Seconds to send `numel` fp32 values from one gloo process to another."""
-    import torch.distributed as dist
-
-    context = multiprocessing.get_context("spawn")
-    result = context.Queue()
-    port = dist.TCPStore("127.0.0.1", 0, 1, True).port
-    ranks = [context.Process(target=_p2p_rank, args=(r, port, numel, calls, result)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    seconds = result.get(timeout=600)
-    for process in ranks:
-        process.join(60)
-    return seconds
+    return rank_zero_result(_p2p_rank, 2, _free_port(), numel, calls)
 
 
 def _floor_rank(rank: int, world: int, port: int, hidden: int, calls: int, result) -> None:
@@ -293,7 +302,7 @@ def _floor_rank(rank: int, world: int, port: int, hidden: int, calls: int, resul
         result.put((time.perf_counter() - started) / calls)
 
 
-def _shm_floor_rank(name: str, rank: int, hidden: int, calls: int, result) -> None:
+def _shm_floor_rank(rank: int, name: str, hidden: int, calls: int, result) -> None:
     from server.engine.kernels import cpu_kernels
     from server.engine.parallel.comm import ShmAllReduce, segment_path
 
@@ -317,41 +326,17 @@ def shm_floor(world: int, hidden: int, calls: int = 2000) -> float | None:
     if cpu_kernels() is None:
         return None
     name = f"strata-bench-{os.getpid()}"
-    ShmAllReduce.create(
-        cpu_kernels(), segment_path(name, 0), world, 1 << 16, spin=world <= len(os.sched_getaffinity(0))
-    )
-    context = multiprocessing.get_context("spawn")
-    result = context.Queue()
-    ranks = [
-        context.Process(target=_shm_floor_rank, args=(name, r, hidden, calls, result)) for r in range(world)
-    ]
+    spin = world <= len(os.sched_getaffinity(0))
+    ShmAllReduce.create(cpu_kernels(), segment_path(name, 0), world, 1 << 16, spin=spin)
     try:
-        for process in ranks:
-            process.start()
-        return result.get(timeout=600)
+        return rank_zero_result(_shm_floor_rank, world, name, hidden, calls)
     finally:
-        for process in ranks:
-            process.join(60)
         segment_path(name, 0).unlink(missing_ok=True)
 
 
 def allreduce_floor(world: int, hidden: int, calls: int = 600) -> float:
     """Seconds per gloo all-reduce of a [1, hidden] fp32 tensor among `world` processes, back to back."""
-    import torch.distributed as dist
-
-    context = multiprocessing.get_context("spawn")
-    result = context.Queue()
-    port = dist.TCPStore("127.0.0.1", 0, 1, True).port  # a free port (this store is dropped right away)
-    ranks = [
-        context.Process(target=_floor_rank, args=(r, world, port, hidden, calls, result))
-        for r in range(world)
-    ]
-    for process in ranks:
-        process.start()
-    seconds = result.get(timeout=600)
-    for process in ranks:
-        process.join(60)
-    return seconds
+    return rank_zero_result(_floor_rank, world, world, _free_port(), hidden, calls)
 
 
 def parse_config(name: str) -> tuple[int, int]:

@@ -107,7 +107,7 @@ def build(
         raise
     block_manager = BlockManager(num_blocks, config.block_size, connector)
     if (
-        local.kv_cache.device.type == "cpu" and group is None
+        group is None and local.kv_cache.device.type == "cpu"
     ):  # handoffs read and write pool rows as host memory
         block_manager.rows = block_rows(local.kv_cache, num_blocks)
     if connector is not None:

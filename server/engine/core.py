@@ -223,9 +223,8 @@ class EngineCore:
     def requeue_all(self) -> list[Sequence]:
         """After an executor failure: every running sequence back to the head of the wait queue, its blocks freed
         (recomputed, as after a preemption), oldest first. Returns the requeued sequences."""
-        requeued = list(self.scheduler.running)
+        requeued, self.scheduler.running = self.scheduler.running, []
         for seq in reversed(requeued):
-            self.scheduler.running.remove(seq)
             self.scheduler.preempt(seq)
         return requeued
 

@@ -28,7 +28,6 @@ from server.engine.api import (
     GenerationRequest,
     OutputSink,
     PoolStats,
-    RankStats,
     RequestError,
     RequestId,
     validate_request,
@@ -251,10 +250,7 @@ class LLMEngine:
             self.scheduler.num_preemptions,
         )
         if isinstance(self.runner, ShardedExecutor):
-            worker = self._sharding.worker_id
-            stats.ranks = [
-                RankStats(worker, r.rank, r.pid, r.up, r.rss_bytes, r.busy_s) for r in self.runner.statuses()
-            ]
+            stats.ranks = self.runner.statuses(self._sharding.worker_id)
             stats.restarts = dict(self.runner.restarts)
         return stats
 

@@ -19,6 +19,7 @@ import pytest
 
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
+from tests.server.test_workers import metric_lines
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"Write a short story about lighthouse number {i}:" for i in range(4)]
@@ -44,16 +45,6 @@ def client(server):
         yield client
 
 
-def metrics(server, name: str) -> dict[str, float]:
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{server.openai_port}/metrics", timeout=10).read().decode()
-    )
-    return {
-        labels: float(value)
-        for labels, value in (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(name))
-    }
-
-
 def titled(prefix: str) -> dict[str, int]:
     """Processes whose title starts with `prefix`: title -> pid (setproctitle rewrites /proc/<pid>/cmdline)."""
     found = {}
@@ -72,9 +63,9 @@ def titled(prefix: str) -> dict[str, int]:
 def test_every_rank_is_a_named_process_with_its_series(server):
     ranks = titled("strata smollm2 worker ")
     assert sorted(ranks) == [f"strata smollm2 worker {w} rank {r}/3" for w in range(2) for r in range(3)]
-    up = metrics(server, "strata_rank_up{")
+    up = metric_lines(server, "strata_rank_up{")
     assert len(up) == 6 and set(up.values()) == {1.0}
-    memory = metrics(server, "strata_rank_resident_memory_bytes{")
+    memory = metric_lines(server, "strata_rank_resident_memory_bytes{")
     assert len(memory) == 6 and all(value > 50e6 for value in memory.values())
 
 
@@ -112,11 +103,11 @@ def test_a_rank_killed_under_streaming_load_loses_no_request_and_its_group_comes
         renewed = [
             now.get(title) not in (None, before[title]) for title in before if not title.endswith("0/3")
         ]
-        up = metrics(server, "strata_rank_up{")
+        up = metric_lines(server, "strata_rank_up{")
         return len(now) == 3 and all(renewed) and len(up) == 6 and set(up.values()) == {1.0}
 
     wait_for(back, 60 - (time.monotonic() - killed_at), what="worker 0's group back with new ranks")
-    assert metrics(server, "strata_worker_restarts_total") == {
+    assert metric_lines(server, "strata_worker_restarts_total") == {
         'strata_worker_restarts_total{model="smollm2",reason="SIGKILL"}': 1.0
     }
     log = server.log()

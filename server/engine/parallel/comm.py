@@ -49,7 +49,6 @@ class ShmAllReduce:
 
     def __init__(self, kernels: ModuleType, path: Path, tp_rank: int, timeout_s: float) -> None:
         self.kernels = kernels
-        self.path = path
         self.rank = tp_rank
         self.timeout_s = timeout_s
         size = path.stat().st_size
@@ -96,8 +95,6 @@ class GroupComm:
     ) -> None:  # fmt: skip
         """Joins the groups (collective: every rank of the world, then of its stage, builds its own). `shm`: the
         stage's shared-memory all-reduce, mapped (None: gloo or NCCL for it too)."""
-        self.plan = plan
-        self.device = device
         self.shm = shm
         timeout = datetime.timedelta(seconds=timeout_s)
         self.world = _group(dist.PrefixStore("world", store), plan.rank, plan.world_size, device, timeout)
@@ -135,9 +132,6 @@ class GroupComm:
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Receive into `tensor` from rank `src` (blocks, up to the group's timeout)."""
         self.world.recv([tensor], src, tag).wait()
-
-    def barrier(self) -> None:
-        self.world.barrier().wait()
 
 
 def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 
 import torch
 
 from kvbm.api import BlockEvent, KVConnector, KVLayout
 from kvbm.block_hash import BlockHash
+from server.engine.api import RankStats
 from server.engine.model_runner import ModelRunner
 from server.engine.parallel import wire
 from server.engine.parallel.comm import GroupComm
-from server.engine.parallel.group import GroupFailure, RankGroup, RankStatus, resident_bytes
+from server.engine.parallel.group import GroupFailure, RankGroup, resident_bytes
 from server.engine.parallel.plan import ShardPlan
 from server.engine.parallel.stage import StageRunner
 from server.engine.scheduler import ScheduledChunk
@@ -39,9 +39,6 @@ class ShardedExecutor:
         self._timeout_s = collective_timeout_s
         self.stage: StageRunner | None = None
         self.restarts: dict[str, int] = {}  # why the group was restarted -> how many times
-        self.step_s = (
-            0.0  # wall seconds of steps, cumulative (with `StageRunner.busy_s`: the pipeline's bubble)
-        )
 
     def start(self) -> None:
         """Wait for the spawned ranks, then join the collectives (engine thread). GroupFailure if it fails."""
@@ -64,7 +61,6 @@ class ShardedExecutor:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if self.stage is None:
             raise self.group.failure or GroupFailure(0, "the group is not running")
-        started = time.perf_counter()
         groups = _micro_batches(chunks, self.plan.pp_size)
         batches = [self.runner.prepare(group) for group in groups]
         self.group.send(wire.Step([wire.encode_batch(batch) for batch in batches]))
@@ -73,14 +69,13 @@ class ShardedExecutor:
             logits = self.stage.gather_logits(batches, own)
         except Exception as err:
             raise self.group.step_failed(err) from err
-        self.step_s += time.perf_counter() - started
         return _join(groups, logits)
 
-    def statuses(self) -> list[RankStatus]:
-        """Every rank, the driver first."""
+    def statuses(self, worker: str) -> list[RankStats]:
+        """Every rank of worker `worker`, the driver first."""
         busy = self.stage.busy_s if self.stage is not None else 0.0
-        own = RankStatus(0, os.getpid(), self.stage is not None, resident_bytes(), busy)
-        return [own, *self.group.statuses()]
+        own = RankStats(worker, 0, os.getpid(), self.stage is not None, resident_bytes(), busy)
+        return [own, *self.group.statuses(worker)]
 
 
 def _micro_batches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:
@@ -124,16 +119,17 @@ class ShardedConnector:
         found = self.local.lookup(block_hashes)
         if found == 0:
             return 0
-        answers = self.group.ask(wire.Lookup(0, [int(h) for h in block_hashes[:found]]))
+        _, answers = self.group.ask(wire.Lookup(0, [int(h) for h in block_hashes[:found]]), lambda: None)
         return min(found, *answers)
 
     def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
-        answers = self.group.ask(wire.Onboard(0, [int(h) for h in block_hashes], list(block_ids)))
-        return min(self.local.onboard(block_hashes, block_ids), *answers)
+        question = wire.Onboard(0, [int(h) for h in block_hashes], list(block_ids))
+        own, answers = self.group.ask(question, lambda: self.local.onboard(block_hashes, block_ids))
+        return min(own, *answers)
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
-        self.group.send(wire.Offload([int(h) for h in block_hashes], list(block_ids)))
-        self.local.offload(block_hashes, block_ids)
+        question = wire.Offload(0, [int(h) for h in block_hashes], list(block_ids))
+        self.group.ask(question, lambda: self.local.offload(block_hashes, block_ids))
 
     def on_event(self, event: BlockEvent) -> None:
         self.local.on_event(event)

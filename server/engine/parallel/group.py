@@ -33,12 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import msgspec
 import torch.distributed as dist
 import zmq
 
 from kvbm.config import KVBMConfig
+from server.engine.api import RankStats
 from server.engine.config import EngineConfig
 from server.engine.core import ExecutorFailure
 from server.engine.parallel import wire
@@ -46,6 +48,7 @@ from server.engine.parallel.comm import ShmAllReduce, host_store, segment_path
 from server.engine.parallel.plan import ShardPlan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GroupFailure(ExecutorFailure):
@@ -134,17 +137,6 @@ class RankProcess:
     last_beat: float = field(default_factory=time.monotonic)
     rss_bytes: int = 0
     busy_s: float = 0.0  # seconds computing, cumulative
-
-
-@dataclass(frozen=True, slots=True)
-class RankStatus:
-    """One rank as the metrics show it: `up` while it serves, its resident memory in bytes."""
-
-    rank: int
-    pid: int
-    up: bool
-    rss_bytes: int
-    busy_s: float
 
 
 def rank_title(model: str, worker_id: str, rank: int, world: int) -> str:
@@ -333,13 +325,15 @@ class RankGroup:
             except zmq.Again:
                 raise self.fail(rank, "its control queue is full (it stopped reading)") from None
 
-    def ask(self, message: wire.Lookup | wire.Onboard) -> list[int]:
-        """Send a question with a fresh call id and wait for every rank's answer."""
+    def ask(self, message: wire.Question, meanwhile: Callable[[], T]) -> tuple[T, list[int]]:
+        """Send a question with a fresh call id, run `meanwhile()` (the driver's own part, while the ranks do
+        theirs), then wait for every rank's answer; returns what `meanwhile` returned and the answers."""
         call_id = next(self._call_ids)
         message.call_id = call_id
         with self._lock:
             self._answers[call_id] = {}
         self.send(message)
+        own = meanwhile()
         deadline = time.monotonic() + self.settings.answer_timeout_s
         with self._lock:
             answers = self._answers[call_id]
@@ -356,13 +350,14 @@ class RankGroup:
             silent = min(set(self._pushes) - set(answers))
             raise self.fail(silent, f"did not answer a KV {type(message).__name__.lower()} within "
                             f"{self.settings.answer_timeout_s:.0f} s")  # fmt: skip
-        return list(answers.values())
+        return own, list(answers.values())
 
-    def statuses(self) -> list[RankStatus]:
-        """Every rank, the driver's own process excluded (the caller adds it)."""
+    def statuses(self, worker: str) -> list[RankStats]:
+        """Every rank of worker `worker`, the driver's own process excluded (the caller adds it)."""
         with self._lock:
+            up = self.failure is None
             return [
-                RankStatus(r.rank, r.process.pid, r.ready and self.failure is None, r.rss_bytes, r.busy_s)
+                RankStats(worker, r.rank, r.process.pid, r.ready and up, r.rss_bytes, r.busy_s)
                 for r in self._ranks.values()
             ]
 

@@ -89,6 +89,7 @@ def _serve(spec: RankSpec, control: zmq.Socket, reply, work: Work) -> bool:
             elif isinstance(message, wire.Offload):
                 if connector is not None:
                     connector.offload(message.block_hashes, message.block_ids)
+                reply(wire.Answer(message.call_id, spec.rank, 0))
             elif isinstance(message, wire.Lookup):
                 held = connector.lookup(message.block_hashes) if connector is not None else 0
                 reply(wire.Answer(message.call_id, spec.rank, held))

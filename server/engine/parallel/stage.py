@@ -27,7 +27,7 @@ class StageRunner:
         self.kv_cache = kv_cache
         self.comm = comm
         self.plan = plan
-        self.busy_s = 0.0  # seconds computing (not waiting on a peer) since the last `take_busy`
+        self.busy_s = 0.0  # seconds computing (not waiting on a peer), cumulative
 
     def run(self, batches: list[StepBatch]) -> list[torch.Tensor]:
         """Compute this rank's layers for every micro-batch. Returns this rank's logits slices [rows, vocab rows
@@ -76,7 +76,3 @@ class StageRunner:
                 parts.append(part)
             joined.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return joined
-
-    def take_busy(self) -> float:
-        busy, self.busy_s = self.busy_s, 0.0
-        return busy

@@ -1,7 +1,6 @@
 """The typed messages between a sharded worker's driver (rank 0) and its other ranks, on local ZMQ sockets.
 
-    driver -> each rank (a PUSH per rank, in order: a rank applies a KV offload before the step that reuses
-              its rows)     Step, Lookup, Onboard, Offload, Stop
+    driver -> each rank (a PUSH per rank, in order)     Step, Lookup, Onboard, Offload, Stop
     each rank -> driver (one PULL)     Ready, LoadFailed, Beat, Answer
 
 Tensors travel as raw little-endian bytes with their dtype and shape: a step's inputs are int64 and bool index
@@ -75,8 +74,10 @@ class Onboard(msgspec.Struct, tag=True, array_like=True):
 
 
 class Offload(msgspec.Struct, tag=True, array_like=True):
-    """Copy these rows' parts out to the tiers before the next step reuses them (not answered)."""
+    """Copy these rows' parts out to the tiers (answered once they are there: a handoff through the tiers names
+    blocks the decode worker must find)."""
 
+    call_id: int
     block_hashes: list[int]
     block_ids: list[int]
 
@@ -86,6 +87,7 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 
 
 ToRank = Step | Lookup | Onboard | Offload | Stop
+Question = Lookup | Onboard | Offload  # answered by every rank
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
