@@ -132,7 +132,32 @@ def start_strata(
 ) -> StrataProcess:
     """`strata serve` on free ports (HTTP, gRPC, metrics, OpenAI) with `args`, its log under `tmp_path` and its
     runtime dir named after it (`short_runtime_dir`), in a session of its own; waits for "strata ready" unless
-    `wait_ready` is false."""
+    `wait_ready` is false. A port taken between picking and binding it (another process's) costs one more start
+    on other ports, unless `ports` were given."""
+    for attempt in range(3):
+        server = _start_strata(repository, tmp_path, args, ports)
+        if not wait_ready:
+            return server
+        try:
+            wait_for(
+                lambda s=server: s.is_ready() or s.process.poll() is not None,
+                ready_timeout_s,
+                what="strata ready",
+            )
+        except TimeoutError:
+            server.stop(signal.SIGKILL)
+            raise
+        if server.process.poll() is None:
+            return server
+        log = server.log()
+        if ports is not None or "Address already in use" not in log or attempt == 2:
+            raise RuntimeError(f"strata exited with {server.process.returncode}:\n{log[-3000:]}")
+    raise AssertionError("unreachable")
+
+
+def _start_strata(
+    repository: Path, tmp_path: Path, args: Sequence[str], ports: tuple[int, int, int] | None
+) -> StrataProcess:
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
     openai_port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -151,18 +176,7 @@ def start_strata(
             cwd=ROOT,
             start_new_session=True,
         )
-    server = StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
-    if wait_ready:
-        try:
-            wait_for(
-                lambda: server.is_ready() or process.poll() is not None, ready_timeout_s, what="strata ready"
-            )
-        except TimeoutError:
-            server.stop(signal.SIGKILL)
-            raise
-        if process.poll() is not None:
-            raise RuntimeError(f"strata exited with {process.returncode}:\n{server.log()[-3000:]}")
-    return server
+    return StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
 
 
 def triton_generate(server: StrataProcess, prompt: str, max_tokens: int, model: str = "smollm2") -> dict:

@@ -4,6 +4,8 @@ The helpers behind them live in harness/ (shared with bench/); the cluster secre
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,3 +76,30 @@ def object_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _give_memory_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test file (its own fixtures torn down first): collect garbage and hand the C heap's free pages
+    back (glibc keeps them otherwise). Two xdist workers share the machine's memory with the servers and vLLM
+    engines they start; a worker holding the peak of every file it ran came near the OOM killer."""
+    _malloc_trim()  # what the last file's threads let go of after it ended, too
+    yield
+    gc.collect()
+    before = _rss_mib()
+    _malloc_trim()
+    if os.environ.get("STRATA_TEST_MEMLOG"):
+        with open(os.environ["STRATA_TEST_MEMLOG"], "a") as log:
+            log.write(f"{os.getpid()} {request.node.nodeid} rss {before} -> {_rss_mib()} MiB\n")
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

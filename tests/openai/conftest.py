@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -13,6 +12,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from harness.ports import free_port
 from server.engine.api import (
     GenerationOutput,
     GenerationRequest,
@@ -135,12 +135,6 @@ def token_logprobs(token_id: int, logprob: float, count: int) -> TokenLogprobs:
     )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_started(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
@@ -164,7 +158,7 @@ def fake_engine() -> FakeEngine:
 @contextlib.contextmanager
 def serve_app(app: Any) -> Iterator[str]:
     """Serve an ASGI app with uvicorn on a free port in a thread; yields its base URL; always stops it."""
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

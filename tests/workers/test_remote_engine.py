@@ -7,7 +7,6 @@ import functools
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
+from harness.ports import free_port
 from harness.waiting import wait_for
 from kvbm.block_hash import block_hashes
 from kvbm.index import KVIndex
@@ -195,9 +195,7 @@ def _decisions(router: Router) -> dict[tuple[str, str], float]:
 @contextlib.contextmanager
 def _serve(app: object) -> Iterator[str]:
     """uvicorn on a free port in a thread; always stopped."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
