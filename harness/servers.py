@@ -3,6 +3,7 @@ repositories it serves, and vLLM's OpenAI server from its own venv."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -12,7 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ import psutil
 
 from harness.ports import free_port
 from harness.waiting import wait_for
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_REPOSITORY = ROOT / "model_repository"
@@ -175,8 +179,30 @@ def _start_strata(
             env=env,
             cwd=ROOT,
             start_new_session=True,
+            preexec_fn=_stop_with_this_process(),
         )
     return StrataProcess(process, http, grpc, metrics, log_path, runtime_dir, openai_port)
+
+
+def _stop_with_this_process() -> Callable[[], None] | None:
+    """For a server started from the main thread: the kernel sends it SIGTERM (a graceful stop) when this process
+    dies, so a test process killed mid-file (the OOM killer, a timeout) leaves no server, workers or vLLM engine
+    holding memory for the rest of the run. Not from other threads: the signal follows the thread that started
+    the child, not the process."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:  # not glibc
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return in_child
 
 
 def triton_generate(server: StrataProcess, prompt: str, max_tokens: int, model: str = "smollm2") -> dict:
