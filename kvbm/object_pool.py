@@ -256,7 +256,9 @@ class ObjectPool:
     def _failed(self, op: str, error: BaseException) -> None:
         outcome = outcome_of(error)
         self._count(op, outcome)
-        if outcome != "missing":
+        if outcome == "missing":  # the store answered: a half-open breaker's probe that finds nothing closes it
+            self._breaker.success()
+        else:
             if self._breaker.closed:
                 log.warning(
                     "kvbm G5 %s: %s failed (%s: %s); lookups are misses and writes are skipped until it answers",

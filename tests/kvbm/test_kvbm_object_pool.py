@@ -169,6 +169,25 @@ def test_a_failing_endpoint_costs_one_timeout_then_nothing(proxied_url, fault: s
     p.close()
 
 
+def test_a_probe_that_finds_nothing_closes_the_circuit(proxied_url) -> None:
+    """A store that answers "no such object" is up: the half-open lookup of a block nobody wrote closes the
+    circuit, and writes go again (a 404 used to leave the breaker probing forever: G5 stayed down)."""
+    url, proxy = proxied_url
+    p = pool(url, timeout_s=1.0)
+    p.wait_started(10)
+    proxy.mode = "refuse"
+    assert p.contains([7]) == [False]  # fails: open
+    assert p.put([8], blocks(1, seed=8)).rejected == [0]
+    proxy.mode = "pass"
+    time.sleep(CIRCUIT_OPEN_S * 1.2)
+    assert p.contains([9]) == [False]  # the probe: 404
+    assert requests(p, "head", "missing") == 1
+    assert p.metrics.registry.get_sample_value("kvbm_object_store_up", {"model": "m", "tier": "G5"}) == 1
+    uploaded(p, [8], blocks(1, seed=8))
+    assert p.contains([8]) == [True]
+    p.close()
+
+
 def test_refused_credentials_degrade_the_tier(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in s3_server.env(secret_key="not-the-secret").items():
         monkeypatch.setenv(name, value)

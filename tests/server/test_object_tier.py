@@ -1,6 +1,7 @@
 """`strata serve --kvbm-object-url` against a real S3 server (SeaweedFS) behind a fault proxy: a second server
-with a fresh G2, no G3 and no Redis answers a long prompt from the blocks the first one wrote, with the same
-greedy text; with the endpoint silent, a prompt the bucket holds is recomputed, with the same text."""
+with a fresh G2, no G3 and no Redis answers a long prompt from the blocks the first one wrote (as it computed them,
+or on its graceful stop from G2 after its uploads had failed), with the same greedy text; with the endpoint
+silent, a prompt the bucket holds is recomputed, with the same text."""
 
 from __future__ import annotations
 
@@ -77,5 +78,54 @@ def test_second_server_answers_from_the_bucket(strata, repository, s3_server, mo
         assert stalled["num_cached_tokens"] == 0
         assert series(second, "kvbm_object_store_up") == 0
         assert series(second, "kvbm_object_requests_total", outcome="timeout") >= 1
+    finally:
+        proxy.stop()
+
+
+def test_a_graceful_stop_uploads_the_g2_blocks_the_bucket_lacks(
+    strata, tmp_path, s3_server, monkeypatch
+) -> None:
+    """The uploads of a prompt's blocks fail (the store refuses connections) as G1 evicts them into G2; the store
+    comes back; SIGTERM: the server uploads the G2 blocks the bucket lacks before it leaves the segment, and a
+    second server (its own G2, no G3, no Redis) answers that prompt from the bucket."""
+    repository = copy_models(tmp_path / "repo", "smollm2")
+    model_json = repository / "smollm2" / "1" / "model.json"
+    settings = json.loads(
+        model_json.read_text()
+    )  # G1 holds one prompt and a half: the first is evicted to G2
+    settings.update(dtype="float32", max_model_len=1024, max_concurrent_requests=1, num_kv_blocks=40)
+    model_json.write_text(json.dumps(settings))
+    proxy = FaultProxy(s3_server.port)
+    proxy.start()
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    url = f"s3://{BUCKET}/stop-{uuid.uuid4().hex[:8]}"
+    tiers = ("--kvbm-object-url", url, "--kvbm-host-cache-gb", "0.1", "--kvbm-object-timeout-secs", "1")
+    try:
+        first = strata(repository, *tiers, "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
+        prompt = document("the printing press")
+        proxy.mode = "refuse"
+        expected = generate(first, prompt)
+        for topic in ("the steam engine", "the telegraph"):  # evict all of `prompt` to G2; its uploads fail
+            generate(first, document(topic))
+        assert series(first, "kvbm_object_store_up") == 0
+        puts = series(first, "kvbm_object_requests_total", op="put")
+        assert puts >= 1 and series(first, "kvbm_object_requests_total", op="put", outcome="ok") == 0
+
+        proxy.mode = "pass"
+        for poke in range(60):  # a miss's lookup is the breaker's probe once its open period ends
+            if series(first, "kvbm_object_store_up") == 1:
+                break
+            generate(first, f"Poke {poke}: list the first twenty prime numbers, separated by commas, please.")
+            time.sleep(0.5)
+        assert series(first, "kvbm_object_store_up") == 1
+        assert first.stop(signal.SIGTERM) == 0
+
+        second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
+        answer = generate(second, prompt)
+        assert answer["text_output"] == expected["text_output"]
+        assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
+        assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
     finally:
         proxy.stop()
