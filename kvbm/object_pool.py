@@ -256,8 +256,8 @@ class ObjectPool:
     def _failed(self, op: str, error: BaseException) -> None:
         outcome = outcome_of(error)
         self._count(op, outcome)
-        if outcome == "missing":  # the store answered: a half-open breaker's probe that finds nothing closes it
-            self._breaker.success()
+        if outcome == "missing":
+            self._breaker.success()  # the store answered: a half-open probe that finds nothing closes the circuit
         else:
             if self._breaker.closed:
                 log.warning(
