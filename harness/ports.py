@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from pathlib import Path
@@ -35,6 +36,7 @@ def free_port() -> int:
         return port
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

@@ -82,24 +82,29 @@ def object_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
 def _give_memory_back(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test file (its own fixtures torn down first): collect garbage and hand the C heap's free pages
     back (glibc keeps them otherwise). Two xdist workers share the machine's memory with the servers and vLLM
-    engines they start; a worker holding the peak of every file it ran came near the OOM killer."""
+    engines they start; a worker holding the peak of every file it ran came near the OOM killer.
+    STRATA_TEST_MEMLOG=<file>: each file's resident memory before and after, appended there."""
     _malloc_trim()  # what the last file's threads let go of after it ended, too
     yield
     gc.collect()
-    before = _rss_mib()
+    memlog = os.environ.get("STRATA_TEST_MEMLOG")
+    if not memlog:
+        _malloc_trim()
+        return
+    from server.engine.parallel.group import resident_bytes
+
+    before = resident_bytes() >> 20
     _malloc_trim()
-    if os.environ.get("STRATA_TEST_MEMLOG"):
-        with open(os.environ["STRATA_TEST_MEMLOG"], "a") as log:
-            log.write(f"{os.getpid()} {request.node.nodeid} rss {before} -> {_rss_mib()} MiB\n")
-
-
-def _rss_mib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    with open(memlog, "a") as log:
+        log.write(f"{os.getpid()} {request.node.nodeid} rss {before} -> {resident_bytes() >> 20} MiB\n")
 
 
 def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):  # glibc only
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:
+    _LIBC = None

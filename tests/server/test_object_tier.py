@@ -5,18 +5,16 @@ silent, a prompt the bucket holds is recomputed, with the same text."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from harness.fault_proxy import FaultProxy
 from harness.metrics import samples, scrape
 from harness.s3_server import BUCKET
-from harness.servers import copy_models, triton_generate
+from harness.servers import smollm2_repository, triton_generate
 
 pytestmark = pytest.mark.slow
 
@@ -39,93 +37,71 @@ def series(server, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    repo = copy_models(tmp_path / "repo", "smollm2")
-    model_json = repo / "smollm2" / "1" / "model.json"
-    settings = json.loads(model_json.read_text())
-    settings.update(dtype="float32", max_model_len=1024, max_concurrent_requests=2)
-    model_json.write_text(json.dumps(settings))
-    return repo
-
-
-def test_second_server_answers_from_the_bucket(strata, repository, s3_server, monkeypatch) -> None:
+def proxy(s3_server, monkeypatch) -> FaultProxy:
+    """A fault proxy in front of the session's S3 server, the AWS_* environment pointing at it; stopped after."""
     proxy = FaultProxy(s3_server.port)
     proxy.start()
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    yield proxy
+    proxy.stop()
+
+
+def test_second_server_answers_from_the_bucket(strata, tmp_path, proxy) -> None:
+    repository = smollm2_repository(tmp_path, max_model_len=1024, max_concurrent_requests=2)
     url = f"s3://{BUCKET}/server-{uuid.uuid4().hex[:8]}"
     tiers = ("--kvbm-object-url", url, "--kvbm-host-cache-gb", "0.05", "--kvbm-object-timeout-secs", "1")
-    try:
-        first = strata(
-            repository, *tiers, "--kvbm-write-through", "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}"
-        )
-        prompt, other = document("the printing press"), document("the steam engine")
-        expected, expected_other = generate(first, prompt), generate(first, other)
-        assert first.stop(signal.SIGTERM) == 0  # drains the uploads
+    first = strata(repository, *tiers, "--kvbm-write-through", "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
+    prompt, other = document("the printing press"), document("the steam engine")
+    expected, expected_other = generate(first, prompt), generate(first, other)
+    assert first.stop(signal.SIGTERM) == 0  # drains the uploads
 
-        second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
-        answer = generate(second, prompt)
-        assert answer["text_output"] == expected["text_output"]
-        assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
-        assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
+    second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
+    answer = generate(second, prompt)
+    assert answer["text_output"] == expected["text_output"]
+    assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
+    assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
 
-        proxy.mode = "stall"  # the store stops answering mid-run: `other` (in the bucket) is recomputed
-        started = time.monotonic()
-        stalled = generate(second, other)
-        assert time.monotonic() - started < 30
-        assert stalled["text_output"] == expected_other["text_output"]
-        assert stalled["num_cached_tokens"] == 0
-        assert series(second, "kvbm_object_store_up") == 0
-        assert series(second, "kvbm_object_requests_total", outcome="timeout") >= 1
-    finally:
-        proxy.stop()
+    proxy.mode = "stall"  # the store stops answering mid-run: `other` (in the bucket) is recomputed
+    started = time.monotonic()
+    stalled = generate(second, other)
+    assert time.monotonic() - started < 30
+    assert stalled["text_output"] == expected_other["text_output"]
+    assert stalled["num_cached_tokens"] == 0
+    assert series(second, "kvbm_object_store_up") == 0
+    assert series(second, "kvbm_object_requests_total", outcome="timeout") >= 1
 
 
-def test_a_graceful_stop_uploads_the_g2_blocks_the_bucket_lacks(
-    strata, tmp_path, s3_server, monkeypatch
-) -> None:
+def test_a_graceful_stop_uploads_the_g2_blocks_the_bucket_lacks(strata, tmp_path, proxy) -> None:
     """The uploads of a prompt's blocks fail (the store refuses connections) as G1 evicts them into G2; the store
     comes back; SIGTERM: the server uploads the G2 blocks the bucket lacks before it leaves the segment, and a
     second server (its own G2, no G3, no Redis) answers that prompt from the bucket."""
-    repository = copy_models(tmp_path / "repo", "smollm2")
-    model_json = repository / "smollm2" / "1" / "model.json"
-    settings = json.loads(
-        model_json.read_text()
-    )  # G1 holds one prompt and a half: the first is evicted to G2
-    settings.update(dtype="float32", max_model_len=1024, max_concurrent_requests=1, num_kv_blocks=40)
-    model_json.write_text(json.dumps(settings))
-    proxy = FaultProxy(s3_server.port)
-    proxy.start()
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    # G1 holds a prompt and a half: the first is evicted to G2
+    repository = smollm2_repository(tmp_path, max_model_len=1024, max_concurrent_requests=1, num_kv_blocks=40)
     url = f"s3://{BUCKET}/stop-{uuid.uuid4().hex[:8]}"
     tiers = ("--kvbm-object-url", url, "--kvbm-host-cache-gb", "0.1", "--kvbm-object-timeout-secs", "1")
-    try:
-        first = strata(repository, *tiers, "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
-        prompt = document("the printing press")
-        proxy.mode = "refuse"
-        expected = generate(first, prompt)
-        for topic in ("the steam engine", "the telegraph"):  # evict all of `prompt` to G2; its uploads fail
-            generate(first, document(topic))
-        assert series(first, "kvbm_object_store_up") == 0
-        puts = series(first, "kvbm_object_requests_total", op="put")
-        assert puts >= 1 and series(first, "kvbm_object_requests_total", op="put", outcome="ok") == 0
+    first = strata(repository, *tiers, "--kvbm-cache-id", f"a-{uuid.uuid4().hex[:8]}")
+    prompt = document("the printing press")
+    proxy.mode = "refuse"
+    expected = generate(first, prompt)
+    for topic in ("the steam engine", "the telegraph"):  # evict all of `prompt` to G2; its uploads fail
+        generate(first, document(topic))
+    assert series(first, "kvbm_object_store_up") == 0
+    puts = series(first, "kvbm_object_requests_total", op="put")
+    assert puts >= 1 and series(first, "kvbm_object_requests_total", op="put", outcome="ok") == 0
 
-        proxy.mode = "pass"
-        for poke in range(60):  # a miss's lookup is the breaker's probe once its open period ends
-            if series(first, "kvbm_object_store_up") == 1:
-                break
-            generate(first, f"Poke {poke}: list the first twenty prime numbers, separated by commas, please.")
-            time.sleep(0.5)
-        assert series(first, "kvbm_object_store_up") == 1
-        assert first.stop(signal.SIGTERM) == 0
+    proxy.mode = "pass"
+    for poke in range(60):  # a miss's lookup is the breaker's probe once its open period ends
+        if series(first, "kvbm_object_store_up") == 1:
+            break
+        generate(first, f"Poke {poke}: list the first twenty prime numbers, separated by commas, please.")
+        time.sleep(0.5)
+    assert series(first, "kvbm_object_store_up") == 1
+    assert first.stop(signal.SIGTERM) == 0
 
-        second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
-        answer = generate(second, prompt)
-        assert answer["text_output"] == expected["text_output"]
-        assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
-        assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
-    finally:
-        proxy.stop()
+    second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
+    answer = generate(second, prompt)
+    assert answer["text_output"] == expected["text_output"]
+    assert answer["num_cached_tokens"] >= 16 * 24, answer["num_cached_tokens"]
+    assert series(second, "kvbm_onboard_blocks_total", direction="G5->G1") >= 24
