@@ -401,9 +401,11 @@ class HostPool:
 
     def leave(self) -> bool:
         """Stop counting as a user. True if no other process maps the segment any more: this pool then holds
-        it exclusively (a process opening it waits) until `close` or `destroy`."""
+        it exclusively (a process opening it waits) until `close` or `destroy`. Two users leaving at once may
+        both find themselves alone: the first to get the lock removes the segment, so the other one, which gets
+        the lock once the first has closed, sees the name gone (or a new segment under it) and is not last."""
         _lock_users(self._fd, fcntl.F_UNLCK)
-        return _lock_users(self._fd, fcntl.F_WRLCK)
+        return _lock_users(self._fd, fcntl.F_WRLCK) and _same_file(self._fd, self.path)
 
     def close(self) -> None:
         """Unmap; the segment stays for the other workers of the node (see `destroy`)."""

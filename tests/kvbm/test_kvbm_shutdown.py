@@ -3,6 +3,7 @@ that maps it (unless kept), and what kill -9 leaves behind is cleaned up by the 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.disk_pool import DiskPool
-from kvbm.host_pool import SHM_DIR, HostPool
+from kvbm.host_pool import SHM_DIR, HostPool, _lock_users
 from kvbm.index import KVIndex
 
 NUM_BLOCKS = 64
@@ -213,4 +214,14 @@ def test_a_process_opening_while_the_last_one_removes_the_segment_gets_a_fresh_o
     fresh = opened[0]
     assert fresh.contains(hashes(2)) == [False, False] and fresh.path.exists()
     fresh.destroy()
+    assert not segments(cache_id)
+
+
+def test_of_two_users_leaving_at_once_only_the_one_that_removes_the_segment_is_last(cache_id: str) -> None:
+    first, second = HostPool(cache_id, "fp", 64, 16), HostPool(cache_id, "fp", 64, 16)
+    _lock_users(second._fd, fcntl.F_UNLCK)  # the second has begun to leave ...
+    assert first.leave()  # ... so the first finds itself alone
+    first.destroy()
+    assert not second.leave()  # it is alone now too, but the segment it mapped is gone: not the last user
+    second.close()
     assert not segments(cache_id)
