@@ -39,6 +39,8 @@ from kvbm.events import G1, G2, TierEvent
 from kvbm.index import WorkerPrefix
 from kvbm.service import KVBMService
 from kvbm.wire import service_keys
+from server.router.config import RouterConfig
+from server.router.cost import SharedPrefix, blocks_to_prefill
 
 SPAWN = multiprocessing.get_context("spawn")
 SERVICE_KEYS = service_keys(CLUSTER_SECRET)
@@ -156,6 +158,46 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
         client.close()
         process.kill()
         process.wait(timeout=10)
+
+
+def test_object_tier_blocks_reach_the_index_outlive_their_worker_and_are_priced_at_g5s_cost(
+    service: KVBMService, redis_url: str, cache_id: str, object_url: str
+) -> None:
+    """G5 through the standalone service: a worker with G2 and a bucket (no write-through, so nothing in G4)
+    offloads 8 blocks; once uploaded they are in the index as shared G5 blocks that every worker can onboard, still
+    after the worker and its G2 are gone, and the router prices a worker with none of them in G1-G3 at
+    onboard_cost_g5 per block, not a prefill."""
+    config = KVBMConfig(
+        cache_id=cache_id,
+        host_cache_gb=64 * 1024 / GIB,
+        redis_url=redis_url,
+        object_url=object_url,
+        g4_key=G4_KEY,
+    )
+    connector = build_connector(config, "worker-g5", lease_ttl_s=1.0)
+    try:
+        connector.bind(make_kv_cache(small_layout(), 64), small_layout())
+        connector.offload(BLOCKS, list(range(8)))
+
+        def published() -> bool:
+            connector.lookup([])  # the engine thread publishes the uploads G5 finished
+            return service.index.query(BLOCKS).g5 == len(BLOCKS)
+
+        wait_until(published, 30, "the uploaded blocks in the index")
+    finally:
+        connector.close()
+    wait_until(lambda: "worker-g5" not in service.index.workers, 10, "worker-g5 to leave the index")
+    client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
+    try:
+        report = client.query(BLOCKS)
+    finally:
+        client.close()
+    assert (report.g4, report.g5, report.workers) == (0, len(BLOCKS), {})
+    shared, router = SharedPrefix.of(report), RouterConfig()
+    assert blocks_to_prefill(len(BLOCKS), None, shared, router) == pytest.approx(
+        len(BLOCKS) * router.onboard_cost_g5
+    )
+    assert blocks_to_prefill(len(BLOCKS), None, SharedPrefix.of(None), router) == len(BLOCKS)
 
 
 def test_client_reports_the_service_event_count(service: KVBMService, worker: KVBMConnector) -> None:
