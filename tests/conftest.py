@@ -88,15 +88,14 @@ def _give_memory_back(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     gc.collect()
     memlog = os.environ.get("STRATA_TEST_MEMLOG")
-    if not memlog:
-        _malloc_trim()
-        return
-    from server.engine.parallel.group import resident_bytes
+    if memlog:
+        from server.engine.parallel.group import resident_bytes
 
-    before = resident_bytes() >> 20
+        before = resident_bytes() >> 20
     _malloc_trim()
-    with open(memlog, "a") as log:
-        log.write(f"{os.getpid()} {request.node.nodeid} rss {before} -> {resident_bytes() >> 20} MiB\n")
+    if memlog:
+        with open(memlog, "a") as log:
+            log.write(f"{os.getpid()} {request.node.nodeid} rss {before} -> {resident_bytes() >> 20} MiB\n")
 
 
 def _malloc_trim() -> None:
