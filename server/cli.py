@@ -107,6 +107,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-verbose", type=int, default=0, help="Triton verbose log level; >0 also logs Strata at DEBUG"
     )
+    _core_flags(p.add_argument_group("Triton's core for file models (ONNX, Python, TorchScript, ensembles)"))
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API (FastAPI)")
     p.add_argument(
         "--allow-openai",
@@ -226,6 +227,53 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)",
     )
     _security_flags(p.add_argument_group("access control and TLS (docs/SECURITY.md)"))
+
+
+def _core_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--disable-auto-complete-config",
+        action="store_true",
+        help="tritonserver's flag: no auto-complete; every model needs a config.pbtxt declaring its inputs and "
+        "outputs (default: a model with no config.pbtxt, or a partial one, is completed from its model file)",
+    )
+    group.add_argument(
+        "--strict-model-config",
+        type=_bool_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        help="tritonserver's legacy flag: true is --disable-auto-complete-config",
+    )
+    group.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        help="tritonserver's flag: <cache>,<setting>=<value>, e.g. local,size=1048576 for the response cache that "
+        "models with response_cache { enable: true } use; repeat for several settings",
+    )
+    group.add_argument(
+        "--rate-limit",
+        choices=["off", "execution_count"],
+        default="off",
+        help="tritonserver's flag: execution_count schedules model instances by the resources and priority "
+        "their instance_group rate_limiter declares (default off)",
+    )
+    group.add_argument(
+        "--rate-limit-resource",
+        action="append",
+        default=[],
+        help="tritonserver's flag: <name>:<count>[:<device>], a resource's count for --rate-limit; repeat",
+    )
+
+
+def _bool_flag(text: str) -> bool:
+    """tritonserver's boolean values."""
+    lowered = text.lower()
+    if lowered in ("true", "on", "1"):
+        return True
+    if lowered in ("false", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
 
 
 def _request_limit_flags(group: argparse._ArgumentGroup) -> None:

@@ -80,6 +80,12 @@ class ServeOptions(msgspec.Struct, frozen=True):
     strict_readiness: bool
     exit_timeout_secs: int
     log_verbose: int
+    # what Triton's core does for file models (tritonserver's flags)
+    disable_auto_complete_config: bool
+    strict_model_config: bool
+    cache_config: tuple[str, ...]
+    rate_limit: str
+    rate_limit_resource: tuple[str, ...]
     openai_port: int
     allow_openai: bool
     # OpenAI request limits

@@ -5,6 +5,9 @@ Under strict readiness (tritonserver's default, and Strata's) a model that faile
 ready, so every later bind (an LLM model, a poll-mode change) would wait out PyTriton's 120 s timeout and fail.
 Strata's loads need only a live server: PyTriton's waits check liveness.
 
+Flags: PyTriton's `TritonConfig` knows no --strict-model-config or --rate-limit; `CoreConfig` adds them (the
+tritonserver flags Triton's core needs for auto-complete and the rate limiter).
+
 Error codes: PyTriton's proxy model (the model.py it writes into the store for each bound callable) sends every
 error its callable raises with code INTERNAL. The copy it writes gets one change: an error raised as a
 `TritonUnavailableError` (the class name starts the message) goes out as UNAVAILABLE, as tritonserver's own full
@@ -13,12 +16,14 @@ queue does; a gRPC stream opened with the `triton_grpc_error: true` header then 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import pytriton.models.manager as pytriton_manager
 import pytriton.models.model as pytriton_model
 import pytriton.triton as pytriton_triton
+from pytriton.server.triton_server_config import TritonServerConfig
 
 # how PyTriton formats the message of server.backends.llm's TritonUnavailableError (no traceback, no module)
 _UNAVAILABLE_PREFIX = "TritonUnavailableError: "
@@ -35,12 +40,27 @@ def _strata_triton_error(message):
 """
 
 
+_CORE_FLAGS = ("strict-model-config", "rate-limit", "rate-limit-resource")
+
+
+@dataclasses.dataclass
+class CoreConfig(pytriton_triton.TritonConfig):
+    """PyTriton's TritonConfig plus the tritonserver flags it lacks (None: tritonserver's default)."""
+
+    strict_model_config: bool | None = None
+    rate_limit: str | None = None
+    rate_limit_resource: list[str] | None = None
+
+
 def apply() -> None:
     """Point PyTriton's readiness waits at liveness and give proxy errors their code (idempotent)."""
     if getattr(pytriton_manager, "_strata_patched", False):
         return
     _wait_on_liveness()
     _proxy_sends_error_codes()
+    TritonServerConfig.server_arg_keys += [
+        key for key in _CORE_FLAGS if key not in TritonServerConfig.server_arg_keys
+    ]
     pytriton_manager._strata_patched = True
 
 

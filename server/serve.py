@@ -50,6 +50,10 @@ def serve(options: ServeOptions) -> int:
             strict_readiness=options.strict_readiness,
             exit_timeout_secs=options.exit_timeout_secs,
             log_verbose=options.log_verbose,
+            auto_complete=not (options.disable_auto_complete_config or options.strict_model_config),
+            cache_config=options.cache_config,
+            rate_limit=options.rate_limit,
+            rate_limit_resource=options.rate_limit_resource,
             **triton_access(options),
         )
         triton_settings.control_token()  # a restriction that would lock Strata out of its own Triton fails here
@@ -74,6 +78,7 @@ def serve(options: ServeOptions) -> int:
         ControlMode(options.model_control_mode),
         options.repository_poll_secs,
         options.load_model,
+        auto_complete=triton_settings.auto_complete,
     )
     frontend, planner = None, None
     if options.allow_openai:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy, TritonSecurityConfig
+from pytriton.triton import Triton, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
 from tritonclient.grpc import InferenceServerClient
 from tritonclient.utils import InferenceServerException
@@ -123,6 +123,10 @@ class TritonSettings:
     http_restricted: tuple[Restriction, ...] = ()
     grpc_restricted: tuple[Restriction, ...] = ()
     grpc_ssl: GrpcSSL | None = None
+    auto_complete: bool = True  # False: --disable-auto-complete-config
+    cache_config: tuple[str, ...] = ()  # --cache-config values, e.g. "local,size=1048576"
+    rate_limit: str = "off"  # or "execution_count"
+    rate_limit_resource: tuple[str, ...] = ()
 
     def ports(self) -> dict[str, int]:
         return {
@@ -258,7 +262,11 @@ class TritonServer:
         os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
         c = self.config
         triton_metrics = (c.address, c.metrics_port) if self.registry is None else ("127.0.0.1", _free_port())
-        triton_config = TritonConfig(
+        triton_config = pytriton_patches.CoreConfig(
+            strict_model_config=not c.auto_complete or None,
+            cache_config=list(c.cache_config) or None,
+            rate_limit=c.rate_limit if c.rate_limit != "off" else None,
+            rate_limit_resource=list(c.rate_limit_resource) or None,
             model_repository=self.store,
             http_address=c.address,
             grpc_address=c.address,
@@ -369,7 +377,8 @@ class TritonServer:
             self._metrics.close()
             self._metrics = None
         if self._triton is not None:
-            for entry in list(self.store.iterdir()):
+            staged = list(self.store.iterdir()) if self.store.is_dir() else []  # gone if Triton died first
+            for entry in staged:
                 if entry.is_symlink() or entry.is_dir():
                     _unlink_staged(entry)
             self._triton.stop()

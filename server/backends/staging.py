@@ -73,6 +73,43 @@ class StagedBackend:
             unload_staged(self.triton, name)
 
 
+def stage_with_runner(
+    model: ModelSource, store: Path, runner: Path, config: ModelConfig, model_link: str
+) -> None:
+    """Stage a model that Triton's Python backend serves through `runner` (a model.py of stubs/): each version
+    folder links the operator's files (what the model file references too, such as ONNX external data), the model
+    file itself as `model_link` (a name Triton's own backend detection does not claim, so that a load with an
+    override config still finds only model.py), and the runner as model.py; `config` is what Triton loads."""
+    folder = store / model.name
+    folder.mkdir(parents=True, exist_ok=True)
+    for version in model.versions:
+        source = model.path / str(version)
+        version_folder = folder / str(version)
+        version_folder.mkdir(exist_ok=True)
+        keep = {"model.py", model_link}
+        for entry in source.iterdir():
+            if entry.name not in keep | {"__pycache__", model.model_filename}:
+                link(entry.resolve(), version_folder / entry.name)
+                keep.add(entry.name)
+        link((source / model.model_filename).resolve(), version_folder / model_link)
+        link(runner, version_folder / "model.py")
+        prune(version_folder, keep)
+    prune(folder, {"config.pbtxt"} | {str(v) for v in model.versions})
+    write_atomic(folder / "config.pbtxt", text_format.MessageToString(config))
+
+
+def runner_config(model: ModelSource) -> ModelConfig:
+    """The model's config as Triton's Python backend loads it under a runner: backend "python", the original
+    platform or backend kept in the parameter `strata_platform`."""
+    config = ModelConfig()
+    config.CopyFrom(model.config)
+    config.parameters["strata_platform"].string_value = config.platform or config.backend
+    config.backend = "python"
+    config.platform = ""
+    config.default_model_filename = ""
+    return config
+
+
 def unload_staged(triton: ModelLoader, name: str) -> None:
     """Unload `name` from Triton (a model that never loaded is fine) and remove its staged folder."""
     try:

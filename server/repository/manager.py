@@ -48,12 +48,14 @@ class RepositoryManager:
         mode: ControlMode = ControlMode.NONE,
         poll_secs: float = 15.0,
         startup_models: Sequence[str] = (),
+        auto_complete: bool = True,
     ) -> None:
         self.repositories = list(repositories)
         self.backends = backends
         self.mode = mode
         self.poll_secs = poll_secs
         self.startup_models = list(startup_models)
+        self.auto_complete = auto_complete  # a folder with no config.pbtxt is served (tritonserver's default)
         self.entries: dict[str, ModelEntry] = {}
         self._pending: dict[str, Fingerprint] = {}
         self._stop = threading.Event()
@@ -63,7 +65,7 @@ class RepositoryManager:
     def start(self) -> None:
         """Stage every model, load those the mode asks for, and start watching the repositories."""
         with self._lock:
-            for name, model in scan(self.repositories).items():
+            for name, model in scan(self.repositories, self.auto_complete).items():
                 self.entries[name] = ModelEntry(model)
                 self._stage(name)
             wanted = self._startup_set()
@@ -84,7 +86,7 @@ class RepositoryManager:
     def rescan(self) -> None:
         """One poll step: apply every change whose files were stable since the previous scan."""
         with self._lock:
-            found = scan(self.repositories)
+            found = scan(self.repositories, self.auto_complete)
             for name, model in found.items():
                 entry = self.entries.get(name)
                 if entry is not None and entry.model.fingerprint == model.fingerprint:

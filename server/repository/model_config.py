@@ -22,12 +22,40 @@ LIBTORCH = "pytorch"
 LLM = "strata_llm"
 VLLM = "vllm"  # Triton's vLLM backend: model.json holds vLLM's engine arguments, vLLM runs them (server/vllm_engine)
 LLM_BACKENDS = (LLM, VLLM)
+ONNXRUNTIME = "onnxruntime"
+OPENVINO = "openvino"
+ENSEMBLE = "ensemble"  # run by Triton's core: no files, only the steps' models
 _BACKEND_ALIASES = {
     "python": PYTHON,
     "pytorch": LIBTORCH,
     "pytorch_libtorch": LIBTORCH,
+    "onnxruntime": ONNXRUNTIME,
+    "onnxruntime_onnx": ONNXRUNTIME,
+    "openvino": OPENVINO,
+    "ensemble": ENSEMBLE,
     "strata_llm": LLM,
     "vllm": VLLM,
+}
+# Triton's backends and platforms that need hardware or software no CPU machine has, and why (the reason a
+# refused model shows in the repository index)
+_REFUSED = {
+    "tensorrt_plan": "TensorRT plans run on NVIDIA GPUs only",
+    "tensorrt": "TensorRT plans run on NVIDIA GPUs only",
+    "tensorrtllm": "TensorRT-LLM engines run on NVIDIA GPUs only",
+    "tensorflow_graphdef": "Triton's TensorFlow backend is deprecated upstream and ships in NVIDIA's containers only",
+    "tensorflow_savedmodel": "Triton's TensorFlow backend is deprecated upstream and ships in NVIDIA's containers only",
+    "tensorflow": "Triton's TensorFlow backend is deprecated upstream and ships in NVIDIA's containers only",
+    "dali": "the DALI backend needs NVIDIA's DALI build, shipped in NVIDIA's containers only",
+    "fil": "the FIL backend needs RAPIDS (CUDA), shipped in NVIDIA's containers only",
+}
+# what a version folder holds, by backend, when config.pbtxt names no default_model_filename
+DEFAULT_FILENAME = {
+    PYTHON: "model.py",
+    LIBTORCH: "model.pt",
+    ONNXRUNTIME: "model.onnx",
+    OPENVINO: "model.xml",
+    LLM: "model.json",
+    VLLM: "model.json",
 }
 
 
@@ -51,19 +79,20 @@ def parse_config(path: Path, text: str) -> ModelConfig:
 
 
 def backend_of(config: ModelConfig, path: Path, text: str) -> str:
-    """Strata's backend for this config: one of PYTHON, LIBTORCH, LLM, VLLM."""
+    """Strata's backend for this config: one of the values of _BACKEND_ALIASES."""
     declared = config.backend or config.platform
     if not declared:
         raise ConfigError(
-            path, 'no "backend" or "platform" given; use backend: "python", "pytorch" or "strata_llm"'
+            path,
+            'no "backend" or "platform" given; use backend: "python", "pytorch", "onnxruntime", "openvino" or '
+            '"strata_llm", or platform: "ensemble"',
         )
     backend = _BACKEND_ALIASES.get(declared)
     if backend is None:
         field = "backend" if config.backend else "platform"
         allowed = ", ".join(sorted(_BACKEND_ALIASES))
-        raise ConfigError(
-            path, f'{field} "{declared}" is not supported; supported: {allowed}', _line_of(text, field)
-        )
+        why = _REFUSED.get(declared, "not supported")
+        raise ConfigError(path, f'{field} "{declared}": {why}; supported: {allowed}', _line_of(text, field))
     return backend
 
 

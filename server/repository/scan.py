@@ -11,12 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from google.protobuf import text_format
+
 from server.errors import ConfigError
 from server.repository.model_config import (
-    LIBTORCH,
-    LLM,
+    DEFAULT_FILENAME,
+    ENSEMBLE,
+    ONNXRUNTIME,
+    OPENVINO,
     PYTHON,
-    VLLM,
     ModelConfig,
     backend_of,
     check_name,
@@ -26,7 +29,13 @@ from server.repository.model_config import (
 
 Fingerprint = tuple[tuple[str, int, int], ...]  # (relative path, size in bytes, mtime in ns) of every file
 
-_DEFAULT_FILENAME = {PYTHON: "model.py", LIBTORCH: "model.pt", LLM: "model.json", VLLM: "model.json"}
+# Triton's auto-complete of a folder with no config.pbtxt: the model file says which backend serves it (the
+# backend then completes inputs, outputs and max_batch_size from the model itself)
+_BACKEND_BY_FILE = (
+    ("model.onnx", ONNXRUNTIME, "onnxruntime_onnx"),
+    ("model.xml", OPENVINO, ""),
+    ("model.py", PYTHON, ""),
+)
 
 
 @dataclass(slots=True)
@@ -43,7 +52,8 @@ class ModelSource:
 
     @property
     def model_filename(self) -> str:
-        return self.config.default_model_filename or _DEFAULT_FILENAME[self.backend]
+        """The file each version folder holds ("" for an ensemble, which has none)."""
+        return self.config.default_model_filename or DEFAULT_FILENAME.get(self.backend, "")
 
 
 @dataclass(slots=True)
@@ -71,12 +81,13 @@ def fingerprint(folder: Path) -> Fingerprint:
     return tuple(entries)
 
 
-def scan(repositories: Iterable[Path]) -> dict[str, ModelSource | BrokenModel]:
-    """Every model folder of every repository, by model name."""
+def scan(repositories: Iterable[Path], auto_complete: bool = True) -> dict[str, ModelSource | BrokenModel]:
+    """Every model folder of every repository, by model name; `auto_complete` (tritonserver's default) serves a
+    folder with no config.pbtxt whose model file names its backend."""
     found: dict[str, ModelSource | BrokenModel] = {}
     for repository in repositories:
         for folder in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            model = read_model(folder)
+            model = read_model(folder, auto_complete)
             previous = found.get(folder.name)
             if previous is not None:
                 message = f"model name also used by {previous.path}; names must be unique across repositories"
@@ -85,19 +96,24 @@ def scan(repositories: Iterable[Path]) -> dict[str, ModelSource | BrokenModel]:
     return found
 
 
-def read_model(folder: Path) -> ModelSource | BrokenModel:
+def read_model(folder: Path, auto_complete: bool = True) -> ModelSource | BrokenModel:
     stamp = fingerprint(folder)
     try:
-        return _read_model(folder, stamp)
+        return _read_model(folder, stamp, auto_complete)
     except ConfigError as error:
         return BrokenModel(folder.name, folder, error, stamp)
 
 
-def _read_model(folder: Path, stamp: Fingerprint) -> ModelSource:
+def _read_model(folder: Path, stamp: Fingerprint, auto_complete: bool) -> ModelSource:
     config_path = folder / "config.pbtxt"
-    if not config_path.is_file():
-        raise ConfigError(config_path, "missing: every model folder needs a config.pbtxt")
-    text = read_config(config_path)
+    if config_path.is_file():
+        text = read_config(config_path)
+    elif auto_complete:
+        text = minimal_config(folder, config_path)
+    else:
+        raise ConfigError(
+            config_path, "missing, and auto-complete is off (--disable-auto-complete-config): write one"
+        )
     config = parse_config(config_path, text)
     check_name(config, folder.name, config_path, text)
     backend = backend_of(config, config_path, text)
@@ -107,9 +123,26 @@ def _read_model(folder: Path, stamp: Fingerprint) -> ModelSource:
     source.versions = select_versions(config, folder, config_path)
     for version in source.versions:
         model_file = folder / str(version) / source.model_filename
-        if not model_file.exists():
+        if backend != ENSEMBLE and not model_file.exists():
             raise ConfigError(model_file, f"missing: version {version} has no {source.model_filename}")
     return source
+
+
+def minimal_config(folder: Path, config_path: Path) -> str:
+    """The config Triton starts from when a model has no config.pbtxt: its name and the backend its newest
+    version's file implies; the backend completes the rest (Triton's auto-complete)."""
+    versions = sorted(
+        (p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    for version in reversed(versions):
+        for filename, backend, platform in _BACKEND_BY_FILE:
+            if (version / filename).exists():
+                config = ModelConfig(name=folder.name, backend=backend, platform=platform)
+                return text_format.MessageToString(config)
+    files = ", ".join(name for name, _, _ in _BACKEND_BY_FILE)
+    raise ConfigError(
+        config_path, f"missing, and no version folder holds a file auto-complete knows ({files})"
+    )
 
 
 def select_versions(config: ModelConfig, folder: Path, config_path: Path) -> list[int]:

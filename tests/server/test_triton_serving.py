@@ -61,7 +61,10 @@ def test_model_metadata_and_config(client):
         max_batch, params = config.max_batch_size, config.parameters
     assert names == ["INPUT0", "INPUT1"]
     assert max_batch == 32
-    assert "strata_torchscript_file" in params
+    platform = params["strata_platform"]
+    assert (
+        platform["string_value"] if isinstance(platform, dict) else platform.string_value
+    ) == "pytorch_libtorch"
 
 
 def test_infer_fp32_both_versions_batched(client):

@@ -12,6 +12,10 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+MODEL_FILE = (
+    "strata_model.pt"  # the link Strata stages to the operator's TorchScript file (backends/pytorch.py)
+)
+
 
 def _ordered(tensors):
     def key(item):
@@ -25,8 +29,7 @@ def _ordered(tensors):
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        filename = config["parameters"]["strata_torchscript_file"]["string_value"]
-        path = Path(args["model_repository"]) / args["model_version"] / filename
+        path = Path(args["model_repository"]) / args["model_version"] / MODEL_FILE
         self.module = torch.jit.load(str(path), map_location="cpu").eval()
         self.inputs = _ordered(config["input"])
         self.outputs = _ordered(config["output"])
