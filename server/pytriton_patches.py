@@ -58,6 +58,7 @@ def apply() -> None:
         return
     _wait_on_liveness()
     _proxy_sends_error_codes()
+    pytriton_triton.TritonConfig = CoreConfig  # Triton() rebuilds its config through this name
     TritonServerConfig.server_arg_keys += [
         key for key in _CORE_FLAGS if key not in TritonServerConfig.server_arg_keys
     ]

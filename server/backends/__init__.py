@@ -10,10 +10,10 @@ One file per kind of model:
     python.py       Triton Python-backend models (model.py), staged for Triton's own Python backend
     pytorch.py      TorchScript models, staged with a runner for the same Python backend
     onnx.py         ONNX models, staged with an onnxruntime runner for the same Python backend
+    ensemble.py     ensembles: staged as Python models are, run by Triton's core; a failure listed with its reason
     llm.py          LLM models: Strata's engine bound through PyTriton with the vLLM backend's inputs and outputs
     unavailable.py  the placeholder for broken models (and for LLM models whose engine is not running)
 
-Ensembles are staged as Python models are (their config and version folders, linked): Triton's core runs them.
 python, pytorch, onnx and ensembles share `staging.StagedBackend` and differ only in how the folder is staged. `registry` maps the
 backend names of server.repository.model_config to these; `strata serve` builds it and hands it to the
 `RepositoryManager`. A new kind of model is a new file here, a name in model_config and an entry in `registry`.
@@ -22,6 +22,7 @@ backend names of server.repository.model_config to these; `strata serve` builds 
 from __future__ import annotations
 
 from server.backends import onnx, python, pytorch
+from server.backends.ensemble import EnsembleBackend
 from server.backends.staging import ModelLoader, StagedBackend
 from server.backends.unavailable import UnavailableBackend
 from server.repository.backend import BackendRegistry, ModelBackend
@@ -34,7 +35,7 @@ def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendReg
         PYTHON: StagedBackend(triton, python.stage),
         LIBTORCH: StagedBackend(triton, pytorch.stage),
         ONNXRUNTIME: StagedBackend(triton, onnx.stage),
-        ENSEMBLE: StagedBackend(triton, python.stage),  # config and empty version folders: Triton runs it
+        ENSEMBLE: EnsembleBackend(triton),
     }
     if llm is not None:
         for name in LLM_BACKENDS:  # Strata's engine and vLLM: one binding, the deployment picks the engine

@@ -10,9 +10,13 @@ config keeps every block of the operator's. `stage` is all this backend adds to 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from tritonclient.grpc.model_config_pb2 import DataType
+
 from server.backends.staging import runner_config, stage_with_runner
+from server.repository.model_config import ModelConfig
 from server.repository.scan import ModelSource
 
 RUNNER = Path(__file__).parent / "stubs" / "onnx_model.py"
@@ -20,4 +24,24 @@ MODEL_LINK = "strata_model.onnx"  # the runner's MODEL_FILE
 
 
 def stage(model: ModelSource, store: Path) -> None:
-    stage_with_runner(model, store, RUNNER, runner_config(model), MODEL_LINK)
+    stage_with_runner(model, store, RUNNER, with_runner_state(runner_config(model)), MODEL_LINK)
+
+
+def with_runner_state(config: ModelConfig) -> ModelConfig:
+    """Triton's Python backend keeps no implicit state: the config's `sequence_batching.state` moves into the
+    parameter `strata_sequence_state` (JSON), which the runner keeps per sequence itself."""
+    states = config.sequence_batching.state
+    if states:
+        config.parameters["strata_sequence_state"].string_value = json.dumps(
+            [
+                {
+                    "input_name": s.input_name,
+                    "output_name": s.output_name,
+                    "data_type": DataType.Name(s.data_type),
+                    "dims": list(s.initial_state[0].dims if s.initial_state else s.dims),
+                }
+                for s in states
+            ]
+        )
+        del config.sequence_batching.state[:]
+    return config

@@ -68,10 +68,8 @@ class RepositoryManager:
             for name, model in scan(self.repositories, self.auto_complete).items():
                 self.entries[name] = ModelEntry(model)
                 self._stage(name)
-            wanted = self._startup_set()
-            for name in sorted(self.entries):
-                if name in wanted:
-                    self._load(name)
+            for name in load_order(self.entries, self._startup_set()):
+                self._load(name)
         for name in set(self.startup_models) - {"*"} - set(self.entries):
             log.error("--load-model %s: no such model in %s", name, ", ".join(map(str, self.repositories)))
         if self.mode is not ControlMode.NONE:
@@ -132,8 +130,13 @@ class RepositoryManager:
             entry.error = _why_unservable(entry.model)
             log.error("%s: cannot serve: %s", name, entry.error)
             self.backends.placeholder.stage(name, entry.error)
-        else:
+            return
+        try:
             backend.stage(entry.model)
+        except (OSError, ValueError) as exc:  # a model file that cannot be linked or read: this model only
+            entry.error = f"{entry.model.path}: cannot stage: {exc}"
+            log.error("%s: %s", name, entry.error)
+            self.backends.placeholder.stage(name, entry.error)
 
     def _load(self, name: str) -> None:
         entry = self.entries[name]
@@ -165,6 +168,25 @@ class RepositoryManager:
         if isinstance(model, BrokenModel):
             return None
         return self.backends.backends.get(model.backend)
+
+
+def load_order(entries: dict[str, ModelEntry], names: set[str]) -> list[str]:
+    """`names` in the order to load them: each ensemble after the models its steps name (else Triton loads a step
+    model for the ensemble, and Strata loads it again)."""
+    order: list[str] = []
+
+    def place(name: str, path: frozenset[str]) -> None:
+        if name in order or name not in names or name in path:  # a cycle is Triton's to report
+            return
+        model = entries[name].model
+        if isinstance(model, ModelSource):
+            for step in model.config.ensemble_scheduling.step:
+                place(step.model_name, path | {name})
+        order.append(name)
+
+    for name in sorted(names):
+        place(name, frozenset())
+    return order
 
 
 def _why_unservable(model: ModelSource | BrokenModel) -> str:

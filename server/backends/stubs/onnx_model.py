@@ -107,8 +107,8 @@ class TritonPythonModel:
         inputs, outputs = session.get_inputs(), session.get_outputs()
         sequence = config.get("sequence_batching") or {}
         implicit = {c["name"] for c in sequence.get("control_input", [])}
-        implicit |= {s.get("input_name") for s in sequence.get("state", [])}
-        implicit |= {s.get("output_name") for s in sequence.get("state", [])}
+        states = json.loads(_parameters(config).get("strata_sequence_state", "[]"))  # the runner's own state
+        implicit |= {s["input_name"] for s in states} | {s["output_name"] for s in states}
         batched = int(config.get("max_batch_size", 0)) > 0
         declared = config.get("input") or config.get("output")
         dynamic_first = all(t.shape and not isinstance(t.shape[0], int) for t in [*inputs, *outputs])
@@ -137,14 +137,24 @@ class TritonPythonModel:
         self.inputs = [(t.name, t.type) for t in self.session.get_inputs()]
         self.outputs = [t["name"] for t in config["output"]]
         self.batched = int(config.get("max_batch_size", 0)) > 0
+        self.states = SequenceStates(json.loads(parameters.get("strata_sequence_state", "[]")))
+        self.fetch = self.outputs + self.states.output_names
 
     def execute(self, requests):
-        if self.batched and len(requests) > 1:
+        feeds = [self._feed(request) for request in requests]
+        together = self._run_together(feeds) if self.batched and len(requests) > 1 else None
+        responses = []
+        for i, (request, feed) in enumerate(zip(requests, feeds, strict=True)):
             try:
-                return self._run_together(requests)
-            except Exception:  # noqa: BLE001 - shapes that do not stack, or one bad request: run each alone
-                pass
-        return [self._run_alone(request) for request in requests]
+                results = together[i] if together is not None else self.session.run(self.fetch, feed)
+            except Exception as exc:  # noqa: BLE001 - a bad request must not take the model down
+                responses.append(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"onnxruntime: {exc}"))
+                )
+                continue
+            self.states.keep(request, results[len(self.outputs) :])
+            responses.append(self._response(results[: len(self.outputs)]))
+        return responses
 
     def _feed(self, request):
         feed = {}
@@ -152,26 +162,65 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 feed[name] = _to_onnx(tensor.as_numpy(), onnx_type)
+        feed.update(self.states.current(request))
         return feed
 
-    def _run_alone(self, request):
+    def _run_together(self, feeds):
+        """One session call for the requests of a dynamic batch, split back per request; None if their shapes do
+        not stack or the call fails (each then runs alone, so one bad request fails alone)."""
         try:
-            results = self.session.run(self.outputs, self._feed(request))
-        except Exception as exc:  # noqa: BLE001 - a bad request must not take the model down
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"onnxruntime: {exc}"))
-        return self._response(results)
-
-    def _run_together(self, requests):
-        feeds = [self._feed(request) for request in requests]
-        sizes = [next(iter(feed.values())).shape[0] for feed in feeds]
-        batch = {name: np.concatenate([feed[name] for feed in feeds]) for name in feeds[0]}
-        results = self.session.run(self.outputs, batch)
+            sizes = [next(iter(feed.values())).shape[0] for feed in feeds]
+            batch = {name: np.concatenate([feed[name] for feed in feeds]) for name in feeds[0]}
+            results = self.session.run(self.fetch, batch)
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
         splits = np.cumsum(sizes)[:-1]
         per_output = [np.split(result, splits) for result in results]
-        return [self._response([parts[i] for parts in per_output]) for i in range(len(requests))]
+        return [[parts[i] for parts in per_output] for i in range(len(feeds))]
 
     def _response(self, results):
         tensors = [
             pb_utils.Tensor(name, _to_triton(r)) for name, r in zip(self.outputs, results, strict=True)
         ]
         return pb_utils.InferenceResponse(tensors)
+
+
+class SequenceStates:
+    """Implicit state (`sequence_batching.state`) for a backend that has none (Triton's Python backend): each
+    sequence's state tensors, by correlation id, fed to the model's state inputs and replaced by its state outputs
+    after every request; zeros (`initial_state { zero_data: true }`) at a sequence's start; dropped at its end.
+    Strata moves the config's `state` block into the parameter `strata_sequence_state` (backends/onnx.py)."""
+
+    def __init__(self, states):
+        self.states = states
+        self.output_names = [state["output_name"] for state in states]
+        self.held = {}  # correlation id -> {state input name: array}
+
+    def current(self, request):
+        if not self.states:
+            return {}
+        held = None if _starts(request) else self.held.get(request.correlation_id())
+        return held if held is not None else {s["input_name"]: _zeros(s) for s in self.states}
+
+    def keep(self, request, results):
+        if not self.states:
+            return
+        sequence = request.correlation_id()
+        if _ends(request):
+            self.held.pop(sequence, None)
+        else:
+            names = [state["input_name"] for state in self.states]
+            self.held[sequence] = dict(zip(names, results, strict=True))
+
+
+def _zeros(state):
+    dtype = pb_utils.triton_string_to_numpy(state["data_type"])
+    return np.zeros([1, *state["dims"]], dtype=dtype)
+
+
+def _starts(request):
+    return bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+
+
+def _ends(request):
+    return bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
