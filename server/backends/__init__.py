@@ -9,24 +9,25 @@ One file per kind of model:
 
     python.py       Triton Python-backend models (model.py), staged for Triton's own Python backend
     pytorch.py      TorchScript models, staged with a runner for the same Python backend
-    onnx.py         ONNX models, staged with an onnxruntime runner for the same Python backend
+    onnx.py         ONNX models, staged with a runner (onnxruntime) for the same Python backend
+    openvino.py     OpenVINO IR models, the same runner on openvino (an extra)
     ensemble.py     ensembles: staged as Python models are, run by Triton's core; a failure listed with its reason
     llm.py          LLM models: Strata's engine bound through PyTriton with the vLLM backend's inputs and outputs
     unavailable.py  the placeholder for broken models (and for LLM models whose engine is not running)
 
-python, pytorch, onnx and ensembles share `staging.StagedBackend` and differ only in how the folder is staged. `registry` maps the
+python, pytorch, onnx, openvino and ensembles share `staging.StagedBackend` and differ only in how the folder is staged. `registry` maps the
 backend names of server.repository.model_config to these; `strata serve` builds it and hands it to the
 `RepositoryManager`. A new kind of model is a new file here, a name in model_config and an entry in `registry`.
 """
 
 from __future__ import annotations
 
-from server.backends import onnx, python, pytorch
+from server.backends import onnx, openvino, python, pytorch
 from server.backends.ensemble import EnsembleBackend
 from server.backends.staging import ModelLoader, StagedBackend
 from server.backends.unavailable import UnavailableBackend
 from server.repository.backend import BackendRegistry, ModelBackend
-from server.repository.model_config import ENSEMBLE, LIBTORCH, LLM_BACKENDS, ONNXRUNTIME, PYTHON
+from server.repository.model_config import ENSEMBLE, LIBTORCH, LLM_BACKENDS, ONNXRUNTIME, OPENVINO, PYTHON
 
 
 def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendRegistry:
@@ -35,6 +36,7 @@ def registry(triton: ModelLoader, llm: ModelBackend | None = None) -> BackendReg
         PYTHON: StagedBackend(triton, python.stage),
         LIBTORCH: StagedBackend(triton, pytorch.stage),
         ONNXRUNTIME: StagedBackend(triton, onnx.stage),
+        OPENVINO: StagedBackend(triton, openvino.stage),
         ENSEMBLE: EnsembleBackend(triton),
     }
     if llm is not None:

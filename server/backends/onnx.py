@@ -2,7 +2,7 @@
 `default_model_filename` names, with any external-data files beside it.
 
 The Triton bundled with PyTriton has no onnxruntime backend (it ships in NVIDIA's containers only), so Strata
-serves ONNX through Triton's Python backend with a runner (`stubs/onnx_model.py`) that runs onnxruntime's CPU
+serves ONNX through Triton's Python backend with a runner (`stubs/runtime_model.py`) that runs onnxruntime's CPU
 provider in the backend's process, honouring the parameters Triton's onnxruntime backend reads and its
 auto-complete. Triton's core still batches, sequences, warms up, caches and rate-limits these models: the staged
 config keeps every block of the operator's. `stage` is all this backend adds to `staging.StagedBackend`.
@@ -19,12 +19,14 @@ from server.backends.staging import runner_config, stage_with_runner
 from server.repository.model_config import ModelConfig
 from server.repository.scan import ModelSource
 
-RUNNER = Path(__file__).parent / "stubs" / "onnx_model.py"
-MODEL_LINK = "strata_model.onnx"  # the runner's MODEL_FILE
+RUNNER = Path(__file__).parent / "stubs" / "runtime_model.py"
+MODEL_LINK = "strata_model.onnx"  # the runner's ONNX_FILE
 
 
 def stage(model: ModelSource, store: Path) -> None:
-    stage_with_runner(model, store, RUNNER, with_runner_state(runner_config(model)), MODEL_LINK)
+    stage_with_runner(
+        model, store, RUNNER, with_runner_state(runner_config(model)), {MODEL_LINK: model.model_filename}
+    )
 
 
 def with_runner_state(config: ModelConfig) -> ModelConfig:

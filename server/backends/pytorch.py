@@ -18,4 +18,4 @@ MODEL_LINK = "strata_model.pt"  # the runner's MODEL_FILE
 
 
 def stage(model: ModelSource, store: Path) -> None:
-    stage_with_runner(model, store, RUNNER, runner_config(model), MODEL_LINK)
+    stage_with_runner(model, store, RUNNER, runner_config(model), {MODEL_LINK: model.model_filename})

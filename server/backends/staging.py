@@ -74,24 +74,28 @@ class StagedBackend:
 
 
 def stage_with_runner(
-    model: ModelSource, store: Path, runner: Path, config: ModelConfig, model_link: str
+    model: ModelSource, store: Path, runner: Path, config: ModelConfig, links: dict[str, str]
 ) -> None:
     """Stage a model that Triton's Python backend serves through `runner` (a model.py of stubs/): each version
-    folder links the operator's files (what the model file references too, such as ONNX external data), the model
-    file itself as `model_link` (a name Triton's own backend detection does not claim, so that a load with an
-    override config still finds only model.py), and the runner as model.py; `config` is what Triton loads."""
+    folder links the operator's files, those named in `links` ({staged name: file in the version folder}) under
+    the runner's names (ones Triton's own backend detection does not claim, so that a load with an override
+    config still finds only model.py), and the runner as model.py; `config` is what Triton loads. A missing file
+    is a FileNotFoundError naming it."""
     folder = store / model.name
     folder.mkdir(parents=True, exist_ok=True)
     for version in model.versions:
         source = model.path / str(version)
         version_folder = folder / str(version)
         version_folder.mkdir(exist_ok=True)
-        keep = {"model.py", model_link}
+        keep = {"model.py", *links}
         for entry in source.iterdir():
-            if entry.name not in keep | {"__pycache__", model.model_filename}:
+            if entry.name not in keep | {"__pycache__", *links.values()}:
                 link(entry.resolve(), version_folder / entry.name)
                 keep.add(entry.name)
-        link((source / model.model_filename).resolve(), version_folder / model_link)
+        for staged_name, name in links.items():
+            if not (source / name).is_file():
+                raise FileNotFoundError(f"{source / name}: missing")
+            link((source / name).resolve(), version_folder / staged_name)
         link(runner, version_folder / "model.py")
         prune(version_folder, keep)
     prune(folder, {"config.pbtxt"} | {str(v) for v in model.versions})

@@ -10,7 +10,7 @@ import pytest
 from harness.servers import EXAMPLE_REPOSITORY
 from server import backends
 from server.backends.staging import RUNNER
-from server.repository.manager import ControlMode, RepositoryManager
+from server.repository.manager import ControlMode, ModelEntry, RepositoryManager, load_order
 from server.repository.scan import BrokenModel, ModelSource, read_model, scan
 
 GOOD = """name: "m"
@@ -84,9 +84,54 @@ def test_missing_model_file(tmp_path):
 
 
 def test_unsupported_backend_names_field(tmp_path):
-    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'backend: "onnxruntime"'))
+    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'backend: "tensorflow"'))
     message = error_of(folder)
-    assert ":2:" in message and "backend" in message and "onnxruntime" in message
+    assert ":2:" in message and "backend" in message and "tensorflow" in message and "deprecated" in message
+
+
+def test_a_gpu_only_platform_is_refused_with_the_reason(tmp_path):
+    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'platform: "tensorrt_plan"'))
+    assert 'platform "tensorrt_plan": TensorRT plans run on NVIDIA GPUs only' in error_of(folder)
+
+
+def test_a_folder_without_config_is_completed_from_its_model_file(tmp_path):
+    folder = tmp_path / "auto"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"")
+    model = read_model(folder)
+    assert isinstance(model, ModelSource) and model.backend == "onnxruntime" and model.config.name == "auto"
+    (folder / "2").mkdir()
+    (folder / "2" / "model.py").write_text("# model\n")
+    assert read_model(folder).backend == "python"  # the newest version's file decides
+
+
+def test_without_auto_complete_a_folder_needs_its_config(tmp_path):
+    folder = tmp_path / "auto"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"")
+    model = read_model(folder, auto_complete=False)
+    assert isinstance(model, BrokenModel) and "--disable-auto-complete-config" in str(model.error)
+    (folder / "1" / "model.onnx").rename(folder / "1" / "weights.bin")
+    assert "no version folder holds a file auto-complete knows" in str(read_model(folder).error)
+
+
+def test_an_ensemble_needs_no_model_file_and_loads_after_its_steps(tmp_path):
+    ensemble = """name: "e"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [ { model_name: "z" model_version: -1 input_map { key: "X" value: "X" }
+  output_map { key: "Y" value: "Y" } } ] }
+"""
+    folder = make_model(tmp_path, ensemble, name="e", filename="unused")
+    (folder / "1" / "unused").unlink()
+    make_model(tmp_path, GOOD.replace('"m"', '"z"'), name="z")
+    make_model(tmp_path, GOOD.replace('"m"', '"a"'), name="a")
+    models = scan([tmp_path])
+    assert isinstance(models["e"], ModelSource) and models["e"].model_filename == ""
+    entries = {name: ModelEntry(model) for name, model in models.items()}
+    assert load_order(entries, {"a", "e", "z"}) == ["a", "z", "e"]
 
 
 @pytest.mark.parametrize(
@@ -222,3 +267,14 @@ def test_a_config_that_is_not_utf8_is_one_broken_model(tmp_path):
     assert isinstance(models["m"], ModelSource)
     assert isinstance(models["latin1"], BrokenModel) and "cannot read" in str(models["latin1"].error)
     assert str(folder / "config.pbtxt") in str(models["latin1"].error)
+
+
+def test_openvino_without_its_wheel_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    from server.backends import openvino
+
+    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'backend: "openvino"'), filename="model.xml")
+    model = read_model(folder)
+    assert isinstance(model, ModelSource)
+    monkeypatch.setattr(openvino.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(openvino.MissingExtra, match=r"strata\[openvino\]"):
+        openvino.stage(model, tmp_path / "store")

@@ -109,6 +109,14 @@ def reshape_model(path: Path) -> None:
     save_model(path, nodes, [("INPUT", FP32, [None, None])], [("OUTPUT", FP32, [None, 4])])
 
 
+def openvino_model(path: Path, onnx_file: Path) -> None:
+    """The ONNX model converted to OpenVINO's IR (model.xml + model.bin) by openvino itself."""
+    import openvino as ov
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ov.save_model(ov.convert_model(str(onnx_file)), str(path))
+
+
 def add_sub_config(name: str, data_type: str, extra: str = "", width: int = 16) -> str:
     tensors = ",".join(
         f'{{ name: "{n}" data_type: {data_type} dims: [ {width} ] }}' for n in ("INPUT0", "INPUT1")
@@ -260,6 +268,16 @@ def build_repository(root: Path) -> Path:
     write(repo / "broken_chain" / "config.pbtxt", missing_step)
     (repo / "broken_chain" / "1").mkdir()
 
+    openvino_model(repo / "ov_add_sub" / "1" / "model.xml", repo / "simple" / "1" / "model.onnx")
+    ov_config = add_sub_config("ov_add_sub", "TYPE_INT32").replace(
+        'platform: "onnxruntime_onnx"', 'backend: "openvino"'
+    )
+    write(
+        repo / "ov_add_sub" / "config.pbtxt",
+        ov_config + 'parameters { key: "NUM_STREAMS" value: { string_value: "1" } }\n',
+    )
+    openvino_model(repo / "ov_auto" / "1" / "model.xml", repo / "auto_onnx" / "1" / "model.onnx")  # no config
+
     reshape_model(repo / "warm_fail" / "1" / "model.onnx")
     warmup = 'model_warmup [ { name: "narrow" batch_size: 1 inputs { key: "INPUT" value: { data_type: TYPE_FP32 dims: [ 3 ] zero_data: true } } } ]'
     write(
@@ -323,6 +341,20 @@ def test_add_sub(client, dtype, datatype, model):
     assert total.dtype == dtype and difference.dtype == dtype
     np.testing.assert_array_equal(total, a + b)
     np.testing.assert_array_equal(difference, a - b)
+
+
+@pytest.mark.parametrize("model", ["ov_add_sub", "ov_auto"])
+def test_openvino(server, client, model):
+    width = 16 if model == "ov_add_sub" else 4
+    a = np.arange(2 * width, dtype=np.int32).reshape(2, width)
+    total, difference = add_sub(client, model, a, a + 1, "INT32")
+    np.testing.assert_array_equal(total, 2 * a + 1)
+    np.testing.assert_array_equal(difference, -np.ones_like(a))
+    if model == "ov_auto":  # completed from model.xml, as ONNX models are from model.onnx
+        assert [(t["name"], t["dims"]) for t in config_of(server, model)["input"]] == [
+            ("INPUT0", [4]),
+            ("INPUT1", [4]),
+        ]
 
 
 def test_strings(client):
