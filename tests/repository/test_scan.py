@@ -272,7 +272,9 @@ def test_a_config_that_is_not_utf8_is_one_broken_model(tmp_path):
 def test_openvino_without_its_wheel_is_refused_naming_the_extra(tmp_path, monkeypatch):
     from server.backends import openvino
 
-    folder = make_model(tmp_path, GOOD.replace('backend: "python"', 'backend: "openvino"'), filename="model.xml")
+    folder = make_model(
+        tmp_path, GOOD.replace('backend: "python"', 'backend: "openvino"'), filename="model.xml"
+    )
     model = read_model(folder)
     assert isinstance(model, ModelSource)
     monkeypatch.setattr(openvino.importlib.util, "find_spec", lambda name: None)
