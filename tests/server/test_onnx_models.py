@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from harness.servers import start_strata
+from harness.waiting import wait_for
 
 INT32, INT8, INT64, UINT64, STRING, FP32 = (
     TensorProto.INT32,
@@ -249,19 +251,7 @@ def build_repository(root: Path) -> Path:
     write(repo / "partial_onnx" / "config.pbtxt", 'platform: "onnxruntime_onnx"\nmax_batch_size: 2\n')
     write(repo / "auto_python" / "1" / "model.py", AUTO_COMPLETE_PYTHON)  # no config.pbtxt at all
 
-    for version, factor in ((1, 1), (2, 2)):
-        scale_model(repo / "scale" / str(version) / "model.onnx", factor)
-    scale_config = (
-        'name: "scale"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\nversion_policy: { all { } }\n'
-    )
-    write(repo / "scale" / "config.pbtxt", scale_config + FP32_IO)
-    write(repo / "plus_one" / "1" / "model.py", PLUS_ONE_PYTHON)
-    write(
-        repo / "plus_one" / "config.pbtxt",
-        'name: "plus_one"\nbackend: "python"\nmax_batch_size: 8\n' + FP32_IO,
-    )
-    write(repo / "chain" / "config.pbtxt", CHAIN_ENSEMBLE)
-    (repo / "chain" / "1").mkdir()
+    ensemble_repository(root)  # scale, plus_one and chain, into the same repo
     missing_step = CHAIN_ENSEMBLE.replace('"chain"', '"broken_chain"').replace(
         '"plus_one"', '"no_such_model"'
     )
@@ -547,3 +537,57 @@ def test_runner_config_keeps_the_operators_blocks(server):
     assert state == [
         {"input_name": "STATE_IN", "output_name": "STATE_OUT", "data_type": "TYPE_INT32", "dims": [1]}
     ]
+
+
+def ensemble_repository(root: Path) -> Path:
+    """scale (ONNX, versions 1 and 2), plus_one (Python) and the ensemble chain of them."""
+    repo = root / "repo"
+    for version, factor in ((1, 1), (2, 2)):
+        scale_model(repo / "scale" / str(version) / "model.onnx", factor)
+    scale_config = (
+        'name: "scale"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\nversion_policy: { all { } }\n'
+    )
+    write(repo / "scale" / "config.pbtxt", scale_config + FP32_IO)
+    write_plus_one(repo)
+    write(repo / "chain" / "config.pbtxt", CHAIN_ENSEMBLE)
+    (repo / "chain" / "1").mkdir()
+    return repo
+
+
+def write_plus_one(repo: Path, addend: int = 1) -> None:
+    write(repo / "plus_one" / "1" / "model.py", PLUS_ONE_PYTHON.replace("+ 1", f"+ {addend}"))
+    write(
+        repo / "plus_one" / "config.pbtxt",
+        'name: "plus_one"\nbackend: "python"\nmax_batch_size: 8\n' + FP32_IO,
+    )
+
+
+def chain_output(client) -> float | None:
+    """chain's output for an input of ones (None while it has no version ready)."""
+    x = np.ones((1, 4), dtype=np.float32)
+    try:
+        return float(client.infer("chain", [tensor(httpclient, "INPUT", x, "FP32")]).as_numpy("OUTPUT")[0, 0])
+    except InferenceServerException:
+        return None
+
+
+def test_poll_mode_reloads_and_unloads_an_ensemble_with_its_step_models(tmp_path):
+    repo = ensemble_repository(tmp_path)
+    server = start_strata(repo, tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "0.5")
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        assert chain_output(client) == (1 + 1) * 2
+        write_plus_one(repo, addend=10)  # an edited step model: the ensemble runs the new one
+        wait_for(
+            lambda: chain_output(client) == (1 + 10) * 2, 60, what="the ensemble through the reloaded step"
+        )
+        shutil.rmtree(repo / "plus_one")  # a removed step model: the ensemble is unavailable
+        wait_for(lambda: chain_output(client) is None, 60, what="the ensemble unavailable without its step")
+        assert {r["name"]: r.get("state") for r in client.get_model_repository_index()}[
+            "chain"
+        ] == "UNAVAILABLE"
+        write_plus_one(repo)  # back: the ensemble serves again
+        wait_for(lambda: chain_output(client) == (1 + 1) * 2, 60, what="the ensemble back with its step")
+    finally:
+        client.close()
+        server.stop()
