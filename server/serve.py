@@ -104,6 +104,9 @@ def serve(options: ServeOptions) -> int:
             planner = EmbeddedPlanner.start(options, deployment.engines, registry)
         if hold is not None:
             hold.release()
+        if not triton.is_alive():  # it died while the repository loaded (its log says why)
+            log.error("Triton exited while the repository loaded; shutting down")
+            return 1
         log.info("strata ready (pid %d)", os.getpid())
         while not stopping.wait(_WATCHDOG_SECS):
             if not triton.is_alive():

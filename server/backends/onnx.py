@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from google.protobuf import json_format
 from tritonclient.grpc.model_config_pb2 import DataType
 
 from server.backends.staging import runner_config, stage_with_runner
@@ -24,9 +25,19 @@ MODEL_LINK = "strata_model.onnx"  # the runner's ONNX_FILE
 
 
 def stage(model: ModelSource, store: Path) -> None:
-    stage_with_runner(
-        model, store, RUNNER, with_runner_state(runner_config(model)), {MODEL_LINK: model.model_filename}
-    )
+    config = with_runner_warmup(with_runner_state(runner_config(model)))
+    stage_with_runner(model, store, RUNNER, config, {MODEL_LINK: model.model_filename})
+
+
+def with_runner_warmup(config: ModelConfig) -> ModelConfig:
+    """The runner warms the model up in its `initialize` (a failure fails the load with Triton's message): the
+    config's `model_warmup` moves into the parameter `strata_warmup` (JSON). Triton 2.51's own warmup crashes the
+    server now and then (SIGSEGV) when a sample fails, where a failed `initialize` is always handled."""
+    if config.model_warmup:
+        samples = [json_format.MessageToDict(sample) for sample in config.model_warmup]
+        config.parameters["strata_warmup"].string_value = json.dumps(samples)
+        del config.model_warmup[:]
+    return config
 
 
 def with_runner_state(config: ModelConfig) -> ModelConfig:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from server.backends.onnx import RUNNER, with_runner_state
+from server.backends.onnx import RUNNER, with_runner_state, with_runner_warmup
 from server.backends.staging import runner_config, stage_with_runner
 from server.repository.scan import ModelSource
 
@@ -31,4 +31,5 @@ def stage(model: ModelSource, store: Path) -> None:
         )
     weights = str(Path(model.model_filename).with_suffix(".bin"))
     links = {MODEL_LINK: model.model_filename, WEIGHTS_LINK: weights}
-    stage_with_runner(model, store, RUNNER, with_runner_state(runner_config(model)), links)
+    config = with_runner_warmup(with_runner_state(runner_config(model)))
+    stage_with_runner(model, store, RUNNER, config, links)

@@ -10,11 +10,13 @@ import json
 import os
 import queue
 import socket
+import threading
 
 import msgspec
 import pytest
 from conftest import LONG_TEXT, engine_config, greedy, run, watch_steps
 
+from harness.waiting import wait_for
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.transfer import SHM_DIR, KVTransfer, ShmTransport
@@ -188,20 +190,32 @@ def test_a_first_token_that_ends_the_request_finishes_on_the_prefill_engine(engi
     assert handoff_of(out) is None and out.finish_reason == "length" and len(out.new_token_ids) == 1
 
 
-def test_a_decode_request_aborted_while_its_kv_is_fetched_ends_once(decoder, engine):
+def test_a_decode_request_aborted_while_its_kv_is_fetched_ends_once(decoder, engine, monkeypatch):
+    """The fetch is held until the abort has ended the request, so the abort lands while the KV is in flight,
+    whatever the machine's speed; the fetched blocks then find the request gone and nothing more is sent."""
     ids = engine.encode(LONG_TEXT)
     request = greedy(ids, "ab", max_tokens=30)
     out = run(engine, prefill_only(request))
+    fetching, release = threading.Event(), threading.Event()
+    transfer = decoder.kv_transfer.transfer
+    fetch = transfer.fetch
+
+    def held_fetch(*args):
+        fetching.set()
+        assert release.wait(60)
+        return fetch(*args)
+
+    monkeypatch.setattr(transfer, "fetch", held_fetch)
     outputs: queue.SimpleQueue[GenerationOutput] = queue.SimpleQueue()
     decoder.submit(resumed(request, handoff_of(out)), outputs.put)
+    assert fetching.wait(60)
     decoder.abort(request.request_id)
-    seen = [outputs.get(timeout=60)]
-    while not seen[-1].finished:
-        seen.append(outputs.get(timeout=60))
-    assert seen[-1].finish_reason in ("abort", "length")
+    final = outputs.get(timeout=60)  # ended by the abort while its fetch is still held
+    release.set()
+    assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
     with pytest.raises(queue.Empty):
         outputs.get(timeout=0.5)
-    assert decoder.is_idle()
+    wait_for(decoder.is_idle, 30, what="the decoder idle")
 
 
 def test_without_a_transport_the_blocks_go_through_the_kvbm_tiers(engine, tmp_path):

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -219,8 +220,9 @@ def test_forced_tool_calls_are_valid_calls(smollm2_client: openai.OpenAI, tool_c
 
 @pytest.mark.slow
 def test_a_tool_turn_and_auto_choice(smollm2_client: openai.OpenAI) -> None:
-    """The assistant's call and the tool's answer go back in the next turn; with auto, whatever the model says is
-    either text or calls the hermes parser found, never a broken call."""
+    """The assistant's call and the tool's answer go back in the next turn: both are in the prompt the model sees
+    (the rendered turn, read back through /tokenize and /detokenize); with auto, whatever the model says is either
+    text or calls the hermes parser found, never a broken call."""
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
@@ -228,6 +230,13 @@ def test_a_tool_turn_and_auto_choice(smollm2_client: openai.OpenAI) -> None:
         ]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
     ]  # fmt: skip
+    root = str(smollm2_client.base_url).removesuffix("/").removesuffix("/v1")
+    rendered = httpx.post(f"{root}/tokenize", json={"model": "smollm2", "messages": history}).json()
+    prompt = httpx.post(f"{root}/detokenize", json={"model": "smollm2", "tokens": rendered["tokens"]}).json()
+    assert '{"temperature": 21, "sky": "clear"}' in prompt["prompt"]  # the tool's answer reaches the model
+    assert (
+        "get_weather" in prompt["prompt"] and "Paris" in prompt["prompt"]
+    )  # and so does the call it answers
     reply = smollm2_client.chat.completions.create(
         model="smollm2", messages=history, tools=[WEATHER], max_tokens=40, temperature=0
     )

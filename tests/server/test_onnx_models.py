@@ -217,6 +217,13 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+# a warmup that passes (the model loads): two batches of zeros
+WARMUP_ZEROS = """model_warmup [ { name: "zeros" batch_size: 2 count: 2
+  inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } }
+  inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } } } ]
+"""
+
+
 def build_repository(root: Path) -> Path:
     repo = root / "repo"
     add_sub_model(repo / "simple" / "1" / "model.onnx", INT32)
@@ -225,7 +232,7 @@ def build_repository(root: Path) -> Path:
     write(repo / "simple_int8" / "config.pbtxt", add_sub_config("simple_int8", "TYPE_INT8"))
     add_sub_model(repo / "simple_string" / "1" / "model.onnx", STRING)
     write(repo / "simple_string" / "config.pbtxt", add_sub_config("simple_string", "TYPE_STRING"))
-    batching = "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"
+    batching = "dynamic_batching { max_queue_delay_microseconds: 300000 }\n" + WARMUP_ZEROS
     add_sub_model(repo / "batched" / "1" / "model.onnx", INT32)
     write(repo / "batched" / "config.pbtxt", add_sub_config("batched", "TYPE_INT32", batching))
     add_sub_model(repo / "cached" / "1" / "model.onnx", INT32)
@@ -233,13 +240,6 @@ def build_repository(root: Path) -> Path:
         repo / "cached" / "config.pbtxt",
         add_sub_config("cached", "TYPE_INT32", "response_cache { enable: true }"),
     )
-    limited = 'instance_group [ { count: 1 kind: KIND_CPU rate_limiter { resources [ { name: "R1" count: 2 } ] } } ]'
-    add_sub_model(repo / "limited" / "1" / "model.onnx", INT32)
-    write(repo / "limited" / "config.pbtxt", add_sub_config("limited", "TYPE_INT32", limited))
-    greedy = limited.replace("count: 2", "count: 9")
-    add_sub_model(repo / "over_limit" / "1" / "model.onnx", INT32)
-    write(repo / "over_limit" / "config.pbtxt", add_sub_config("over_limit", "TYPE_INT32", greedy))
-
     accumulator_model(repo / "seq_direct" / "1" / "model.onnx", with_end=False)
     write(repo / "seq_direct" / "config.pbtxt", sequence_config("seq_direct", "direct { }", with_end=False))
     accumulator_model(repo / "seq_oldest" / "1" / "model.onnx", with_end=True)
@@ -286,8 +286,7 @@ def build_repository(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("onnx")
-    flags = ["--cache-config", "local,size=1048576", "--rate-limit", "execution_count"]
-    process = start_strata(build_repository(tmp), tmp, *flags, "--rate-limit-resource", "R1:4")
+    process = start_strata(build_repository(tmp), tmp, "--cache-config", "local,size=1048576")
     yield process
     process.stop()
 
@@ -503,11 +502,28 @@ def test_response_cache_answers_a_repeated_request(server, client):
     assert inference_stats(server, "cached")["inference_stats"]["cache_hit"]["count"] == hits + 1
 
 
-def test_rate_limiter_serves_within_its_resources_and_refuses_beyond(server, client):
-    a = np.ones((1, 16), dtype=np.int32)
-    np.testing.assert_array_equal(add_sub(client, "limited", a, a, "INT32")[0], 2 * a)
-    row = index(server)["over_limit"]
-    assert row["state"] == "UNAVAILABLE" and "R1" in row["reason"], row
+def test_rate_limiter_serves_within_its_resources_and_refuses_beyond(tmp_path):
+    """A server of its own: Triton 2.51 with the rate limiter on has crashed (SIGSEGV) while another model's
+    failed warmup removed its instance from the limiter, so no model here fails a warmup."""
+    repo = tmp_path / "repo"
+    limited = 'instance_group [ { count: 1 kind: KIND_CPU rate_limiter { resources [ { name: "R1" count: 2 } ] } } ]'
+    add_sub_model(repo / "limited" / "1" / "model.onnx", INT32)
+    write(repo / "limited" / "config.pbtxt", add_sub_config("limited", "TYPE_INT32", limited))
+    greedy = limited.replace("count: 2", "count: 9")
+    add_sub_model(repo / "over_limit" / "1" / "model.onnx", INT32)
+    write(repo / "over_limit" / "config.pbtxt", add_sub_config("over_limit", "TYPE_INT32", greedy))
+
+    server = start_strata(repo, tmp_path, "--rate-limit", "execution_count", "--rate-limit-resource", "R1:4")
+    client = httpclient.InferenceServerClient(server.http_url)
+    client.module = httpclient
+    try:
+        a = np.ones((1, 16), dtype=np.int32)
+        np.testing.assert_array_equal(add_sub(client, "limited", a, a, "INT32")[0], 2 * a)
+        row = index(server)["over_limit"]
+        assert row["state"] == "UNAVAILABLE" and "the minimum required count is 9" in row["reason"], row
+    finally:
+        client.close()
+        server.stop()
 
 
 def test_index_gives_the_reasons(server):
@@ -528,11 +544,14 @@ def test_index_gives_the_reasons(server):
 
 
 def test_runner_config_keeps_the_operators_blocks(server):
-    """What Triton loads keeps the operator's batching, sequence and instance blocks; only the backend changes."""
+    """What Triton loads keeps the operator's batching, sequence and instance blocks; the backend changes, and the
+    state and warmup blocks move into parameters the runner reads."""
     config = config_of(server, "seq_oldest")
     assert config["backend"] == "python"
     assert config["parameters"]["strata_platform"]["string_value"] == "onnxruntime_onnx"
     assert config["sequence_batching"]["oldest"]["max_candidate_sequences"] == 4
+    warmup = json.loads(config_of(server, "batched")["parameters"]["strata_warmup"]["string_value"])
+    assert [(w["name"], w["batchSize"], w["count"]) for w in warmup] == [("zeros", 2, 2)]
     state = json.loads(config["parameters"]["strata_sequence_state"]["string_value"])
     assert state == [
         {"input_name": "STATE_IN", "output_name": "STATE_OUT", "data_type": "TYPE_INT32", "dims": [1]}

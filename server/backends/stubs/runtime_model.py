@@ -15,6 +15,8 @@ only, not in PyTriton's Triton. Strata stages the model file beside this runner 
 - Requests of one dynamic batch run as one call, concatenated on the batch axis; inputs reach the runtime as
   views of Triton's tensors (no copy) except strings, which ONNX holds as text.
 - Implicit state (`sequence_batching.state`), which the Python backend lacks, is kept here (`SequenceStates`).
+- `model_warmup` samples run here, in `initialize` (Strata moves them into the parameter `strata_warmup`): a
+  failing one fails the load with Triton's message, without Triton 2.51's crash on a failed warmup.
 """
 
 import json
@@ -200,6 +202,31 @@ class TritonPythonModel:
         self.batched = int(config.get("max_batch_size", 0)) > 0
         self.states = SequenceStates(json.loads(_parameters(config).get("strata_sequence_state", "[]")))
         self.fetch = self.outputs + self.states.output_names
+        for sample in json.loads(_parameters(config).get("strata_warmup", "[]")):
+            self._warm_up(sample, Path(args["model_repository"]) / "warmup")
+
+    def _warm_up(self, sample, folder):
+        """Run one `model_warmup` sample `count` times; a failure fails the load with Triton's message."""
+        batch = [int(sample.get("batchSize", 1))] if self.batched else []
+        feed = {}
+        for name, spec in sample.get("inputs", {}).items():
+            shape = batch + [int(d) for d in spec.get("dims", [])]
+            dtype = pb_utils.triton_string_to_numpy(spec["dataType"])
+            if "inputDataFile" in spec:
+                data = np.frombuffer((folder / spec["inputDataFile"]).read_bytes(), dtype=dtype)
+                feed[name] = data.reshape(shape)
+            elif spec.get("randomData"):
+                feed[name] = np.random.default_rng(0).integers(0, 2, shape).astype(dtype)
+            else:
+                feed[name] = np.zeros(shape, dtype=np.bytes_ if dtype is np.object_ else dtype).astype(dtype)
+        for _ in range(int(sample.get("count", 1) or 1)):
+            try:
+                self.runtime.run(self.fetch, {**feed, **self.states.initial()})
+            except Exception as exc:  # noqa: BLE001 - reported as Triton reports a failed warmup
+                message = (
+                    f"failed to run warmup sample '{sample.get('name', '')}': {self.runtime.NAME}: {exc}"
+                )
+                raise pb_utils.TritonModelException(message) from None
 
     def execute(self, requests):
         feeds = [self._feed(request) for request in requests]
@@ -261,7 +288,11 @@ class SequenceStates:
             return {}
         starts = _flagged(request, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
         held = None if starts else self.held.get(request.correlation_id())
-        return held if held is not None else {s["input_name"]: _zeros(s) for s in self.states}
+        return held if held is not None else self.initial()
+
+    def initial(self):
+        """Every state input at its initial value (zeros)."""
+        return {s["input_name"]: _zeros(s) for s in self.states}
 
     def keep(self, request, results):
         if not self.states:
