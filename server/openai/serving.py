@@ -162,10 +162,7 @@ class OpenAIServing:
                 raise OpenAIError(
                     400, "add_generation_prompt: only true is supported", param="add_generation_prompt"
                 )
-            messages = [
-                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in request.messages
-            ]
+            messages = [_turn(m) for m in request.messages]  # as chat completions renders them
             ids = await asyncio.to_thread(
                 self._tokenize, model, "messages", engine.apply_chat_template, messages
             )
