@@ -71,6 +71,17 @@ def engine_config(**overrides) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty where there is none."""
+    try:
+        line = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split())
+
+
 @pytest.fixture(scope="session")
 def kernels():
     """The compiled CPU kernels module (server/engine/kernels); a test that needs it fails where it did not build."""

@@ -34,7 +34,9 @@ def prefill_logits(folder_files, token_ids: list[int]) -> torch.Tensor:
 
 
 def test_gguf_converts_once_then_reloads_fast_with_identical_logits(tmp_path, engine):
+    started = time.monotonic()
     files = prepare_model(GGUF, tmp_path)
+    convert_s = time.monotonic() - started
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in files.folder.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dir left behind"
     started = time.monotonic()
@@ -42,7 +44,9 @@ def test_gguf_converts_once_then_reloads_fast_with_identical_logits(tmp_path, en
     weights = load_weights(again)
     reload_s = time.monotonic() - started
     assert again.folder == files.folder
-    assert reload_s < 1.0, f"cached reload took {reload_s:.2f} s"
+    # the contract is "no second conversion": a reload is a small part of one, measured in the same run (here
+    # ~0.2 s against ~14 s), so the bound holds on a loaded machine too
+    assert reload_s < convert_s / 4, f"cached reload took {reload_s:.2f} s, the conversion {convert_s:.2f} s"
     assert len(weights) > 100
     ids = engine.encode("Paged attention keeps the KV cache in fixed-size blocks.")
     fresh = prefill_logits(files, ids)

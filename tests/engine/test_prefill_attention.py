@@ -8,26 +8,14 @@ the features but gets no kernel fails rather than skips."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import engine_config
+from conftest import cpu_flags, engine_config
 
 from server.engine.llm_engine import LLMEngine
 
 LAYERS, BLOCK_SIZE = 3, 16
-
-
-def cpu_flags() -> set[str]:
-    try:
-        line = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split())
 
 
 # what each instruction set needs of the CPU (the build also needs avx512bw and avx512vl, which these CPUs have)
