@@ -17,6 +17,7 @@ from server.errors import ConfigError
 from server.repository.model_config import (
     DEFAULT_FILENAME,
     ENSEMBLE,
+    LLM_BACKENDS,
     ONNXRUNTIME,
     OPENVINO,
     PYTHON,
@@ -93,7 +94,37 @@ def scan(repositories: Iterable[Path], auto_complete: bool = True) -> dict[str, 
                 message = f"model name also used by {previous.path}; names must be unique across repositories"
                 model = BrokenModel(folder.name, folder, ConfigError(folder, message), model.fingerprint)
             found[folder.name] = model
+    for name, model in found.items():
+        if isinstance(model, ModelSource):
+            found[name] = without_llm_steps(model, found)
     return found
+
+
+def without_llm_steps(
+    model: ModelSource, found: dict[str, ModelSource | BrokenModel]
+) -> ModelSource | BrokenModel:
+    """An ensemble whose step is an LLM model is broken: an LLM is served through PyTriton's binding, whose proxy
+    model Triton cannot load a second time for an ensemble (the load fails, and the ensemble answers with the
+    prompt alone)."""
+    for step in model.config.ensemble_scheduling.step:
+        other = found.get(step.model_name)
+        if isinstance(other, ModelSource) and other.backend in LLM_BACKENDS:
+            message = (
+                f'step "{step.model_name}" is an LLM model (backend {other.backend}): LLMs are served through '
+                "PyTriton's binding, which Triton cannot load as an ensemble step; call the LLM's generate "
+                "endpoint or the OpenAI API instead"
+            )
+            error = ConfigError(
+                model.path / "config.pbtxt", message, _line_of_step(model.config_text, step.model_name)
+            )
+            return BrokenModel(model.name, model.path, error, model.fingerprint)
+    return model
+
+
+def _line_of_step(text: str, step_name: str) -> int | None:
+    """1-based line of the first `model_name: "<step_name>"` in the text."""
+    at = text.find(f'"{step_name}"')
+    return text.count("\n", 0, at) + 1 if at >= 0 else None
 
 
 def read_model(folder: Path, auto_complete: bool = True) -> ModelSource | BrokenModel:

@@ -280,3 +280,20 @@ def test_openvino_without_its_wheel_is_refused_naming_the_extra(tmp_path, monkey
     monkeypatch.setattr(openvino.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(openvino.MissingExtra, match=r"strata\[openvino\]"):
         openvino.stage(model, tmp_path / "store")
+
+
+def test_an_ensemble_with_an_llm_step_is_refused_naming_the_step(tmp_path):
+    ensemble = """name: "qa"
+platform: "ensemble"
+input [ { name: "Q" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "A" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "llm" model_version: -1 input_map { key: "text_input" value: "Q" }
+    output_map { key: "text_output" value: "A" } } ] }
+"""
+    make_model(tmp_path, ensemble, name="qa", filename=".keep")
+    make_model(tmp_path, 'name: "llm"\nbackend: "strata_llm"\n', name="llm", filename="model.json")
+    models = scan([tmp_path])
+    assert isinstance(models["llm"], ModelSource) and isinstance(models["qa"], BrokenModel)
+    message = str(models["qa"].error)
+    assert ":6:" in message and 'step "llm" is an LLM model (backend strata_llm)' in message
