@@ -112,6 +112,7 @@ def copy_minilm(cache: Path) -> None:
         source = cache / name
         if target.exists() and filecmp.cmp(source, target, shallow=False):
             continue
+        target.parent.mkdir(parents=True, exist_ok=True)  # minilm_encoder/1/ holds only generated files
         partial = target.with_name(f".{target.name}.partial")
         shutil.copyfile(source, partial)
         os.replace(partial, target)
