@@ -78,6 +78,7 @@ def test_bf16_tracks_transformers_bf16_and_every_departure_from_fp32_is_a_near_t
     bf16_engine, hf_model, prompt_ids, hf_bf16_outputs, reference_outputs
 ):
     theirs_from_fp32 = divergences_from_fp32(hf_model, prompt_ids, hf_bf16_outputs, reference_outputs)
+    theirs_fp32_share, _ = agreement(hf_bf16_outputs, reference_outputs)
     for attempt in ("fresh", "cached"):
         tokens = collect_concurrently(
             bf16_engine, [greedy(ids, f"{attempt}-{i}") for i, ids in enumerate(prompt_ids)]
@@ -85,8 +86,10 @@ def test_bf16_tracks_transformers_bf16_and_every_departure_from_fp32_is_a_near_t
         ours = [tokens[f"{attempt}-{i}"] for i in range(len(prompt_ids))]
         share, firsts = agreement(ours, hf_bf16_outputs)
         ours_from_fp32 = divergences_from_fp32(hf_model, prompt_ids, ours, reference_outputs)
+        fp32_share, _ = agreement(ours, reference_outputs)
         report = (
             f"{attempt}: {share:.1%} of tokens identical to transformers bf16, "
+            f"{fp32_share:.1%} to fp32 (transformers bf16: {theirs_fp32_share:.1%}), "
             f"{sum(f is None for f in firsts)}/{len(firsts)} prompts fully; first divergence per prompt {firsts}; "
             f"departures from fp32 (prompt, token, fp32 rank, logit gap): ours {ours_from_fp32}, "
             f"transformers bf16 {theirs_from_fp32}"
@@ -98,6 +101,9 @@ def test_bf16_tracks_transformers_bf16_and_every_departure_from_fp32_is_a_near_t
         # to fp32's as SDPA's (77.0 % identical to fp32 either way): a cascade after a near-tie moves this share
         # by 15 points, a wrong mask or block takes it near 0
         assert share >= 0.65, report
+        # a bound measured in this run, not on a quiet machine: ours is about as close to fp32 as transformers
+        # bf16 is, less one cascade (measured 2026-12-07, AMD EPYC, AVX512-BF16 kernel: 76.7 % against 83.4 %)
+        assert fp32_share >= theirs_fp32_share - 0.15, report
         assert sum(f is None for f in firsts) >= len(firsts) // 2, report
         for _, _, rank, gap in ours_from_fp32:
             assert rank < TOP_K and gap <= NEAR_TIE_LOGITS, report

@@ -126,6 +126,7 @@ def test_a_forward_is_the_same_with_fused_ops_and_torch_ops(dtype):
     torch.testing.assert_close(fused, plain, atol=tolerance, rtol=0)
     # bf16: the fused RMSNorm sums its squares in another order than torch's mean, which now and then rounds an
     # element to the neighbouring bf16 value; later layers carry that on (measured: 9 of 11.8M K/V elements past
-    # 0.1 apart, the largest 0.125, one bf16 step at the pool's largest values, ~18)
+    # 0.1 apart, the largest 0.125, one bf16 step at the pool's largest values, ~18; again 0.125 on 2026-12-07,
+    # AMD EPYC): the tolerance is twice that largest step
     pool_tolerance = 2e-4 if dtype == "float32" else 0.25
     torch.testing.assert_close(pools[0].float(), pools[1].float(), atol=pool_tolerance, rtol=0)

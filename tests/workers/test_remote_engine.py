@@ -273,7 +273,9 @@ def test_a_close_while_a_death_is_reported_keeps_every_request_retryable() -> No
         finals.append(output)
         if len(finals) == 1:  # the first request's death report: another thread closes the worker meanwhile
             closer.start()
-            time.sleep(0.3)  # close() marks the worker closing at once, then waits for this thread
+            # close() marks the worker closing first, then waits for this thread: the second report goes out
+            # only after that mark, so every run exercises the race
+            wait_for(lambda: remote._closing, 10, 0.005, what="close() under way")
 
     remote.submit(request("a", [1], max_tokens=200), sink)
     remote.submit(request("b", [2], max_tokens=200), sink)
