@@ -103,7 +103,7 @@ def run_aiperf(args: argparse.Namespace, url: str, trace: Path, hf_home: Path, o
     if not exports:
         raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json under {out}")
     found = parse_export(json.loads(exports[0].read_text()))
-    # the client shares the 2 cores with the server: its CPU time, for the report
+    # the client shares the machine's cores with the server: its CPU time, for the report
     found["client_cpu_s"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     records = list(out.rglob("profile_export.jsonl"))
     found["samples"] = per_request(records[0]) if records else {}  # type: ignore[assignment]

@@ -25,20 +25,27 @@ Chaos, one thread (every action is in the report's event list):
              the last local worker and the last live worker are spared; the remote worker is restarted at once
              under the same id (it waits out its predecessor's lease, then rejoins).
   redis      every --redis-every-s, SIGKILL redis-server, wait --redis-down-s, start it again, empty, on its port.
-  g3         every --truncate-every-s, truncate a random worker's G3 block file (blocks.dat) to a random length.
+  g3         every --truncate-every-s, truncate a random live worker's non-empty G3 block file (blocks.dat) to a
+             random shorter length.
   malformed  every --malformed-every-s (own thread): bad JSON, wrong types, out-of-range sampling values, a
              prompt of 1 MiB of text, an --oversized-mb body; each must be answered with a 4xx.
 
 A worker counts as alive from its start (local) or from the server's "joined" log line (remote) until the bench
 kills it; requests that overlap a time with no live worker are counted apart (only --kill-last makes such times).
 
+Every kill, Redis stop and G3 truncation the loop sets out to do is a planned fault, and each is checked: a killed
+worker's process must be gone within KILL_WAIT_S (the remote one must have exited by SIGKILL), the stopped Redis
+must no longer answer PING, the truncated file must be shorter than before. A kill skipped by the rule above is
+not planned.
+
 Report: requests sent, completed, failed (grouped by cause, with the server's log line for the request),
 answers that differ from the reference and how many of them were migrated (`changed_by_migration`: answers a
 worker kill changed; 0 when migrated requests continue exactly), migrations (`strata_router_migrations_total`),
 RSS and open file descriptors of the serve process, Triton and each worker at the start of the chaos, at
---baseline-s and at the end, and /dev/shm use. Goals (exit status 1 if one is missed): no failed or wrong
-request while a worker was alive, every malformed request answered with a 4xx, RSS growth < 5 % from --baseline-s
-to the end for the serve process and every worker process alive over that span. Prints a table and one JSON line.
+--baseline-s and at the end, /dev/shm use, and the faults planned and happened per kind (`faults`). Goals (exit
+status 1 if one is missed): every planned fault happened, no failed or wrong request while a worker was alive,
+every malformed request answered with a 4xx, no worker dying unless killed, RSS growth < 5 % from --baseline-s to
+the end for the serve process and every worker process alive over that span. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from typing import Any
 import httpx
 import openai
 import psutil
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
 from harness.chaos import MODEL, REMOTE_ID, Liveness, malformed_requests, pick_victim, rss_growth  # noqa: E402
@@ -81,6 +89,7 @@ from kvbm.host_pool import SHM_DIR, remove_segments  # noqa: E402
 LOCAL_WORKERS = 3
 BLOCK_TOKENS = 16
 RSS_GROWTH_GOAL = 0.05  # after the baseline mark, per process
+KILL_WAIT_S = 10.0  # a SIGKILLed worker must be gone by then for its kill to count as done
 
 
 # ---- answers ----
@@ -280,26 +289,33 @@ class Cluster:
         """How many times the server logged the remote worker joining."""
         return (self.server_log() if log is None else log).count(f"remote worker {REMOTE_ID} joined")
 
-    def kill(self, worker_id: str) -> None:
-        """SIGKILL a worker; the remote one is started again at once."""
+    def kill(self, worker_id: str) -> bool:
+        """SIGKILL a worker; True if its process is gone within KILL_WAIT_S (for the remote one: it exited by
+        that signal, not on its own before)."""
         if worker_id != REMOTE_ID:
-            os.kill(self.local_pids()[worker_id], signal.SIGKILL)
-            return
+            pid = self.local_pids()[worker_id]
+            os.kill(pid, signal.SIGKILL)
+            return gone_within(pid, KILL_WAIT_S)
         assert self.remote is not None
         self.remote.kill()
-        self.remote.wait(10)
-        self.start_remote()
+        return self.remote.wait(KILL_WAIT_S) == -signal.SIGKILL
 
-    def truncate_g3(self, rng: random.Random, alive: set[str]) -> str:
-        """Truncate a live worker's G3 block file to a random page-aligned length (half the time to 0)."""
-        files = [path for path in sorted(self.disk_path.glob("*/*/blocks.dat")) if path.parts[-3] in alive]
+    def truncate_g3(self, rng: random.Random, alive: set[str]) -> tuple[bool, str]:
+        """Truncate a live worker's non-empty G3 block file to a random page-aligned length (half the time to
+        0); (whether the file is now shorter than before, what was done)."""
+        files = [
+            path
+            for path in sorted(self.disk_path.glob("*/*/blocks.dat"))
+            if path.parts[-3] in alive and path.stat().st_size > 0
+        ]
         if not files:
-            return "no G3 file yet"
+            return False, "no non-empty G3 file of a live worker"
         path = rng.choice(files)
         size = path.stat().st_size
-        length = 0 if rng.random() < 0.5 else rng.randrange(max(size, 1)) // 4096 * 4096
+        length = 0 if rng.random() < 0.5 else rng.randrange(size) // 4096 * 4096
         os.truncate(path, length)
-        return f"{path.relative_to(self.disk_path)}: {size} -> {length} bytes"
+        after = path.stat().st_size  # the worker may write a slot past `length` at once, never all of them
+        return after < size, f"{path.relative_to(self.disk_path)}: {size} -> {length} bytes (now {after})"
 
     def router_workers(self) -> set[str]:
         """Workers the router lists (`strata_worker_info`), or an empty set if /metrics does not answer."""
@@ -334,6 +350,27 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def gone_within(pid: int, timeout_s: float) -> bool:
+    """Whether `pid` stops running (pid_alive) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def redis_answers(port: int) -> bool:
+    """Whether a redis-server answers PING on 127.0.0.1:`port`."""
+    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def process_roles(cluster: Cluster, alive: set[str]) -> dict[str, list[int]]:
@@ -428,15 +465,23 @@ def ipc_sockets(folder: Path) -> int:
 
 @dataclass(slots=True)
 class ChaosLog:
-    """What the chaos did (events: at_s, action, detail) and how malformed requests were answered."""
+    """What the chaos did (events: at_s, action, detail), each fault it set out to inject and whether it took
+    effect (faults: at_s, fault, happened, detail), and how malformed requests were answered."""
 
     events: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
     malformed: list[tuple[str, str, float, float]] = field(default_factory=list)  # kind, status, start, end
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, at_s: float, action: str, detail: str) -> None:
         self.events.append({"at_s": round(at_s, 1), "action": action, "detail": detail})
         print(f"[{at_s:6.1f} s] {action}: {detail}", file=sys.stderr, flush=True)
+
+    def fault(self, at_s: float, fault: str, happened: bool, detail: str) -> None:
+        """One planned fault; `happened` only when checked (the process is gone, Redis stopped answering...)."""
+        self.faults.append({"at_s": round(at_s, 1), "fault": fault, "happened": happened, "detail": detail})
+        if not happened:
+            self.add(at_s, f"{fault} did not happen", detail)
 
 
 class Chaos:
@@ -489,16 +534,21 @@ class Chaos:
             "sample": self._sample,
         }
         while not self.stopped.wait(0.5):
-            self._watch_workers()
+            self._guarded("watch", self._watch_workers)
             if self.redis_back_at is not None and self.now() >= self.redis_back_at:
-                self._start_redis()
+                self._guarded("redis", self._start_redis)
             for action, at in due.items():
                 if self.args.duration_s > self.now() >= at and not self.stopped.is_set():
-                    try:
-                        actions[action]()
-                    except Exception as exc:  # one failed action is reported; the chaos goes on
-                        self.log.add(self.now(), f"{action} failed", repr(exc))
+                    self._guarded(action, actions[action])
                     due[action] = self.now() + every[action]
+
+    def _guarded(self, action: str, step: Callable[[], None]) -> None:
+        """Run one step of the loop; a failure is reported (a fault's own record says it did not happen) and the
+        chaos goes on, so no later fault is silently left out."""
+        try:
+            step()
+        except Exception as exc:  # one failed action is reported; the chaos goes on
+            self.log.add(self.now(), f"{action} failed", repr(exc))
 
     def _watch_workers(self) -> None:
         """Mark the restarted remote worker alive when it has joined; notice workers that died on their own."""
@@ -534,13 +584,29 @@ class Chaos:
         self.liveness.leave(victim, time.monotonic())
         if victim == REMOTE_ID:
             self.remote_joins_at_start = self.cluster.remote_joins()
-        self.cluster.kill(victim)
+        gone = False
+        try:
+            gone = self.cluster.kill(victim)
+        finally:  # also when the kill raised: a planned fault that did not happen
+            detail = victim if gone else f"{victim}: not seen dying of the SIGKILL within {KILL_WAIT_S:g} s"
+            self.log.fault(self.now(), "kill", gone, detail)
         self.log.add(self.now(), "kill", f"{victim}; alive now: {sorted(self.liveness.alive())}")
+        if victim == REMOTE_ID:
+            self.cluster.start_remote()  # under the same id: it waits out its predecessor's lease, then joins
 
     def _restart_redis(self) -> None:
         """SIGKILL redis-server; the loop starts it again (empty) --redis-down-s later."""
-        if self.redis_back_at is None:
+        if self.redis_back_at is not None:
+            return
+        down = False
+        try:
             self.cluster.redis.stop()
+            down = not redis_answers(self.cluster.redis.port)
+        finally:  # also when the stop raised: a planned fault that did not happen
+            self.log.fault(
+                self.now(), "redis stop", down, "stopped" if down else "redis-server still answers PING"
+            )
+        if down:
             self.redis_back_at = self.now() + self.args.redis_down_s
             self.log.add(self.now(), "redis stop", f"down for {self.args.redis_down_s:g} s")
 
@@ -550,8 +616,12 @@ class Chaos:
         self.log.add(self.now(), "redis start", "empty")
 
     def _truncate(self) -> None:
-        alive = self.liveness.alive()
-        self.log.add(self.now(), "g3 truncate", self.cluster.truncate_g3(self.rng, alive))
+        shorter, detail = False, "truncate raised"
+        try:
+            shorter, detail = self.cluster.truncate_g3(self.rng, self.liveness.alive())
+        finally:  # also when it raised: a planned fault that did not happen
+            self.log.fault(self.now(), "g3 truncate", shorter, detail)
+        self.log.add(self.now(), "g3 truncate", detail)
 
     def _sample(self) -> None:
         self.log.samples.append(sample_resources(self.cluster, self.liveness.alive(), self.now()))
@@ -633,7 +703,9 @@ def judge(
     growth = rss_growth(baseline, samples[-1])
     malformed = malformed_summary(chaos)
     counts = chaos_counts(chaos)
+    faults = fault_summary(chaos.log.faults)
     goals = {
+        "every_planned_fault_happened": not faults["not_happened"],
         "no_failed_while_a_worker_was_alive": not counted,
         "no_wrong_answers": not wrong,
         "malformed_all_4xx_while_a_worker_was_alive": not malformed["not_4xx"],
@@ -659,6 +731,7 @@ def judge(
         "wrong": [wrong_detail(o, reference, migrated) for o in wrong[:10]],
         "migrations": migrations(cluster),
         "chaos": counts,
+        "faults": faults,
         "outages_s": [
             [round(s - chaos.started, 1), round(e - chaos.started, 1)] for s, e in chaos.liveness.outages
         ],
@@ -733,6 +806,18 @@ def migrations(cluster: Cluster) -> int:
     return int(sum(value for _, value in samples(text, "strata_router_migrations_total")))
 
 
+def fault_summary(faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Planned and happened per fault kind (kill, redis stop, g3 truncate), and every planned fault that did not
+    take effect: a kill whose process lived on, a Redis that still answered, a G3 file left as long."""
+    planned = Counter(f["fault"] for f in faults)
+    happened = Counter(f["fault"] for f in faults if f["happened"])
+    return {
+        "planned": dict(planned),
+        "happened": {kind: happened[kind] for kind in planned},
+        "not_happened": [f for f in faults if not f["happened"]],
+    }
+
+
 def chaos_counts(chaos: Chaos) -> dict[str, int]:
     actions = Counter(event["action"] for event in chaos.log.events)
     kills = [e["detail"] for e in chaos.log.events if e["action"] == "kill"]
@@ -794,6 +879,16 @@ def print_table(report: dict[str, Any]) -> None:
         f"died unkilled: {chaos['died_by_themselves']}; remote starts refused (Redis down): "
         f"{chaos['remote_could_not_register']}"
     )
+    faults = report["faults"]
+    print(
+        "faults happened / planned: "
+        + (
+            ", ".join(f"{kind} {faults['happened'][kind]}/{n}" for kind, n in faults["planned"].items())
+            or "none"
+        )
+    )
+    for fault in faults["not_happened"]:
+        print(f"  did not happen: {fault['fault']} at {fault['at_s']} s: {fault['detail']}")
     print_resources(report["resources"])
     print("server log, WARNING/ERROR lines by shape:")
     for shape, count in report["server_log"].items():

@@ -12,8 +12,10 @@ Measures (medians over --reps where repeated):
   prefix TTFT 2048-token prompt whose first 2032 tokens are cached (a previous request) vs a fresh one
   shared prompt  4 requests with one fresh 1,008-token prompt submitted together: time until the last first token,
               with the scheduler waiting for the prefix a running request computes vs computing it 4 times
-  RSS         peak and current resident memory after every quarter of --requests short requests (steady = no growth)
-Prints a table, then one JSON line.
+  RSS         peak and current resident memory after every quarter of --requests short requests (steady = no growth);
+              the process's, so it includes transformers' model unless --skip-baseline
+Prints three tables (against transformers; Strata with and without its prefix cache and its prefix wait; RSS),
+then one JSON line; "-" in a table and null in the JSON where transformers was not run.
 """
 
 from __future__ import annotations
@@ -99,12 +101,13 @@ def bench_prefill(runner: Runner, model, reps: int) -> dict:
     result = {}
     for length in (128, 512, 2048):
         ours = [runner.run_batch([runner.request(runner.tokens(length), 1)])[1][0] for _ in range(reps)]
-        theirs = [hf_prefill(model, runner.tokens(length)) for _ in range(reps)] if model else [float("nan")]
-        result[length] = (length / statistics.median(ours), length / statistics.median(theirs))
+        theirs = [hf_prefill(model, runner.tokens(length)) for _ in range(reps)] if model else []
+        theirs_tok_s = length / statistics.median(theirs) if theirs else None
+        result[length] = (length / statistics.median(ours), theirs_tok_s)
     return result
 
 
-def bench_decode(runner: Runner, model, reps: int) -> tuple[float, float]:
+def bench_decode(runner: Runner, model, reps: int) -> tuple[float, float | None]:
     steps = 64
     ours = []
     for _ in range(reps):
@@ -115,10 +118,10 @@ def bench_decode(runner: Runner, model, reps: int) -> tuple[float, float]:
         prompt = runner.tokens(256)
         total = hf_generate(model, [prompt], steps)
         theirs.append((steps - 1) / (total - hf_prefill(model, prompt)))
-    return statistics.median(ours), statistics.median(theirs) if theirs else float("nan")
+    return statistics.median(ours), statistics.median(theirs) if theirs else None
 
 
-def bench_serving(runner: Runner, model, concurrency: int, reps: int) -> tuple[float, float]:
+def bench_serving(runner: Runner, model, concurrency: int, reps: int) -> tuple[float, float | None]:
     """Medians over `reps` rounds; each round runs ours then transformers on the same fresh prompts (uncached)."""
     rng = random.Random(concurrency)
     shapes = [(rng.randint(32, 384), rng.randint(16, 96)) for _ in range(concurrency)]
@@ -132,7 +135,7 @@ def bench_serving(runner: Runner, model, concurrency: int, reps: int) -> tuple[f
         if model is not None:
             wanted = sum(out for _, out in shapes)
             theirs.append(wanted / hf_generate(model, prompts, max(out for _, out in shapes)))
-    return statistics.median(ours), statistics.median(theirs) if theirs else float("nan")
+    return statistics.median(ours), statistics.median(theirs) if theirs else None
 
 
 def bench_prefix_ttft(runner: Runner, reps: int) -> tuple[float, float]:
@@ -215,7 +218,7 @@ def main() -> None:
         results = run_all(runner, model, args)
     finally:
         engine.close()
-    print_report(results, args)
+    print_report(results, args, baseline_loaded=model is not None)
 
 
 def run_all(runner: Runner, model, args) -> dict:
@@ -235,53 +238,79 @@ def run_all(runner: Runner, model, args) -> dict:
     }
 
 
-def print_report(results: dict, args) -> None:
-    rows = [("metric", "strata", "transformers", "ratio")]
-    for length, (ours, theirs) in results["prefill"].items():
-        rows.append((f"prefill {length} tok/s", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
-    ours, theirs = results["decode"]
-    rows.append(("decode batch 1 tok/s", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"))
-    for concurrency, (ours, theirs) in results["serving"].items():
-        rows.append(
-            (
-                f"serving {concurrency} concurrent tok/s",
-                f"{ours:.1f}",
-                f"{theirs:.1f}",
-                f"{ours / theirs:.2f}x",
-            )
-        )
-    fresh, cached = results["ttft"]
-    rows.append(("TTFT 2048 uncached / cached s", f"{fresh:.3f}", f"{cached:.3f}", f"{fresh / cached:.1f}x"))
-    waited, duplicated = results["shared"]
-    rows.append(
-        (
-            "4 x one 1008-token prompt, last TTFT s (prefix wait off / on)",
-            f"{duplicated:.3f}",
-            f"{waited:.3f}",
-            f"{duplicated / waited:.2f}x",
-        )
-    )
-    for done, current, peak in results["rss"]:
-        rows.append((f"RSS after {done} requests MiB", f"{current:.0f}", f"peak {peak:.0f}", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    print(f"strata engine vs transformers, {args.dtype}, {args.threads} threads, medians of {args.reps}")
+def ratio(ours: float, theirs: float | None) -> float | None:
+    """ours / theirs; None where there is no baseline (--skip-baseline) or it is 0."""
+    return ours / theirs if theirs else None
+
+
+def cell(value: float | None, digits: int, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def against_row(label: str, ours: float, theirs: float | None, digits: int) -> tuple[str, ...]:
+    return (label, f"{ours:.{digits}f}", cell(theirs, digits), cell(ratio(ours, theirs), 2, "x"))
+
+
+def print_table(title: str, rows: list[tuple[str, ...]]) -> None:
+    """`rows[0]` is the heading; every column holds what its heading says, "-" where it was not measured."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print(title)
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+        print("  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)))
+
+
+def print_report(results: dict, args, baseline_loaded: bool) -> None:
+    """Three tables, each with columns of one kind: Strata against transformers (tokens/s), Strata with a
+    feature against Strata without it (seconds), and this process's RSS (MiB)."""
+    rows = [("metric", "strata", "transformers", "strata / transformers")]
+    rows += [against_row(f"prefill {n} tok/s", *pair, 0) for n, pair in results["prefill"].items()]
+    rows.append(against_row("decode batch 1 tok/s", *results["decode"], 1))
+    rows += [against_row(f"serving {n} concurrent tok/s", *pair, 1) for n, pair in results["serving"].items()]
+    title = f"strata engine vs transformers, {args.dtype}, {args.threads} threads, medians of {args.reps}"
+    print_table(title, rows)
+    fresh, cached = results["ttft"]
+    waited, duplicated = results["shared"]
+    print_table(
+        f"\nstrata engine with and without a feature, seconds, medians of {args.reps}",
+        [
+            ("case", "feature", "with s", "without s", "without / with"),
+            ("TTFT of a 2048-token prompt", "2032 tokens cached", f"{cached:.3f}", f"{fresh:.3f}",
+             f"{fresh / cached:.1f}x"),
+            ("4 x one fresh 1008-token prompt, last TTFT", "prefix wait", f"{waited:.3f}", f"{duplicated:.3f}",
+             f"{duplicated / waited:.2f}x"),
+        ],
+    )  # fmt: skip
+    holds = "strata engine and transformers' model" if baseline_loaded else "strata engine only"
+    rss_rows = [("requests done", "RSS MiB", "peak RSS MiB")]
+    rss_rows += [(str(done), f"{current:.0f}", f"{peak:.0f}") for done, current, peak in results["rss"]]
+    print_table(f"\nthis process's RSS (it holds the {holds})", rss_rows)
+    print(json.dumps(summary(results, args, baseline_loaded)))
+
+
+def summary(results: dict, args, baseline_loaded: bool) -> dict:
+    """The JSON line; a ratio is null where transformers was not run."""
+    fresh, cached = results["ttft"]
+    waited, duplicated = results["shared"]
     rss = results["rss"]
-    summary = {
+    decode, decode_theirs = results["decode"]
+    return {
         "bench": "engine", "dtype": args.dtype, "threads": args.threads, "reps": args.reps,
         "prefill_tok_s": {str(k): round(v[0], 1) for k, v in results["prefill"].items()},
-        "prefill_ratio": {str(k): round(v[0] / v[1], 3) for k, v in results["prefill"].items()},
-        "decode_b1_tok_s": round(results["decode"][0], 2), "decode_b1_ratio": round(results["decode"][0] / results["decode"][1], 3),
+        "prefill_ratio": {str(k): rounded(ratio(*v), 3) for k, v in results["prefill"].items()},
+        "decode_b1_tok_s": round(decode, 2), "decode_b1_ratio": rounded(ratio(decode, decode_theirs), 3),
         "serving_tok_s": {str(k): round(v[0], 1) for k, v in results["serving"].items()},
-        "serving_ratio": {str(k): round(v[0] / v[1], 3) for k, v in results["serving"].items()},
+        "serving_ratio": {str(k): rounded(ratio(*v), 3) for k, v in results["serving"].items()},
         "ttft_uncached_s": round(fresh, 4), "ttft_cached_s": round(cached, 4), "ttft_ratio": round(fresh / cached, 2),
         "shared_prompt_last_ttft_s": {"wait": round(waited, 4), "no_wait": round(duplicated, 4)},
         "shared_prompt_ratio": round(duplicated / waited, 2),
         "rss_mib": [[d, round(c), round(p)] for d, c, p in rss],
         "rss_growth_mib": round(rss[-1][1] - rss[0][1], 1),
+        "rss_includes_transformers_model": baseline_loaded,
     }  # fmt: skip
-    print(json.dumps(summary))
+
+
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 if __name__ == "__main__":

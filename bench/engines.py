@@ -19,7 +19,8 @@ to --duration-s).
 Every engine runs SmolLM2 from the same HF folder in the same dtype, prefix caching on, KV blocks of
 --block-tokens (vLLM on CPU needs a multiple of 32). Threads: one engine uses both cores (a, b, e); two workers
 use one each, as `strata serve` splits the cores by default (c: each vLLM worker's process tree on a core of its
-own; d: one thread per worker).
+own; d: one thread per worker). These thread counts are set for a 2-core machine; the first line of the output
+names the CPU and the cores this run had.
 
 Ratios against (a): the issue's goals are (b) within 5 % of (a) on TTFT p50 and throughput, and (c) ahead of (a)
 on the replay's TTFT p50. On 2 cores (c)'s two workers share the hardware (a) has alone, a core each; with (a1) in
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from bench.machine import machine  # noqa: E402
 from harness.figures import Workload, interleaved, wait_quiet  # noqa: E402
 from harness.load import drive, summarize  # noqa: E402
 from harness.servers import Server, smollm2_repository, start_strata, use_run_secret, vllm_server  # noqa: E402
@@ -211,7 +213,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, scale: 
                 )
                 cells += f"{ratio:>16.2f}"
             print(f"{key:<28}{cells}")
-    print(json.dumps({"bench": "engines", "scale": scale, "results": results}))
+    print(json.dumps({"bench": "engines", "scale": scale, "machine": machine(), "results": results}))
 
 
 def main() -> None:
@@ -247,8 +249,11 @@ def main() -> None:
     use_run_secret()
     folder = prepare_model(DEFAULT_MODEL).folder
     prompts, _oracle, _sources = trace_prompts(args)
+    run_on = machine()
     scale = (
-        f"SmolLM2 {args.dtype}, 2 cores, KV {args.kv_bytes >> 20} MiB and blocks of {args.block_tokens} tokens per "
+        f"{run_on['cpu']}, {run_on['cores']} cores; SmolLM2 {args.dtype}; threads: 2 for vllm, strata-vllm-1 and "
+        f"strata-1, 1 for vllm-1core and each strata-2 worker, strata-vllm-2's workers as strata serve splits the "
+        f"cores; KV {args.kv_bytes >> 20} MiB and blocks of {args.block_tokens} tokens per "
         f"engine, medians of {args.reps}; replay: {len(prompts)} requests of {args.conversations} Mooncake "
         f"conversations (>= {args.min_turns} turns, <= {args.max_blocks} blocks, outputs <= {args.max_output}) "
         f"over {args.duration_s:g} s"

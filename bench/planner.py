@@ -24,6 +24,10 @@ errors count as misses), TTFT and ITL p50/p90, errors, and worker-seconds (every
 loading and draining included, sampled each second from /proc over the load window). The goal (issue 17): the
 planner keeps at least 95 % of fixed-max's attainment with at most 70 % of its worker-seconds. A PNG of the
 timeline (rate, workers, per-request TTFT and ITL) is saved next to the JSON in bench/results/.
+
+The report (bench/results/planner.json and the JSON line) records the date, the machine (CPU model, cores) and
+the git commit of the run. Runs taken from `--baseline-json` keep the date, machine and commit of the report they
+come from (`from`, `measured_on`) and are marked "baseline" in the table; runs made now are marked "now".
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from bench.machine import describe, machine  # noqa: E402
 from harness.load import StreamTiming, drive  # noqa: E402
 from harness.redis_server import RedisServer  # noqa: E402
 from harness.servers import smollm2_repository, start_strata, use_run_secret  # noqa: E402
@@ -258,6 +263,43 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def baseline_runs(path: Path, made: set[str], ramp: tuple[float, float, int]) -> list[dict]:
+    """The runs of an earlier report at `path` not made now, each marked with where and when it was measured
+    (its report's machine: date, CPU, cores, commit; empty where that report predates them)."""
+    earlier = json.loads(path.read_text())
+    if (earlier["rate_low"], earlier["rate_high"], earlier["requests"]) != ramp:
+        raise SystemExit(f"{path}: another ramp (profile or seed differ)")
+    marks = {"measured": "baseline", "from": str(path), "measured_on": earlier.get("machine", {})}
+    rows = []
+    for row in earlier["runs"]:
+        if row["run"] in made:
+            continue
+        # a run the earlier report itself took from a baseline keeps that origin
+        rows.append({"measured": "baseline", "measured_on": {}} | row if "from" in row else row | marks)
+    return rows
+
+
+def print_table(report: dict) -> None:
+    """One row per run; "measured" says whether it ran now or comes from a baseline report (listed below)."""
+    print(f"\nthis run: {describe(report['machine'])}")
+    print(f"{'run':>10} {'measured':>9} {'reqs':>5} {'err':>4} {'SLA':>6} {'TTFT p50/p90 s':>15} "
+          f"{'ITL p50/p90 s':>15} {'worker-s':>9}")  # fmt: skip
+    for r in report["runs"]:
+        print(f"{r['run']:>10} {r.get('measured', 'baseline'):>9} {r['requests']:>5} {r['errors']:>4} "
+              f"{r['sla_attainment']:>6.1%} {r['ttft_p50_s']:>7.2f}/{r['ttft_p90_s']:<7.2f} "
+              f"{r['itl_p50_s']:>7.3f}/{r['itl_p90_s']:<7.3f} {r['worker_seconds']:>9}")  # fmt: skip
+    for r in report["runs"]:
+        if r.get("measured") != "now":
+            origin = describe(r.get("measured_on", {}))
+            print(f"  {r['run']}: baseline from {r.get('from')}, measured {origin}")
+    if "attainment_vs_fixed_max" in report:
+        compared = [r for r in report["runs"] if r["run"] in ("planner", "fixed-max")]
+        mixed = any(r.get("measured") != "now" for r in compared)
+        print(f"planner / fixed-max: attainment {report['attainment_vs_fixed_max']:.1%} (goal >= 95 %), "
+              f"worker-seconds {report['worker_seconds_vs_fixed_max']:.1%} (goal <= 70 %)"
+              + ("; one of the two is a baseline row measured another time" if mixed else ""))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
@@ -323,17 +365,13 @@ def main() -> None:
         print(f"ramp {low:.2f} -> {high:.2f} req/s over {args.duration_s:.0f} s: {len(requests)} requests, "
               f"mean prompt {prompt:.0f} tokens, mean output {output:.0f}", flush=True)  # fmt: skip
         runs = [run(name, args, repository, profile_path, requests, tmp) for name in args.runs.split(",")]
-    if (
-        args.baseline_json is not None
-    ):  # e.g. re-run the planner alone against the fixed runs of the same ramp
-        earlier = json.loads(args.baseline_json.read_text())
-        if (earlier["rate_low"], earlier["rate_high"], earlier["requests"]) != (low, high, len(requests)):
-            raise SystemExit(f"{args.baseline_json}: another ramp (profile or seed differ)")
-        made = {r["run"] for r in runs}
-        runs = [r | {"from": str(args.baseline_json)} for r in earlier["runs"] if r["run"] not in made] + runs
-    report = {"bench": "planner", "duration_s": args.duration_s, "rate_low": low, "rate_high": high,
-              "ttft_target_s": args.ttft_target, "itl_target_s": args.itl_target, "requests": len(requests),
-              "runs": runs}  # fmt: skip
+    runs = [r | {"measured": "now"} for r in runs]
+    # e.g. re-run the planner alone against the fixed runs of the same ramp
+    if args.baseline_json is not None:
+        runs = baseline_runs(args.baseline_json, {r["run"] for r in runs}, (low, high, len(requests))) + runs
+    report = {"bench": "planner", "machine": machine(), "duration_s": args.duration_s, "rate_low": low,
+              "rate_high": high, "ttft_target_s": args.ttft_target, "itl_target_s": args.itl_target,
+              "requests": len(requests), "runs": runs}  # fmt: skip
     by_name = {r["run"]: r for r in runs}
     if "planner" in by_name and "fixed-max" in by_name:
         planner, maximum = by_name["planner"], by_name["fixed-max"]
@@ -345,16 +383,7 @@ def main() -> None:
         )
     (RESULTS / "planner.json").write_text(json.dumps(report, indent=1))
     plot(report, args.plot or RESULTS / "planner.png")
-    print(
-        f"\n{'run':>10} {'reqs':>5} {'err':>4} {'SLA':>6} {'TTFT p50/p90 s':>15} {'ITL p50/p90 s':>15} {'worker-s':>9}"
-    )
-    for r in runs:
-        print(f"{r['run']:>10} {r['requests']:>5} {r['errors']:>4} {r['sla_attainment']:>6.1%} "
-              f"{r['ttft_p50_s']:>7.2f}/{r['ttft_p90_s']:<7.2f} {r['itl_p50_s']:>7.3f}/{r['itl_p90_s']:<7.3f} "
-              f"{r['worker_seconds']:>9}")  # fmt: skip
-    if "attainment_vs_fixed_max" in report:
-        print(f"planner / fixed-max: attainment {report['attainment_vs_fixed_max']:.1%} (goal >= 95 %), "
-              f"worker-seconds {report['worker_seconds_vs_fixed_max']:.1%} (goal <= 70 %)")  # fmt: skip
+    print_table(report)
     print(f"timeline: {args.plot or RESULTS / 'planner.png'}")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}
                      | {"runs": [{k: v for k, v in r.items() if not k.endswith("timeline") and k != "scaling_log"}

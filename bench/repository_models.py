@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from tokenizers import Tokenizer
 from tritonclient.utils import np_to_triton_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from bench.machine import cores, cpu_name  # noqa: E402
 from harness.servers import (  # noqa: E402
     EXAMPLE_REPOSITORY,
     StrataProcess,
@@ -104,13 +103,6 @@ class Baselines:
     add_sub: ort.InferenceSession
     encoder: ort.InferenceSession
     tokenizer: Tokenizer
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def add_sub_model() -> onnx.ModelProto:
@@ -317,7 +309,7 @@ def run_round(server: StrataProcess, baselines: Baselines, args: argparse.Namesp
 
 
 def report(rounds: list[dict], args: argparse.Namespace) -> None:
-    cpu = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores"
+    cpu = f"{cpu_name()}, {cores()} cores"
     print(
         f"\n{cpu}; onnxruntime {ort.__version__}, {args.threads} intra-op threads both sides; {args.rounds}"
         f" rounds, medians; encoder: 1 text of {args.tokens} tokens a request; ensemble: {args.texts} texts"
@@ -349,9 +341,7 @@ def report(rounds: list[dict], args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime threads"
-    )
+    parser.add_argument("--threads", type=int, default=cores(), help="onnxruntime threads")
     parser.add_argument(
         "--requests", type=int, default=500, help="add_sub requests a side a round (encoder: /5)"
     )

@@ -5,6 +5,10 @@ workers (`ReplayConfig` states the model and the scale).
 
 Every strategy sees the same requests; round-robin is the baseline, the oracle hit rate (unlimited cache, same
 subset) the bound. Prints a table and one JSON line.
+
+What is simulated and what is measured: the workers' caches and clocks are a simulation with fixed speeds
+(`ReplayConfig`), so hit rate, TTFT and load shares are simulated (`sim_*` in the JSON, "sim" in the table); only
+the routing decision's time (`route_p50_us`) is measured, on this CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: server, kvbm, harness
+from bench.machine import machine  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 from harness.trace import TraceRequest, add_trace_flags, load_conversations, oracle_hit_rate  # noqa: E402
 from kvbm.block_hash import BlockHash  # noqa: E402
@@ -34,8 +39,9 @@ from server.workers.protocol import WorkerId, WorkerStats  # noqa: E402
 class ReplayConfig:
     """The simulated cluster. Each worker prefills one request at a time (FIFO) at `prefill_tok_s`; blocks it
     holds in its G1 prefix cache (LRU, `g1_blocks`) restore `restore_speedup` times faster; decoding overlaps
-    prefill and holds the request's blocks for output_tokens * `decode_s_per_token`. Defaults: SmolLM2-135M
-    fp32 on these CPUs (brief: 2,048-token prefill 4.1 s, decode 42 ms/token, cached prefix 24x faster).
+    prefill and holds the request's blocks for output_tokens * `decode_s_per_token`. These speeds are fixed, not
+    measured by the run; the defaults are SmolLM2-135M fp32 as once measured on a 2-core CPU (2,048-token
+    prefill 4.1 s, decode 42 ms/token, cached prefix 24x faster).
     Workers publish stored/removed events to the KVBM index at once; the router sees only the index."""
 
     workers: int = 4
@@ -50,7 +56,8 @@ class ReplayConfig:
         return (
             f"{num_requests} requests of {conversations} conversations, 1 hash id = {self.block_tokens} "
             f"tokens, time / {self.speedup:g}, {self.workers} workers x {self.g1_blocks} G1 blocks, "
-            f"prefill {self.prefill_tok_s:g} tok/s, decode {self.decode_s_per_token * 1e3:g} ms/token"
+            f"fixed simulated speeds: prefill {self.prefill_tok_s:g} tok/s, cached prefix "
+            f"{self.restore_speedup:g}x faster, decode {self.decode_s_per_token * 1e3:g} ms/token"
         )
 
 
@@ -153,14 +160,16 @@ class _Simulation:
         self.router.release(request_id)
 
     def summary(self) -> dict[str, float]:
+        """sim_*: outcomes of the simulated workers (fixed speeds); route_p50_us: measured wall time of the real
+        `Router.route` on this CPU."""
         shares = [w.requests / len(self.ttfts) for w in self.workers.values()]
         return {
-            "hit_rate": round(self.hit_blocks / self.total_blocks, 4),
-            "ttft_p50_s": round(percentile(self.ttfts, 50), 3),
-            "ttft_p90_s": round(percentile(self.ttfts, 90), 3),
-            "ttft_p99_s": round(percentile(self.ttfts, 99), 3),
-            "share_max": round(max(shares), 3),
-            "share_min": round(min(shares), 3),
+            "sim_hit_rate": round(self.hit_blocks / self.total_blocks, 4),
+            "sim_ttft_p50_s": round(percentile(self.ttfts, 50), 3),
+            "sim_ttft_p90_s": round(percentile(self.ttfts, 90), 3),
+            "sim_ttft_p99_s": round(percentile(self.ttfts, 99), 3),
+            "sim_share_max": round(max(shares), 3),
+            "sim_share_min": round(min(shares), 3),
             "route_p50_us": round(percentile(self.route_s, 50) * 1e6, 1),
         }
 
@@ -190,28 +199,32 @@ def replay_command(args: argparse.Namespace) -> dict:
     return {
         "bench": "routing_replay",
         "scale": config.describe(len(requests), args.conversations),
+        "simulated": True,  # every sim_* figure: simulated workers at ReplayConfig's fixed speeds, not measured
+        "measured": ["route_p50_us"],  # the real Router's decision time on this machine
+        "machine": machine(),
         "oracle_hit_rate": round(oracle_hit_rate(requests), 3),
         "results": results,
     }
 
 
 def print_replay_table(report: dict) -> None:
-    print(f"Mooncake replay: {report['scale']}")
+    print(f"Mooncake replay, SIMULATED workers: {report['scale']}")
+    print("sim = simulated at those fixed speeds, not measured; measured = the real Router on this CPU")
     print(f"oracle prefix hit rate (unlimited cache, this subset): {report['oracle_hit_rate']:.1%}")
     print(
-        f"{'strategy':<15}{'hit rate':>9}{'TTFT p50 s':>11}{'p90 s':>8}{'p99 s':>8}"
-        f"{'share max/min':>15}{'route p50 us':>14}"
+        f"{'strategy':<15}{'sim hit rate':>13}{'sim TTFT p50 s':>15}{'sim p90 s':>10}{'sim p99 s':>10}"
+        f"{'sim share max/min':>19}{'measured route p50 us':>23}"
     )
     for name, row in report["results"].items():
         print(
-            f"{name:<15}{row['hit_rate']:>9.1%}{row['ttft_p50_s']:>11.2f}{row['ttft_p90_s']:>8.2f}"
-            f"{row['ttft_p99_s']:>8.2f}{row['share_max']:>8.1%}/{row['share_min']:<6.1%}"
-            f"{row['route_p50_us']:>14.1f}"
+            f"{name:<15}{row['sim_hit_rate']:>13.1%}{row['sim_ttft_p50_s']:>15.2f}{row['sim_ttft_p90_s']:>10.2f}"
+            f"{row['sim_ttft_p99_s']:>10.2f}{row['sim_share_max']:>12.1%}/{row['sim_share_min']:<6.1%}"
+            f"{row['route_p50_us']:>23.1f}"
         )
 
 
 def plot(report: dict, path: Path) -> None:
-    """Hit rate per strategy against the oracle's bound, and TTFT p50/p90 per strategy, side by side."""
+    """Simulated hit rate per strategy against the oracle's bound, and simulated TTFT p50/p90, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,20 +233,20 @@ def plot(report: dict, path: Path) -> None:
     names = list(report["results"])
     rows = [report["results"][name] for name in names]
     figure, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    hits.bar(names, [row["hit_rate"] for row in rows], color="tab:blue")
+    hits.bar(names, [row["sim_hit_rate"] for row in rows], color="tab:blue")
     hits.axhline(report["oracle_hit_rate"], color="black", linestyle="--", linewidth=1, label="oracle")
-    hits.set_ylabel("prefix hit rate")
+    hits.set_ylabel("prefix hit rate, simulated")
     hits.set_ylim(0, 1)
     hits.legend(loc="upper right")
     positions = range(len(names))
-    ttft.bar([x - 0.2 for x in positions], [row["ttft_p50_s"] for row in rows], width=0.4, label="p50")
-    ttft.bar([x + 0.2 for x in positions], [row["ttft_p90_s"] for row in rows], width=0.4, label="p90")
+    ttft.bar([x - 0.2 for x in positions], [row["sim_ttft_p50_s"] for row in rows], width=0.4, label="p50")
+    ttft.bar([x + 0.2 for x in positions], [row["sim_ttft_p90_s"] for row in rows], width=0.4, label="p90")
     ttft.set_xticks(list(positions), names)
-    ttft.set_ylabel("TTFT, s")
+    ttft.set_ylabel("TTFT, s, simulated (fixed speeds)")
     ttft.legend(loc="upper left")
     for axis in (hits, ttft):
         axis.tick_params(axis="x", labelrotation=20)
-    figure.suptitle(f"Mooncake replay: {report['scale']}", fontsize=8)
+    figure.suptitle(f"Mooncake replay, simulated workers: {report['scale']}", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
