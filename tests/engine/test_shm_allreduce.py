@@ -109,5 +109,5 @@ def _abort_once_arrived(name: str, before: int) -> None:
     deadline = time.monotonic() + 30
     while arrived(shm.segment) == before:
         assert time.monotonic() < deadline, "the waiting rank never arrived"
-        time.sleep(0.001)
+        time.sleep(0.001)  # polls shared memory: nothing to block on from this process
     shm.abort()

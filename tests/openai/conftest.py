@@ -13,6 +13,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from harness.ports import free_port
+from harness.waiting import wait_for
 from server.engine.api import (
     GenerationOutput,
     GenerationRequest,
@@ -65,7 +66,7 @@ class FakeEngine:
         if len(request.prompt_token_ids) + request.sampling.max_tokens > self.max_model_len:
             raise RequestError("prompt_token_ids", "too long")
         if self.submit_s:
-            time.sleep(self.submit_s)
+            time.sleep(self.submit_s)  # the behaviour under test: an engine slow to accept a request
         self.submitted.append(request)
         abort = self._abort_events[request.request_id] = threading.Event()
         threading.Thread(target=self._run, args=(request, sink, abort), daemon=True).start()
@@ -136,9 +137,8 @@ def token_logprobs(token_id: int, logprob: float, count: int) -> TokenLogprobs:
 
 
 def _wait_started(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    """uvicorn sets `started` and signals nothing: polled, with a deadline."""
+    wait_for(lambda: server.started or not thread.is_alive(), timeout_s, 0.005, what="uvicorn started")
     if not server.started:
         raise RuntimeError("uvicorn did not start")
 

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx
 import openai
 import pytest
 
+from harness.waiting import wait_for
 from server.engine.api import EngineOverloaded, GenerationOutput
 
 if TYPE_CHECKING:
     from conftest import Served  # fixtures come from tests/openai/conftest.py
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait on a condition with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -274,7 +265,7 @@ def test_client_disconnect_aborts_the_stream(served: Served) -> None:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     request_id = served.engine.submitted[0].request_id
-    wait_for(lambda: request_id in served.engine.aborted)
+    wait_for(lambda: request_id in served.engine.aborted, 10, 0.005, what="the abort")
     assert len(served.engine.aborted) == 1
 
 
@@ -282,7 +273,9 @@ def test_client_disconnect_aborts_a_non_streaming_request(served: Served) -> Non
     served.engine.step_s = 0.02
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.base_url}/v1/chat/completions", json=_chat(max_tokens=200), timeout=0.3)
-    wait_for(lambda: served.engine.aborted == [served.engine.submitted[0].request_id])
+    wait_for(
+        lambda: served.engine.aborted == [served.engine.submitted[0].request_id], 10, 0.005, what="the abort"
+    )
 
 
 def test_finished_requests_are_not_aborted(client: openai.OpenAI, served: Served) -> None:
@@ -300,7 +293,12 @@ def test_disconnect_during_a_slow_submit_leaves_no_request_running(served: Serve
     served.engine.submit_s = 0.15
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.base_url}/v1/chat/completions", json=_chat(max_tokens=200, n=4), timeout=0.2)
-    wait_for(lambda: len(served.engine.submitted) >= 1 and not _running(served))
+    wait_for(
+        lambda: len(served.engine.submitted) >= 1 and not _running(served),
+        10,
+        0.005,
+        what="the request ended",
+    )
     assert len(served.engine.submitted) < 4  # submission stopped once the client was gone
 
 
@@ -324,7 +322,7 @@ def test_full_wait_queue_is_429_with_retry_after(served: Served, client: openai.
     error = response.json()["error"]
     assert error["type"] == "rate_limit_exceeded" and error["code"] == "queue_full"
     assert "max_queued_requests" in error["message"]
-    wait_for(lambda: len(served.engine.aborted) == 1)
+    wait_for(lambda: len(served.engine.aborted) == 1, 10, 0.005, what="the abort")
     assert served.engine.aborted[0].endswith("-0")
     assert served.metrics.requests.labels("fake", "rejected")._value.get() == 1
     with pytest.raises(openai.RateLimitError):

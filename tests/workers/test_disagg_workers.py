@@ -13,11 +13,11 @@ import os
 import queue
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from harness.waiting import wait_for
 from kvbm.block_hash import BlockHash
 from kvbm.index import KVIndex
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
@@ -163,10 +163,12 @@ def test_without_prefill_workers_decode_prefills_locally_then_remote_again_when_
             os.kill(worker.info.pid, signal.SIGKILL)
     ids = routed.encode("Describe: " + TEXT * 5)
     before = prefills(routed)
-    deadline = time.monotonic() + 30
-    while any(w.alive for w in routed.membership.all() if w.info.role == "prefill"):
-        assert time.monotonic() < deadline, "the prefill workers' deaths were not noticed"
-        time.sleep(0.05)
+    wait_for(
+        lambda: not any(w.alive for w in routed.membership.all() if w.info.role == "prefill"),
+        30,
+        0.05,
+        what="the prefill workers' deaths noticed",
+    )
     tokens, text, _ = stream(routed, greedy(ids, "fallback"))
     assert (tokens, text) == expected(reference, ids)
     assert (

@@ -203,9 +203,8 @@ def _serve(app: object) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # uvicorn sets `started` and signals nothing: polled, with a deadline
+        wait_for(lambda: server.started or not thread.is_alive(), 10, 0.01, what="uvicorn started")
         assert server.started
         yield f"http://127.0.0.1:{port}"
     finally:
