@@ -587,7 +587,9 @@ class ObjectPool:
         try:
             self._run(settle(), self.timeout_s)
         except TimeoutError:
-            pass
+            log.warning(
+                "G5: requests in flight did not settle within %.0f s at close; cancelled", self.timeout_s
+            )
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self.timeout_s)
         self._loop.close()

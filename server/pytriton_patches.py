@@ -67,14 +67,15 @@ def apply() -> None:
 
 def wait_for_server_live(client, timeout_s: float | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + (timeout_s or 60.0)
+    last_error = "it answered not live"
     while True:
         try:
             if client.is_server_live(headers=headers):
                 return
-        except Exception:  # noqa: BLE001 - connection errors while Triton starts
-            pass
+        except Exception as exc:  # noqa: BLE001 - while Triton starts, any failure to answer means "not yet"
+            last_error = f"{type(exc).__name__}: {exc}"
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Triton not live within {timeout_s} s")
+            raise TimeoutError(f"Triton not live within {timeout_s} s (last: {last_error})")
         time.sleep(0.05)  # only while Triton starts: it is live from its first answer on
 
 

@@ -203,7 +203,12 @@ class DisaggFlow:
             self.flights.end(flight, sink, "error", f"no decode worker takes it: {exc}")
         except Exception as exc:
             logger.exception("request %s: decode worker %s failed it", request.request_id, flight.worker_id)
-            self.flights.end(flight, sink, "error", f"{type(exc).__name__}: {exc}")
+            self.flights.end(
+                flight,
+                sink,
+                "error",
+                f"internal error placing request {request.request_id}; see the server log",
+            )
 
     def _prefill_done(self, flight: Flight, state: RequestState | None) -> None:
         """The prefill worker is done with the request (handed off, refused, died, finished): out of the queue and

@@ -320,8 +320,8 @@ class RemoteEngine:
         if self._dead is None:
             try:
                 self._channel.send(Stop())
-            except Exception:  # noqa: BLE001 - the link may be gone already; dropping goes on regardless
-                pass
+            except Exception as exc:  # noqa: BLE001 - the link may be gone already; dropping goes on regardless
+                logger.info("worker %s: its Stop was not sent (%s); dropping it anyway", self.worker_id, exc)
         self._die(reason)
         self.close()
 
