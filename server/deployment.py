@@ -202,17 +202,14 @@ class LLMDeployment:
         config = VLLMConfig.from_json(model.path / str(version) / model.model_filename)
         config.model_name = model.name
         config.apply_overrides(self.serving.overrides)
-        args = config.engine_args
-        ranks = int(args.get("tensor_parallel_size", 1) or 1) * int(
-            args.get("pipeline_parallel_size", 1) or 1
-        )
+        ranks = config.parallel.world_size
         if roles is not None and ranks > 1:
             raise ConfigError(
                 model.path / str(version) / model.model_filename,
                 f'disaggregated serving on backend "vllm" hands KV over through StrataKVConnector, which holds '
                 f"whole blocks, not the parts of vLLM's {ranks} ranks: serve this model aggregated, or unsharded",
             )
-        if int(args.get("pipeline_parallel_size", 1) or 1) > 1 and args.get("enforce_eager"):
+        if config.parallel.pipeline_parallel_size > 1 and config.engine_args.get("enforce_eager"):
             log.warning(
                 "%s: vLLM 0.32's CPU build fails the first request with pipeline_parallel_size > 1 and "
                 "enforce_eager true (it allocates a stage's intermediate tensors only while compiling)", model.name,

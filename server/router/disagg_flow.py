@@ -201,7 +201,7 @@ class DisaggFlow:
             place(self.router, request.request_id, hashes, offer, withdraw, first=flight.decode_worker_id)
         except Unplaced as exc:
             self.flights.end(flight, sink, "error", f"no decode worker takes it: {exc}")
-        except Exception as exc:
+        except Exception:
             logger.exception("request %s: decode worker %s failed it", request.request_id, flight.worker_id)
             self.flights.end(
                 flight,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +63,26 @@ class CheckedArgs(msgspec.Struct):
     pipeline_parallel_size: PositiveInt = 1
 
 
+@dataclass(frozen=True, slots=True)
+class VLLMParallel:
+    """vLLM's parallel settings, read once from its engine arguments (checked by CheckedArgs on the server)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @classmethod
+    def of(cls, engine_args: Mapping[str, Any]) -> VLLMParallel:
+        return cls(
+            int(engine_args.get("tensor_parallel_size") or 1),
+            int(engine_args.get("pipeline_parallel_size") or 1),
+        )
+
+    @property
+    def world_size(self) -> int:
+        """vLLM's ranks: every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 @dataclass(slots=True)
 class VLLMConfig:
     """vLLM's engine arguments for one model, as the worker will pass them to `AsyncEngineArgs`."""
@@ -80,6 +101,10 @@ class VLLMConfig:
     @property
     def max_model_len(self) -> int:
         return self.engine_args.get("max_model_len") or DEFAULT_MAX_MODEL_LEN
+
+    @property
+    def parallel(self) -> VLLMParallel:
+        return VLLMParallel.of(self.engine_args)
 
     @classmethod
     def from_json(cls, path: str | Path) -> VLLMConfig:
@@ -138,9 +163,7 @@ def cpu_binds(engine_args: dict[str, Any], workers: int, cores: list[int] | None
     host binds the same cores (two SmolLM2 workers on 2 cores: both on core 1), and it refuses more ranks than
     NUMA nodes. Where a core per rank does not go round, ranks share cores in turn ("0|1|0": 3 ranks on 2 cores).
     None when one worker of one rank keeps vLLM's auto binding, or when the operator set the variable."""
-    ranks = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(
-        engine_args.get("pipeline_parallel_size", 1) or 1
-    )
+    ranks = VLLMParallel.of(engine_args).world_size
     if (workers < 2 and ranks < 2) or CPU_BIND_ENV in os.environ:
         return None
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores

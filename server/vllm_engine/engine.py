@@ -64,6 +64,7 @@ from server.engine.api import (
     continuation,
     validate_request,
 )
+from server.vllm_engine.config import VLLMParallel
 from server.vllm_engine.connector import G4_KEY_ENV, ConnectorSettings, engine_fingerprint
 from server.vllm_engine.kv_events import KVEventRelay
 
@@ -372,7 +373,7 @@ def _keep_cpu_layout(raw: Mapping[str, Any]) -> None:
     VLLM_CPU_NUM_OF_RESERVED_CPU or VLLM_CPU_OMP_THREADS_BIND wins."""
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
         return
-    ranks = int(raw.get("tensor_parallel_size", 1) or 1) * int(raw.get("pipeline_parallel_size", 1) or 1)
+    ranks = VLLMParallel.of(raw).world_size
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(ranks)  # read by vLLM's worker processes, started next
 
 
@@ -385,7 +386,7 @@ def _connector_config(
 
     if kvbm is None:
         return None
-    ranks = int(args.get("tensor_parallel_size", 1) or 1) * int(args.get("pipeline_parallel_size", 1) or 1)
+    ranks = VLLMParallel.of(args).world_size
     if ranks > 1:  # each rank's worker half would store its part of a block under the whole block's key
         logger.warning(
             "%s: Strata's KV tiers are not attached to a vLLM engine of %d ranks (StrataKVConnector holds whole "
