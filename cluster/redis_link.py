@@ -11,6 +11,8 @@ from typing import Protocol, TypeVar
 
 import redis
 
+from cluster.backoff import Backoff
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -44,7 +46,7 @@ class RedisLink:
         )
         self._lock = threading.Lock()
         self._retry_at = 0.0
-        self._backoff = MIN_BACKOFF_S
+        self._backoff = Backoff(MIN_BACKOFF_S, MAX_BACKOFF_S)
         self._up = True
 
     @property
@@ -69,11 +71,11 @@ class RedisLink:
         with self._lock:
             if self._up:
                 log.warning("redis %s unreachable (%s); skipping it, retrying with backoff", self.url, err)
-                self._backoff = MIN_BACKOFF_S
+                self._backoff.reset()
             else:
-                self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+                self._backoff.grow()
             self._up = False
-            self._retry_at = time.monotonic() + self._backoff
+            self._retry_at = time.monotonic() + self._backoff.delay
         self.client.connection_pool.disconnect()
         if self.up_gauge is not None:
             self.up_gauge.set(0)
@@ -82,7 +84,7 @@ class RedisLink:
         if not self._up:
             with self._lock:
                 self._up = True
-                self._backoff = MIN_BACKOFF_S
+                self._backoff.reset()
             log.info("redis %s reachable again", self.url)
         if self.up_gauge is not None:
             self.up_gauge.set(1)

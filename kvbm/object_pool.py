@@ -55,6 +55,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from cluster.backoff import Backoff
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import TierMetrics
 from kvbm.signing import BlockSeal
@@ -136,8 +137,7 @@ class CircuitBreaker:
     `max_s`), no call goes; then one call goes through (half-open) and its outcome closes or reopens it."""
 
     def __init__(self, open_s: float = CIRCUIT_OPEN_S, max_s: float = CIRCUIT_MAX_S, on_change=None) -> None:
-        self._base, self._max = open_s, max_s
-        self._open_s = open_s
+        self._open = Backoff(open_s, max_s)
         self._until = 0.0  # monotonic end of the open period; 0: closed
         self._probing = False
         self._lock = threading.Lock()
@@ -158,15 +158,17 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
-            was_open, self._until, self._probing, self._open_s = self._until != 0.0, 0.0, False, self._base
+            was_open, self._until, self._probing = self._until != 0.0, 0.0, False
+            self._open.reset()
         if was_open and self._on_change is not None:
             self._on_change(True)
 
     def failure(self) -> None:
         with self._lock:
             was_closed = self._until == 0.0
-            self._until = time.monotonic() + self._open_s
-            self._open_s = min(self._open_s * 2, self._max) if not was_closed else self._open_s
+            self._until = time.monotonic() + self._open.delay
+            if not was_closed:
+                self._open.grow()
             self._probing = False
         if was_closed and self._on_change is not None:
             self._on_change(False)
