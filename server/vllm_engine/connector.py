@@ -52,7 +52,7 @@ from kvbm.block_hash import BlockHash, hash_block, model_salt, request_salt
 from kvbm.config import KVBMConfig
 from kvbm.connector import KVBMConnector
 from kvbm.events import TierEvent
-from server.vllm_engine.kv_events import ANNOUNCE
+from server.vllm_engine.kv_events import Announce, Held, Lookup, LookupRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -380,9 +380,8 @@ class _EventPush:
 
 
 class _LookupServer:
-    """Answers the scheduler half's lookups (a msgpack list of u64 hashes -> the count of leading blocks held)
-    from a thread of the worker process; `ANNOUNCE` (from the Strata worker's relay) announces the tiers' blocks
-    and is answered with 0."""
+    """Answers the scheduler half's Lookups with the count of leading blocks held, from a thread of the worker
+    process; an Announce (from the Strata worker's relay) announces the tiers' blocks and is answered with 0."""
 
     def __init__(self, endpoint: str, count_held, announce) -> None:
         self._context = zmq.Context.instance()
@@ -392,7 +391,7 @@ class _LookupServer:
         self._count_held = count_held
         self._announce = announce
         self._stop = threading.Event()
-        self._decoder = msgspec.msgpack.Decoder(list[int] | str)
+        self._decoder = msgspec.msgpack.Decoder(LookupRequest)
         self._thread = threading.Thread(target=self._run, name="strata-kv-lookup", daemon=True)
         self._thread.start()
 
@@ -404,17 +403,15 @@ class _LookupServer:
                 continue
             try:
                 request = self._decoder.decode(self._socket.recv())
-                if isinstance(request, str):
-                    if request != ANNOUNCE:
-                        raise ValueError(f"unknown request {request!r}")
+                if isinstance(request, Announce):
                     self._announce()
                     held = 0
                 else:
-                    held = self._count_held([BlockHash(h) for h in request])
+                    held = self._count_held(request.block_hashes)
             except Exception:  # the thread must answer every request, or the scheduler waits out each lookup
                 logger.exception("StrataKVConnector lookup failed; answered as a miss")
                 held = 0
-            self._socket.send(msgspec.msgpack.encode(held))
+            self._socket.send(msgspec.msgpack.encode(Held(held)))
         self._socket.close(0)
 
     def close(self) -> None:
@@ -443,8 +440,8 @@ class _LookupClient:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._endpoint)
         try:
-            self._socket.send(msgspec.msgpack.encode(block_hashes))
-            return int(msgspec.msgpack.decode(self._socket.recv()))
+            self._socket.send(msgspec.msgpack.encode(Lookup(block_hashes)))
+            return msgspec.msgpack.decode(self._socket.recv(), type=Held).blocks
         except zmq.Again:
             logger.warning(
                 "StrataKVConnector: no lookup answer in %d ms; counted as a miss", LOOKUP_TIMEOUT_MS

@@ -20,7 +20,7 @@ rest are ignored), never unpickled.
 
 `announce` publishes everything the worker holds again, for an index that missed it (a server that just attached a
 remote worker, a KVBM service that restarted): the G1 blocks from the relay's map, then the tiers' blocks, which
-StrataKVConnector's worker half announces when asked on its lookup socket (`ANNOUNCE`).
+StrataKVConnector's worker half announces when asked on its lookup socket (`Announce`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,31 @@ import msgspec
 import zmq
 
 from kvbm.block_hash import BlockHash, hash_block, request_salt
-from kvbm.events import G1, EventSink, TierEvent
+from kvbm.events import G1, EventSink, TierEvent, WireHash
 
 logger = logging.getLogger(__name__)
 
 VLLMHash = int | bytes
-ANNOUNCE = "announce"  # asked on StrataKVConnector's lookup socket (whose lookups are lists of hashes)
 ANNOUNCE_TIMEOUT_MS = 5000
+
+
+class Lookup(msgspec.Struct, tag=True, frozen=True):
+    """StrataKVConnector's scheduler half asks its worker half: how many of these leading blocks do the tiers
+    hold? Answered with Held."""
+
+    block_hashes: list[WireHash]
+
+
+class Announce(msgspec.Struct, tag=True, frozen=True):
+    """The relay asks the connector's worker half to publish every block its tiers hold; answered with Held(0)
+    once the events are on the tier socket."""
+
+
+class Held(msgspec.Struct, tag=True, frozen=True):
+    blocks: int
+
+
+LookupRequest = Lookup | Announce
 
 
 class BlockStored(msgspec.Struct, tag=True):
@@ -214,7 +232,7 @@ class KVEventRelay:
             ask.setsockopt(zmq.RCVTIMEO, ANNOUNCE_TIMEOUT_MS)
             ask.setsockopt(zmq.LINGER, 0)
             ask.connect(self._lookup_endpoint)
-            ask.send(msgspec.msgpack.encode(ANNOUNCE))
+            ask.send(msgspec.msgpack.encode(Announce()))
             try:
                 ask.recv()  # its events are on the tier socket by then
             except zmq.Again:
