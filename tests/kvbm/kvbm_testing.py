@@ -18,6 +18,7 @@ T = TypeVar("T")
 CLUSTER_SECRET = b"test-cluster-secret-0123456789abcdef"
 G4_KEY = derive_key(CLUSTER_SECRET, "g4-mac")  # what a process given CLUSTER_SECRET signs G4 blocks with
 ZMTP_SIGNATURE = b"\xff" + bytes(7) + b"\x01\x7f"  # the first 10 bytes libzmq sends on every connection
+LEASE_TTL_S = 1.0  # the Redis lease of the tests' workers: a killed one leaves the index once it runs out
 
 
 def old_style_query(block_hashes: list[int]) -> bytes:
@@ -69,13 +70,16 @@ def spawned_offload(
     from kvbm.block_hash import BlockHash
     from kvbm.config import KVBMConfig
 
-    connector = build_connector(KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id, lease_ttl_s=1.0)
+    connector = build_connector(
+        KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id, lease_ttl_s=LEASE_TTL_S
+    )
     connector.bind(make_kv_cache(small_layout(), 64, seed), small_layout())
     connector.offload([BlockHash(h) for h in range(1, num_blocks + 1)], list(range(num_blocks)))
     connector.events and connector.events.flush()  # type: ignore[union-attr]
     done.put(worker_id)
     if stay:
-        time.sleep(600)  # killed by the test
+        # alive until the test's kill -9, the behaviour under test (the 600 s only end an orphan)
+        time.sleep(600)
     connector.close()
 
 

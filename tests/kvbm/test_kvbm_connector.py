@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,9 @@ import torch
 from kvbm_testing import G4_KEY, make_kv_cache, small_layout, tier_of
 from msgspec.structs import replace
 
+from cluster.redis_link import MAX_BACKOFF_S
 from harness.redis_server import RedisServer
+from harness.waiting import wait_for
 from kvbm.api import BlockRemoved, BlockStored, KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig
@@ -218,13 +219,16 @@ def test_redis_outage_keeps_g2_g3_working(cache_id: str, tmp_path: Path, layout)
         assert kvbm.lookup(hashes(24)) == 24
         assert onboarded(kvbm, kv_cache, hashes(24), original) == (24, [True] * 24)
         server.start()
-        deadline = time.monotonic() + 20
         g2, g4 = tier_of(kvbm, HostPool), tier_of(kvbm, RedisPool)
-        while not g4.contains([BlockHash(100)])[0] and time.monotonic() < deadline:
+
+        def written_through() -> bool:
             kvbm.offload([BlockHash(100)], [0])
             g2.evict(16)  # force the next offload to really write again
-            time.sleep(0.05)
-        assert g4.contains([BlockHash(100)]) == [True]
+            return g4.contains([BlockHash(100)])[0]
+
+        # Redis is another process: polling a write is the only way to see it back; the link tries once per
+        # backoff period (at most MAX_BACKOFF_S), so twice that bounds the wait
+        wait_for(written_through, 2 * MAX_BACKOFF_S, what="G4 to take a write-through again")
         kvbm.close()
     finally:
         server.stop()

@@ -8,8 +8,11 @@ import numpy as np
 import redis
 from kvbm_testing import G4_KEY
 
-from cluster.redis_link import RedisLink
+import cluster.redis_link as redis_link_module
+import kvbm.redis_pool as redis_pool_module
+from cluster.redis_link import MAX_BACKOFF_S, RedisLink
 from harness.redis_server import RedisServer
+from harness.waiting import wait_for
 from kvbm.block_hash import BlockHash
 from kvbm.metrics import KVBMMetrics, TierMetrics
 from kvbm.redis_pool import FETCH_CHUNK_BLOCKS, RedisPool
@@ -34,6 +37,19 @@ def pool_for(
         metrics=metrics,
         **kwargs,
     )
+
+
+def count_requests(pool: RedisPool, monkeypatch) -> list[int]:
+    """A one-item list counting the pool's requests to Redis from now on (each is one pipeline)."""
+    count = [0]
+    pipeline = pool.link.client.pipeline
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(pool.link.client, "pipeline", counted)
+    return count
 
 
 def read(pool: RedisPool, hashes: list[int]) -> tuple[list[bool], list[np.ndarray]]:
@@ -74,13 +90,25 @@ def test_other_layout_never_reads_these_blocks(redis_url: str) -> None:
     assert read(other, [1])[0] == [False]
 
 
-def test_capacity_trims_least_recently_used(redis_url: str) -> None:
+class StepClock:
+    """kvbm.redis_pool's `time` in a test: time() advances one second per call, so the read that touches a block
+    scores it later than the put that stored it (the LRU score is that clock's time)."""
+
+    def __init__(self) -> None:
+        self.now = 1e9
+
+    def time(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_capacity_trims_least_recently_used(redis_url: str, monkeypatch) -> None:
+    monkeypatch.setattr(redis_pool_module, "time", StepClock())
     evicted: list[int] = []
     pool = pool_for(
         redis_url, capacity_blocks=3, on_evict=lambda gone: evicted.extend(b.block_hash for b in gone)
     )
     pool.put([BlockHash(1), BlockHash(2), BlockHash(3)], data(3))
-    time.sleep(0.01)  # the LRU score has wall-clock resolution
     read(pool, [1])
     pool.put([BlockHash(4)], data(1))
     assert evicted == [2]
@@ -93,7 +121,20 @@ def test_ttl_is_set(redis_url: str) -> None:
     assert 0 < redis.Redis.from_url(redis_url).ttl(pool.key(BlockHash(1))) <= 30
 
 
-def test_outage_is_skipped_and_recovers() -> None:
+class FrozenClock:
+    """cluster.redis_link's `time` in a test: monotonic() stands still, so a backoff period never ends."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_outage_is_skipped_and_recovers(monkeypatch) -> None:
+    """No retry storm: the first call that finds Redis down is the only one that tries it within the link's
+    backoff period (the link's clock stands still here, so the period never ends); later calls return their
+    default without a request. Once Redis is back, the next try after the backoff reaches it."""
     server = RedisServer()
     server.start()
     try:
@@ -101,17 +142,23 @@ def test_outage_is_skipped_and_recovers() -> None:
         pool = pool_for(server.url, metrics=metrics)
         blocks = data(2)
         pool.put([BlockHash(1)], blocks[:1])
+        requests = count_requests(pool, monkeypatch)
+        monkeypatch.setattr(redis_link_module, "time", FrozenClock())
         server.stop()
-        started = time.monotonic()
         assert pool.put([BlockHash(2)], blocks[1:]).rejected == [0]
         assert read(pool, [1])[0] == [False]
         assert pool.contains([BlockHash(1)]) == [False]
-        assert time.monotonic() - started < 3.0  # no retry storm: down calls return at once
+        assert requests == [1]  # the put found Redis down; the read and the lookup cost no request
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 0
         server.start()
-        deadline = time.monotonic() + 20
-        while pool.put([BlockHash(2)], blocks[1:]).rejected and time.monotonic() < deadline:
-            time.sleep(0.05)
+        monkeypatch.setattr(redis_link_module, "time", time)
+        # Redis is another process: polling a put is the only way to see it back; the link tries once per
+        # backoff period (at most MAX_BACKOFF_S), so twice that bounds the wait
+        wait_for(
+            lambda: not pool.put([BlockHash(2)], blocks[1:]).rejected,
+            timeout=2 * MAX_BACKOFF_S,
+            what="G4 to take a put again",
+        )
         assert read(pool, [2])[0] == [True]
         assert metrics.registry.get_sample_value("kvbm_redis_up") == 1
     finally:

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import redis
 from kvbm_testing import (
     CLUSTER_SECRET,
     G4_KEY,
+    LEASE_TTL_S,
     ZMTP_SIGNATURE,
     make_kv_cache,
     old_style_query,
@@ -28,6 +28,7 @@ from kvbm_testing import (
 )
 
 from harness.redis_server import RedisServer
+from harness.waiting import wait_for
 from kvbm.agent import build_connector
 from kvbm.api import BlockRemoved, BlockStored
 from kvbm.block_hash import BlockHash
@@ -47,19 +48,15 @@ SERVICE_KEYS = service_keys(CLUSTER_SECRET)
 BLOCKS = [BlockHash(h) for h in range(1, 9)]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Seconds it took for `condition` to hold; fails after `timeout_s`."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
+LEASE_CHECK_S = 0.2  # how often the service looks for expired leases
+
+# What these tests wait for reaches the service through Redis (another process) and the service's follower thread:
+# there is no event to wait on, so they poll the index with harness.waiting.wait_for and a deadline.
 
 
 @pytest.fixture
 def service(redis_url: str) -> Iterator[KVBMService]:
-    running = KVBMService(redis_url, port=0, lease_check_s=0.2, keys=SERVICE_KEYS).start()
+    running = KVBMService(redis_url, port=0, lease_check_s=LEASE_CHECK_S, keys=SERVICE_KEYS).start()
     yield running
     running.stop()
 
@@ -67,7 +64,7 @@ def service(redis_url: str) -> Iterator[KVBMService]:
 @pytest.fixture
 def worker(redis_url: str, cache_id: str) -> Iterator[KVBMConnector]:
     config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=redis_url, g4_key=G4_KEY)
-    connector = build_connector(config, "worker-a", lease_ttl_s=1.0)
+    connector = build_connector(config, "worker-a", lease_ttl_s=LEASE_TTL_S)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
     connector.offload(BLOCKS, list(range(8)))
     for block_hash in BLOCKS[:4]:
@@ -83,7 +80,7 @@ def holds(
 
 
 def test_events_reach_the_service_and_client_queries_it(service: KVBMService, worker: KVBMConnector) -> None:
-    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    wait_for(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="worker-a in the index")
     client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     assert client.query(BLOCKS) == service.index.query(BLOCKS)
     assert client.query([]).num_blocks == 0
@@ -97,10 +94,11 @@ def test_dead_worker_vanishes_within_seconds(service: KVBMService, redis_url: st
     child.start()
     try:
         assert done.get(timeout=120) == "worker-b"
-        wait_until(holds(service, "worker-b", WorkerPrefix(0, 8, 8)), 5, "worker-b in the index")
+        wait_for(holds(service, "worker-b", WorkerPrefix(0, 8, 8)), 5, what="worker-b in the index")
         os.kill(child.pid, signal.SIGKILL)
-        took = wait_until(lambda: "worker-b" not in service.index.workers, 10, "worker-b to expire")
-        assert took < 3.0  # lease 1 s + check every 0.2 s
+        took = wait_for(lambda: "worker-b" not in service.index.workers, 10, what="worker-b to expire")
+        # the time is the contract: gone once its lease runs out and the next check comes; twice that bounds it
+        assert took < 2 * (LEASE_TTL_S + LEASE_CHECK_S)
         assert service.index.query(BLOCKS).workers == {}
     finally:
         child.kill()
@@ -108,12 +106,12 @@ def test_dead_worker_vanishes_within_seconds(service: KVBMService, redis_url: st
 
 
 def test_restarted_service_rebuilds_from_the_stream(redis_url: str, worker: KVBMConnector) -> None:
-    first = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
-    wait_until(holds(first, "worker-a", WorkerPrefix(4, 8, 8)), 5, "first service to see worker-a")
+    first = KVBMService(redis_url, port=None, lease_check_s=LEASE_CHECK_S).start()
+    wait_for(holds(first, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="first service to see worker-a")
     first.stop()
-    second = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
+    second = KVBMService(redis_url, port=None, lease_check_s=LEASE_CHECK_S).start()
     try:
-        wait_until(holds(second, "worker-a", WorkerPrefix(4, 8, 8)), 5, "replay into the second service")
+        wait_for(holds(second, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="replay into the second service")
     finally:
         second.stop()
 
@@ -121,11 +119,11 @@ def test_restarted_service_rebuilds_from_the_stream(redis_url: str, worker: KVBM
 def test_workers_reannounce_when_the_stream_was_lost(redis_url: str, worker: KVBMConnector) -> None:
     worker.events.flush()  # type: ignore[union-attr]
     redis.Redis.from_url(redis_url).delete(STREAM)
-    service = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
+    service = KVBMService(redis_url, port=None, lease_check_s=LEASE_CHECK_S).start()
     try:
-        wait_until(lambda: worker._announce_due, 5, "worker to notice the new service epoch")
+        wait_for(lambda: worker._announce_due, 5, what="worker to notice the new service epoch")
         worker.lookup([])  # the next engine-thread call re-announces
-        wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "re-announced blocks")
+        wait_for(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="re-announced blocks")
     finally:
         service.stop()
 
@@ -151,7 +149,7 @@ def test_service_process_answers_queries(redis_url: str, worker: KVBMConnector) 
             return False
 
     try:
-        wait_until(answered, 30, "the kvbm process to answer")
+        wait_for(answered, 30, what="the kvbm process to answer")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
     finally:
@@ -174,7 +172,7 @@ def test_object_tier_blocks_reach_the_index_outlive_their_worker_and_are_priced_
         object_url=object_url,
         g4_key=G4_KEY,
     )
-    connector = build_connector(config, "worker-g5", lease_ttl_s=1.0)
+    connector = build_connector(config, "worker-g5", lease_ttl_s=LEASE_TTL_S)
     try:
         connector.bind(make_kv_cache(small_layout(), 64), small_layout())
         connector.offload(BLOCKS, list(range(8)))
@@ -183,10 +181,10 @@ def test_object_tier_blocks_reach_the_index_outlive_their_worker_and_are_priced_
             connector.lookup([])  # the engine thread publishes the uploads G5 finished
             return service.index.query(BLOCKS).g5 == len(BLOCKS)
 
-        wait_until(published, 30, "the uploaded blocks in the index")
+        wait_for(published, 30, what="the uploaded blocks in the index")
     finally:
         connector.close()
-    wait_until(lambda: "worker-g5" not in service.index.workers, 10, "worker-g5 to leave the index")
+    wait_for(lambda: "worker-g5" not in service.index.workers, 10, what="worker-g5 to leave the index")
     client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     try:
         report = client.query(BLOCKS)
@@ -201,7 +199,7 @@ def test_object_tier_blocks_reach_the_index_outlive_their_worker_and_are_priced_
 
 
 def test_client_reports_the_service_event_count(service: KVBMService, worker: KVBMConnector) -> None:
-    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    wait_for(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="worker-a in the index")
     client = KVIndexClient(f"{service.address[0]}:{service.address[1]}", SERVICE_KEYS)
     assert client.events_applied == 0
     client.query(BLOCKS)
@@ -213,24 +211,26 @@ def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> N
     server = RedisServer()
     server.start()
     config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url, g4_key=G4_KEY)
-    connector = build_connector(config, "worker-r", lease_ttl_s=1.0)
+    connector = build_connector(config, "worker-r", lease_ttl_s=LEASE_TTL_S)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
-    service = KVBMService(server.url, port=None, lease_check_s=0.2).start()
+    service = KVBMService(server.url, port=None, lease_check_s=LEASE_CHECK_S).start()
     try:
         connector.offload(BLOCKS, list(range(8)))
-        wait_until(holds(service, "worker-r", WorkerPrefix(0, 8, 8)), 5, "worker-r in the index")
+        wait_for(holds(service, "worker-r", WorkerPrefix(0, 8, 8)), 5, what="worker-r in the index")
         server.stop()
         connector.offload([BlockHash(99)], [9])  # events are dropped while Redis is down, nothing raises
         server.start()  # empty: no stream, no leases, no epoch
-        wait_until(lambda: connector._announce_due, 20, "worker to notice Redis came back")
+        wait_for(lambda: connector._announce_due, 20, what="worker to notice Redis came back")
         connector.lookup([])  # the engine thread's next call re-announces
         # block 99 reached no index before (its event was dropped): only the re-announcement puts it there; the
         # first 8 may still be the service's pre-restart entries until it notices the new epoch
-        wait_until(
-            holds(service, "worker-r", WorkerPrefix(0, 1, 1), [BlockHash(99)]), 20, "block 99 announced"
+        wait_for(
+            holds(service, "worker-r", WorkerPrefix(0, 1, 1), [BlockHash(99)]), 20, what="block 99 announced"
         )
-        wait_until(
-            holds(service, "worker-r", WorkerPrefix(0, 8, 8)), 20, "re-announced blocks after the restart"
+        wait_for(
+            holds(service, "worker-r", WorkerPrefix(0, 8, 8)),
+            20,
+            what="re-announced blocks after the restart",
         )
     finally:
         service.stop()
@@ -241,15 +241,17 @@ def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> N
 def test_a_client_without_the_secret_gets_no_answer_and_the_service_keeps_serving(
     service: KVBMService, worker: KVBMConnector
 ) -> None:
-    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    wait_for(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="worker-a in the index")
     address = f"{service.address[0]}:{service.address[1]}"
     intruder = KVIndexClient(address, service_keys(b"not-the-cluster-secret-at-all"), timeout_s=0.5)
     with pytest.raises(TimeoutError):
         intruder.query(BLOCKS)
     intruder.close()
     registry = service.metrics.registry
-    wait_until(
-        lambda: registry.get_sample_value("kvbm_service_auth_failures_total") >= 1, 5, "a refusal counted"
+    wait_for(
+        lambda: registry.get_sample_value("kvbm_service_auth_failures_total") >= 1,
+        5,
+        what="a refusal counted",
     )
     with socket.create_connection(service.address) as raw:  # an old-style plain query: closed unanswered
         raw.sendall(old_style_query(BLOCKS))
@@ -277,12 +279,12 @@ def test_a_malformed_stream_entry_is_skipped_and_counted(
     service: KVBMService, worker: KVBMConnector, redis_url: str
 ) -> None:
     """Anyone who can write to Redis can append to the event stream: the follower skips what does not parse."""
-    wait_until(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, "worker-a in the index")
+    wait_for(holds(service, "worker-a", WorkerPrefix(4, 8, 8)), 5, what="worker-a in the index")
     client = redis.Redis.from_url(redis_url)
     client.xadd(STREAM, {b"w": b"x", b"k": b"stored", b"t": b"not-a-tier"})
     client.xadd(STREAM, {b"junk": b"\xff"})
     worker.on_event(BlockRemoved(tuple(BLOCKS[2:4])))  # a valid event after the bad ones is still applied
-    wait_until(holds(service, "worker-a", WorkerPrefix(2, 8, 8)), 5, "the event after the bad entries")
+    wait_for(holds(service, "worker-a", WorkerPrefix(2, 8, 8)), 5, what="the event after the bad entries")
     assert service.metrics.registry.get_sample_value("kvbm_service_events_rejected_total") == 2
 
 
@@ -298,7 +300,7 @@ def test_an_out_of_range_tier_is_skipped_and_the_follower_keeps_going(
     moved = TierEvent("worker-c", "moved", G2, tuple(BLOCKS[:2]), from_tier=G1).to_fields()
     client.xadd(STREAM, {**moved, b"f": b"0"})
     client.xadd(STREAM, good.to_fields())
-    wait_until(holds(service, "worker-c", WorkerPrefix(2, 2, 2)), 5, "the good entry after the bad ones")
+    wait_for(holds(service, "worker-c", WorkerPrefix(2, 2, 2)), 5, what="the good entry after the bad ones")
     assert service.metrics.registry.get_sample_value("kvbm_service_events_rejected_total") == 2
     warning = next(r.getMessage() for r in caplog.records if bad_id.decode() in r.getMessage())
     assert "$.tier" in warning, warning

@@ -17,6 +17,7 @@ import torch
 from kvbm_testing import make_kv_cache, small_layout, spawned_offload, tier_of
 
 import kvbm.connector as connector_module
+import kvbm.host_pool as host_pool_module
 from kvbm.api import KVLayout
 from kvbm.block_hash import BlockHash
 from kvbm.config import GIB, KVBMConfig
@@ -199,18 +200,30 @@ def test_after_kill_9_the_next_process_reuses_the_segment_and_clears_stale_pins(
     assert not segments(cache_id)
 
 
-def test_a_process_opening_while_the_last_one_removes_the_segment_gets_a_fresh_one(cache_id: str) -> None:
+def test_a_process_opening_while_the_last_one_removes_the_segment_gets_a_fresh_one(
+    cache_id: str, monkeypatch
+) -> None:
+    """The opener has the old segment file open and waits for its users lock when the last user unlinks it:
+    once it gets the lock it must drop that file for a fresh one, not map the removed segment."""
     block = np.zeros(64, np.uint8)
     closing = HostPool(cache_id, "fp", 64, 16)
     closing.put(hashes(2), [block, block])
     assert closing.leave()  # the only process: it holds the segment until it is removed
+    waiting = threading.Event()
+
+    def lock_users(fd: int, kind: int, wait: bool = False) -> bool:
+        if wait:
+            waiting.set()  # the opener has the old file open and is about to block on the lock `closing` holds
+        return _lock_users(fd, kind, wait)
+
+    monkeypatch.setattr(host_pool_module, "_lock_users", lock_users)
     opened: list[HostPool] = []
     opener = threading.Thread(target=lambda: opened.append(HostPool(cache_id, "fp", 64, 16)))
     opener.start()
-    opener.join(0.3)
-    assert opener.is_alive()  # waits for the last process to finish with the segment
+    assert waiting.wait(10)
     closing.destroy()
     opener.join(10)
+    assert not opener.is_alive()
     fresh = opened[0]
     assert fresh.contains(hashes(2)) == [False, False] and fresh.path.exists()
     fresh.destroy()

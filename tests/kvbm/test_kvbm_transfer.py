@@ -4,6 +4,8 @@ transport KVTransfer picks."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,6 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
+import kvbm.transfer_tcp as transfer_tcp
+from cluster.curve import make_client as real_make_client
 from harness.waiting import wait_for
 from kvbm.transfer import KVTransfer, ShmTransport, TransferError
 from kvbm.transfer_tcp import TcpTransport, _header, transfer_keys
@@ -146,10 +150,9 @@ def test_tcp_refuses_malformed_locations(tcp, location):
 def test_tcp_unknown_key_fails_at_once(tcp, pool):
     location = tcp.send(HASHES, list(pool))
     unknown = location.rsplit("/", 1)[0] + "/" + KEY
-    started = time.monotonic()
+    # the sender's answer, at once: a fetch that waited out its timeout fails with "no answer within"
     with pytest.raises(TransferError, match="unknown to its sender"):
         tcp.fetch(unknown, HASHES, BLOCK_BYTES)
-    assert time.monotonic() - started < 2.5  # an answer, not the 5 s timeout
     assert tcp.pending == 1
 
 
@@ -162,15 +165,17 @@ def test_tcp_handoff_is_served_once(tcp, pool):
 
 
 def test_tcp_nobody_listening_fails_within_the_timeout(pool):
+    timeout_s = 1.0
     sender = TcpTransport(SECRET, bind_host="127.0.0.1")
     location = sender.send(HASHES, list(pool))
     sender.close()
-    fetcher = TcpTransport(SECRET, bind_host="127.0.0.1", fetch_timeout_s=FAST_S)
+    fetcher = TcpTransport(SECRET, bind_host="127.0.0.1", fetch_timeout_s=timeout_s)
     try:
         started = time.monotonic()
-        with pytest.raises(TransferError, match="no answer within"):
+        with pytest.raises(TransferError, match=f"no answer within {timeout_s:g} s"):
             fetcher.fetch(location, HASHES, BLOCK_BYTES)
-        assert time.monotonic() - started < FAST_S + 2.0
+        # the time is the contract: one timeout, never a hang; twice the timeout bounds it
+        assert time.monotonic() - started < 2 * timeout_s
     finally:
         fetcher.close()
 
@@ -179,10 +184,8 @@ def test_tcp_a_fetcher_with_another_secret_gets_nothing(tcp, pool):
     location = tcp.send(HASHES, list(pool))
     stranger = TcpTransport(OTHER_SECRET, bind_host="127.0.0.1", fetch_timeout_s=FAST_S)
     try:
-        started = time.monotonic()
         with pytest.raises(TransferError, match="no answer within"):
             stranger.fetch(location, HASHES, BLOCK_BYTES)
-        assert time.monotonic() - started < FAST_S + 2.0
     finally:
         stranger.close()
     assert tcp.pending == 1  # not delivered: still there for a fetcher with the cluster's secret
@@ -192,8 +195,9 @@ def test_tcp_a_fetcher_with_another_secret_gets_nothing(tcp, pool):
     assert np.array_equal(dest, pool)
 
 
-def test_tcp_a_peer_that_knows_the_public_key_but_not_the_secret_is_refused(tcp, pool):
+def test_tcp_a_peer_that_knows_the_public_key_but_not_the_secret_is_refused(tcp, pool, caplog):
     """The CURVE handshake alone admits any client key; the ZAP handler admits only the cluster's."""
+    caplog.set_level(logging.WARNING, logger="cluster.curve")
     location = tcp.send(HASHES, list(pool))
     own_public, own_secret = zmq.curve_keypair()
     context = zmq.Context()
@@ -204,7 +208,8 @@ def test_tcp_a_peer_that_knows_the_public_key_but_not_the_secret_is_refused(tcp,
         peer.curve_publickey, peer.curve_secretkey = own_public, own_secret
         peer.connect(f"tcp://127.0.0.1:{tcp.port}")
         peer.send(location.rsplit("/", 1)[1].encode())
-        assert not peer.poll(int(FAST_S * 1000))
+        wait_for(lambda: "not the cluster's" in caplog.text, 5.0, interval=0.01, what="the ZAP refusal")
+        assert not peer.poll(0)  # refused before its request reached the sender: no answer can come
     finally:
         peer.close()
         context.term()
@@ -239,20 +244,26 @@ def test_tcp_concurrent_fetches_each_get_their_own_blocks(tcp, pool):
         assert np.array_equal(dest, np.roll(pool, i, axis=0))
 
 
-def test_tcp_close_ends_a_fetch_in_flight(pool):
+def test_tcp_close_ends_a_fetch_in_flight(pool, monkeypatch):
+    """close() while a fetch that will never be answered has its socket open: the fetch fails because the
+    context was terminated, not after its own timeout ("no answer within")."""
     sender = TcpTransport(OTHER_SECRET, bind_host="127.0.0.1")
     fetcher = TcpTransport(SECRET, bind_host="127.0.0.1", fetch_timeout_s=30.0)  # never answered
+    in_flight = threading.Event()
+
+    def make_client(socket: zmq.Socket, keys) -> None:
+        real_make_client(socket, keys)
+        in_flight.set()  # the fetch's socket is open in the fetcher's context
+
+    monkeypatch.setattr(transfer_tcp, "make_client", make_client)
     try:
         location = sender.send(HASHES, list(pool))
         with ThreadPoolExecutor(1) as threads:
             fetching = threads.submit(fetcher.fetch, location, HASHES, BLOCK_BYTES)
-            with pytest.raises(TimeoutError):
-                fetching.result(timeout=0.2)  # it is waiting for an answer
-            started = time.monotonic()
+            assert in_flight.wait(10)
             fetcher.close()
-            with pytest.raises(TransferError):
-                fetching.result(timeout=5.0)
-        assert time.monotonic() - started < 2.0
+            with pytest.raises(TransferError, match="Context was terminated"):
+                fetching.result(timeout=2 * fetcher.fetch_timeout_s)  # a hang guard only
     finally:
         fetcher.close()
         sender.close()
@@ -330,7 +341,7 @@ def test_tcp_needs_a_cluster_secret():
 def test_shm_ttl_removes_handoffs_never_fetched(tmp_path, pool):
     shm = ShmTransport(directory=tmp_path, ttl_s=0.05)
     stale = shm.send(HASHES, list(pool))
-    time.sleep(0.1)  # let its ttl pass (time itself is the condition)
+    time.sleep(0.1)  # let its ttl pass (the ttl is the behaviour under test)
     fresh = shm.send(HASHES, list(pool))  # each send sweeps
     assert not (tmp_path / stale).exists() and (tmp_path / fresh).exists()
     with pytest.raises(TransferError, match="No such file"):
@@ -342,7 +353,7 @@ def test_tcp_ttl_removes_handoffs_never_fetched(pool):
     tcp = TcpTransport(SECRET, bind_host="127.0.0.1", ttl_s=0.5, fetch_timeout_s=5.0)
     try:
         stale = tcp.send(HASHES, list(pool))
-        time.sleep(0.6)  # let its ttl pass
+        time.sleep(0.6)  # let its ttl pass (the ttl is the behaviour under test)
         fresh = tcp.send(HASHES, list(pool))  # sweeps (if the server thread has not yet)
         assert tcp.pending == 1
         with pytest.raises(TransferError, match="unknown to its sender"):
@@ -371,10 +382,9 @@ def test_close_is_idempotent_and_drops_every_handoff(tmp_path, pool):
 
     tcp = TcpTransport(SECRET, bind_host="127.0.0.1", fetch_timeout_s=FAST_S)
     location = tcp.send(HASHES, list(pool))
-    started = time.monotonic()
     tcp.close()
     tcp.close()
-    assert time.monotonic() - started < 2.0 and tcp.pending == 0
+    assert tcp.pending == 0
     with pytest.raises(TransferError):
         tcp.fetch(location, HASHES, BLOCK_BYTES)
     with pytest.raises(TransferError, match="closed"):

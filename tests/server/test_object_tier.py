@@ -5,6 +5,7 @@ silent, a prompt the bucket holds is recomputed, with the same text."""
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 import uuid
@@ -15,6 +16,8 @@ from harness.fault_proxy import FaultProxy
 from harness.metrics import samples, scrape
 from harness.s3_server import BUCKET
 from harness.servers import smollm2_repository, triton_generate
+from harness.waiting import wait_for
+from kvbm.object_pool import CIRCUIT_MAX_S
 
 pytestmark = pytest.mark.slow
 
@@ -92,12 +95,18 @@ def test_a_graceful_stop_uploads_the_g2_blocks_the_bucket_lacks(strata, tmp_path
     assert puts >= 1 and series(first, "kvbm_object_requests_total", op="put", outcome="ok") == 0
 
     proxy.mode = "pass"
-    for poke in range(60):  # a miss's lookup is the breaker's probe once its open period ends
+    pokes = itertools.count()
+
+    def store_up() -> bool:
         if series(first, "kvbm_object_store_up") == 1:
-            break
+            return True
+        poke = next(pokes)  # a miss's lookup is the breaker's probe once its open period ends
         generate(first, f"Poke {poke}: list the first twenty prime numbers, separated by commas, please.")
-        time.sleep(0.5)
-    assert series(first, "kvbm_object_store_up") == 1
+        return False
+
+    # the breaker is in the server process: polling its metric is the only way to see it close; its open period
+    # doubles up to CIRCUIT_MAX_S while failures go on, so twice that bounds the wait
+    wait_for(store_up, 2 * CIRCUIT_MAX_S, what="the breaker's probe to find the store up")
     assert first.stop(signal.SIGTERM) == 0
 
     second = strata(repository, *tiers, "--kvbm-cache-id", f"b-{uuid.uuid4().hex[:8]}")
