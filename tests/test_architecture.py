@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import server.engine
+import server.openai
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +55,19 @@ def test_the_frontend_rule_names_every_engine_module_but_the_protocol():
     frontend = next(c for c in _contracts() if c["source_modules"] == ["server.openai"])
     forbidden = set(frontend["forbidden_modules"])
     assert engine_modules - forbidden == {"server.engine.api"}
+
+
+def test_every_frontend_module_is_a_route_or_shared():
+    """server.openai's modules are app.py, the route modules (which import none of each other) and the shared ones
+    (which import no route module); a new module must be put in one of the two contracts."""
+    frontend = [
+        c for c in _contracts() if c.get("source_modules", c.get("modules"))[0].startswith("server.openai.")
+    ]
+    routes = next(c["modules"] for c in frontend if c["type"] == "independence")
+    shared = next(c for c in frontend if c["type"] == "forbidden")
+    assert set(shared["forbidden_modules"]) == set(routes)
+    modules = {f"server.openai.{info.name}" for info in pkgutil.iter_modules(server.openai.__path__)}
+    assert modules == {"server.openai.app", *routes, *shared["source_modules"]}
 
 
 def test_the_protocol_and_the_frontend_load_without_the_engine():

@@ -1,1 +1,2 @@
-"""OpenAI-compatible HTTP frontend: protocol.py (wire models), serving.py (logic), app.py (FastAPI routes)."""
+"""OpenAI-compatible HTTP frontend: one module per route family (chat, completions, tokenize, models, disagg),
+each with its wire models and its serving, mounted by app.py; what two routes share is a module of its own."""

@@ -8,13 +8,12 @@ could hold, with a 400 naming the field. The `strata serve` flags set `RequestLi
 from __future__ import annotations
 
 import msgspec
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine.api import Engine, RequestError, check_prompt_chars
 from server.errors import PositiveInt, field_problem
-from server.openai import protocol as p
-from server.openai.serving import OpenAIError
+from server.openai.errors import ErrorInfo, OpenAIError, error_response
+from server.openai.sampling import SamplingFields
 
 FLAGS = {  # RequestLimits field -> the `strata serve` flag that sets it
     "max_request_bytes": "--max-request-bytes",
@@ -43,11 +42,11 @@ class RequestLimits(msgspec.Struct, frozen=True):
             raise ValueError(f"{FLAGS.get(field, field)}: {problem}") from None
 
 
-def check_request(request: p.SamplingFields, limits: RequestLimits, engine: Engine | None) -> None:
+def check_request(request: SamplingFields, limits: RequestLimits, engine: Engine | None) -> None:
     """Raise OpenAIError(400) naming the field for a request over `limits`, or (given its `engine`) with a prompt
     of more characters than the model's context could take. Cheap: nothing is tokenized."""
-    texts = _prompt_texts(request)
-    num_prompts = _num_prompts(request)
+    texts = request.prompt_chars()
+    num_prompts = request.num_prompts()
     if request.n > limits.max_n:
         _refuse("n", f"must be at most {limits.max_n} (--max-n), got {request.n}")
     if num_prompts > limits.max_prompts:
@@ -61,27 +60,12 @@ def check_request(request: p.SamplingFields, limits: RequestLimits, engine: Engi
             f"n x prompts must be at most {limits.max_seqs} sequences per request (--max-seqs-per-request), "
             f"got {request.n} x {num_prompts}",
         )
-    field = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
+    field = request.PROMPT_FIELD
     for num_chars in texts if engine is not None else ():
         try:
             check_prompt_chars(field, num_chars, engine.max_model_len)
         except RequestError as exc:
             _refuse(field, exc.message)
-
-
-def _num_prompts(request: p.SamplingFields) -> int:
-    prompt = getattr(request, "prompt", None)
-    if prompt is None or isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-        return 1  # chat, one text, or one list of token ids (an empty list is refused by serving)
-    return len(prompt)
-
-
-def _prompt_texts(request: p.SamplingFields) -> list[int]:
-    """Characters of each text prompt (chat: of all messages together); token-id prompts are not counted."""
-    if isinstance(request, p.ChatCompletionRequest):
-        return [sum(len(m.text()) for m in request.messages)]
-    prompt = request.prompt  # type: ignore[attr-defined]
-    return [len(text) for text in ([prompt] if isinstance(prompt, str) else prompt) if isinstance(text, str)]
 
 
 def _refuse(param: str, message: str) -> None:
@@ -124,12 +108,12 @@ class LimitRequestBody:
         await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        info = p.ErrorInfo(
+        info = ErrorInfo(
             message=f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
             type="invalid_request_error",
             code="request_too_large",
         )
-        response = JSONResponse(p.dump(p.ErrorResponse(error=info)), status_code=413)
+        response = error_response(413, info)
         response.headers["Connection"] = "close"  # the body is left unread
         await response(scope, receive, send)
 

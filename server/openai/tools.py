@@ -18,10 +18,67 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, Field
 
 from server.engine.api import RequestError, StructuredOutput, structured_spec
-from server.openai import protocol as p
+from server.openai.protocol import StrictRequest
+
+
+class FunctionDef(StrictRequest):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # forced calls always follow `parameters` here
+
+
+class Tool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first of a call has its id, type and name; later ones append to its
+    arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ToolRequest(Protocol):
+    """The fields of a chat request that tool calling reads."""
+
+    tools: list[Tool] | None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None
+    parallel_tool_calls: bool | None
 
 
 @dataclass(slots=True)
@@ -30,7 +87,7 @@ class Call:
     arguments: str  # JSON text of the arguments object
 
 
-def choice_of(request: p.ChatCompletionRequest, auto_parser: str | None) -> str | None:
+def choice_of(request: ToolRequest, auto_parser: str | None) -> str | None:
     """The request's effective tool_choice: None without tools (or "none"), else "auto", "required" or the named
     function; RequestError naming tool_choice for one this server cannot do."""
     choice = request.tool_choice
@@ -56,7 +113,7 @@ def choice_of(request: p.ChatCompletionRequest, auto_parser: str | None) -> str 
     return choice.function.name
 
 
-def grammar(request: p.ChatCompletionRequest, choice: str | None) -> StructuredOutput | None:
+def grammar(request: ToolRequest, choice: str | None) -> StructuredOutput | None:
     """The grammar that forces `choice` ("required" or a function's name); None for "auto" and no tools."""
     if choice in (None, "auto"):
         return None
@@ -78,7 +135,7 @@ def grammar(request: p.ChatCompletionRequest, choice: str | None) -> StructuredO
     return structured_spec("tools", "json", schema)
 
 
-def _parameters(function: p.FunctionDef) -> dict[str, Any]:
+def _parameters(function: FunctionDef) -> dict[str, Any]:
     return function.parameters or {"type": "object", "properties": {}}
 
 
@@ -122,10 +179,10 @@ class HermesParser:
 PARSERS: dict[str, type] = {"hermes": HermesParser}  # --tool-call-parser names
 
 
-def tool_calls(calls: list[Call]) -> list[p.ToolCallOut]:
+def tool_calls(calls: list[Call]) -> list[ToolCallOut]:
     return [
-        p.ToolCallOut(
-            id=f"call_{uuid.uuid4().hex[:24]}", function=p.FunctionCallOut(name=c.name, arguments=c.arguments)
+        ToolCallOut(
+            id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCallOut(name=c.name, arguments=c.arguments)
         )
         for c in calls
     ]
@@ -153,17 +210,17 @@ class StreamedCalls:
     def made_calls(self) -> bool:
         return bool(self.calls) or (self._started and self.choice not in ("auto", "required"))
 
-    def feed(self, text: str, finished: bool) -> tuple[str, list[p.DeltaToolCall]]:
+    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         """(content to send now, tool call deltas to send now) for the next piece of the answer."""
         if self.choice not in ("auto", "required"):  # a named function: the text is its arguments
             deltas = []
             self.held += text
             if not self._started:
                 self._started = True
-                header = p.DeltaFunctionCall(name=self.choice, arguments="")
-                deltas.append(p.DeltaToolCall(index=0, id=self._id, type="function", function=header))
+                header = DeltaFunctionCall(name=self.choice, arguments="")
+                deltas.append(DeltaToolCall(index=0, id=self._id, type="function", function=header))
             if text:
-                deltas.append(p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=text)))
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
             if finished:
                 self.calls = [Call(self.choice, self.held)]
             return "", deltas
@@ -193,9 +250,7 @@ class StreamedCalls:
         self.calls = calls
         deltas = []
         for index, (call, out) in enumerate(zip(calls, tool_calls(calls), strict=True)):
-            header = p.DeltaFunctionCall(name=call.name, arguments="")
-            deltas.append(p.DeltaToolCall(index=index, id=out.id, type="function", function=header))
-            deltas.append(
-                p.DeltaToolCall(index=index, function=p.DeltaFunctionCall(arguments=call.arguments))
-            )
+            header = DeltaFunctionCall(name=call.name, arguments="")
+            deltas.append(DeltaToolCall(index=index, id=out.id, type="function", function=header))
+            deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)))
         return content + (rest or ""), deltas

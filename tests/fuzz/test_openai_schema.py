@@ -31,8 +31,10 @@ from schemathesis.checks import (
 
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
-from server.openai import protocol as p
 from server.openai.app import build_app
+from server.openai.chat import ChatCompletionChunk
+from server.openai.completions import CompletionResponse
+from server.openai.errors import ErrorResponse
 from server.openai.limits import RequestLimits
 from server.openai.metrics import FrontendMetrics
 from tests.openai.conftest import serve_app
@@ -110,11 +112,11 @@ def sse_events(ctx, response, case) -> None:
         return
     events = [line[len("data: ") :] for line in response.text.split("\n\n") if line.startswith("data: ")]
     assert events, "a stream without events"
-    chunk = p.ChatCompletionChunk if case.path.endswith("/chat/completions") else p.CompletionResponse
+    chunk = ChatCompletionChunk if case.path.endswith("/chat/completions") else CompletionResponse
     for event in events[:-1]:
         chunk.model_validate_json(event)
     if events[-1] != "[DONE]":
-        error = p.ErrorResponse.model_validate_json(events[-1])
+        error = ErrorResponse.model_validate_json(events[-1])
         raise AssertionError(f"the stream ended with an error event: {error}")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from server.openai import protocol as p
+from server.openai.chat import ChatCompletionRequest
+from server.openai.completions import CompletionRequest
 from server.openai.fields import REFUSED
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
@@ -20,7 +21,7 @@ def table_fields() -> set[str]:
 
 
 def test_the_readme_table_lists_exactly_the_fields_the_code_knows() -> None:
-    declared = set(p.ChatCompletionRequest.model_fields) | set(p.CompletionRequest.model_fields)
+    declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     known = declared | REFUSED
     listed = table_fields()
     assert listed - known == set(), "in the page's table, unknown to the code"

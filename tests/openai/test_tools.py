@@ -10,12 +10,13 @@ import jsonschema
 
 from server.engine import chat
 from server.engine.api import chat_turns, turn_dicts
-from server.openai import protocol as p
 from server.openai import tools
+from server.openai.chat import ChatCompletionRequest
+from server.openai.tools import FunctionDef, Tool
 
-WEATHER = p.Tool(
+WEATHER = Tool(
     type="function",
-    function=p.FunctionDef(
+    function=FunctionDef(
         name="get_weather",
         description="Current weather of a city",
         parameters={
@@ -27,9 +28,9 @@ WEATHER = p.Tool(
 )
 
 
-def request(**fields) -> p.ChatCompletionRequest:
+def request(**fields) -> ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
-    return p.ChatCompletionRequest.model_validate({**body, **fields}, strict=False)
+    return ChatCompletionRequest.model_validate({**body, **fields}, strict=False)
 
 
 TURNS = [

@@ -1,0 +1,48 @@
+"""GET /v1/models and GET /v1/models/{id}: the served models, each with its context length (tokens)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from server.openai.errors import ERROR_BODY, unknown_model
+from server.openai.served import ServedModels
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "strata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def router(served: ServedModels) -> APIRouter:
+    """Every card says `created`: when this router was built (seconds since the epoch)."""
+    created = int(time.time())
+    routes = APIRouter()
+
+    @routes.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        cards = [
+            ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
+            for name, engine in served.models.items()
+        ]
+        return ModelList(data=cards)
+
+    @routes.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: ERROR_BODY})
+    async def model_card(model: str) -> ModelCard:
+        engine = served.models.get(model)
+        if engine is None:
+            raise unknown_model(model)
+        return ModelCard(id=model, created=created, max_model_len=engine.max_model_len)
+
+    return routes
