@@ -92,10 +92,11 @@ from kvbm.host_pool import HostPool  # noqa: E402
 from kvbm.object_pool import IO_CONCURRENCY, ObjectPool, open_store  # noqa: E402
 from kvbm.redis_pool import RedisPool  # noqa: E402
 from kvbm.service import KVBMService  # noqa: E402
+from kvbm.signing import BLOCK_KEY_PURPOSE  # noqa: E402
 from kvbm.wire import service_keys  # noqa: E402
 
 SECRET = os.urandom(32)  # a throwaway cluster secret: G4 blocks are signed, the service's port authenticated
-G4_KEY, SERVICE_KEYS = derive_key(SECRET, "g4-mac"), service_keys(SECRET)
+BLOCK_KEY, SERVICE_KEYS = derive_key(SECRET, BLOCK_KEY_PURPOSE), service_keys(SECRET)
 
 T = TypeVar("T")
 LAYOUT = KVLayout("smollm2-135m|float32|bs16|l30h3d64", 30, 16, 3, 64, torch.float32)
@@ -133,7 +134,7 @@ def drop_cache(path: Path) -> None:
 
 def connector_for(num_blocks: int, **config) -> tuple[KVBMConnector, torch.Tensor]:
     kv_cache = torch.randn(num_blocks * 2, 30, 2, 16, 3, 64)
-    kvbm = KVBMConnector(KVBMConfig(**config, g4_key=G4_KEY))
+    kvbm = KVBMConnector(KVBMConfig(**config, block_key=BLOCK_KEY))
     kvbm.bind(kv_cache, LAYOUT)
     return kvbm, kv_cache
 
@@ -484,7 +485,7 @@ def tier_modes(tier_blocks: int, small_g2_blocks: int, disk: Path, redis_url: st
         "G2+G3": tier_config(small_g2_blocks, tier_blocks, disk / "g23"),
     }
     if redis_url is not None:
-        modes["G4"] = KVBMConfig(host_cache_gb=0, redis_url=redis_url, g4_key=G4_KEY)
+        modes["G4"] = KVBMConfig(host_cache_gb=0, redis_url=redis_url, block_key=BLOCK_KEY)
     return modes
 
 
@@ -494,9 +495,9 @@ def bench_object_ttft(args: argparse.Namespace, object_url: str) -> dict:
     url = f"{object_url}/ttft-{uuid.uuid4().hex[:8]}"
     tokens, g1_blocks = args.object_prompt_tokens, args.object_prompt_tokens // 16 + 8
     modes = {
-        "writer": KVBMConfig(host_cache_gb=0, object_url=url, write_through=True, g4_key=G4_KEY),
+        "writer": KVBMConfig(host_cache_gb=0, object_url=url, write_through=True, block_key=BLOCK_KEY),
         "g2": tier_config(4 * g1_blocks),
-        "g5": KVBMConfig(host_cache_gb=0, object_url=url, g4_key=G4_KEY),
+        "g5": KVBMConfig(host_cache_gb=0, object_url=url, block_key=BLOCK_KEY),
     }
     ttft: dict[str, list[float]] = {"recompute": [], "G2": [], "G5": []}
     same = True

@@ -1,4 +1,4 @@
-"""KV Block Manager: tiered KV block storage (G1 device .. G4 Redis) and the index of who holds which block.
+"""KV Block Manager: tiered KV block storage (G1 device .. G5 object store) and the index of who holds which block.
 
 Public API (the rest is internal):
 
@@ -11,6 +11,6 @@ Public API (the rest is internal):
     kvbm.host_pool.pid_alive(pid)     is a process running (for cleaning up after dead runs)
 
 Tiers, one module each behind `kvbm.tier.BlockTier`: host_pool (G2, POSIX shared memory), disk_pool (G3),
-redis_pool (G4). Events: events.TierEvent, over channel.RedisWorkerChannel (Redis Stream + lease) when the
+redis_pool (G4), object_pool (G5, an S3 bucket). Events: events.TierEvent, over channel.RedisWorkerChannel (Redis Stream + lease) when the
 service is standalone. The cluster secret, CURVE keys and the Redis link come from the `cluster` package.
 """

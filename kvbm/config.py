@@ -66,14 +66,14 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
     # on close, each process copies the G2 blocks it stored (the last one: also those whose owners left without
     # doing so) to its G3, hottest first, for at most this many seconds (--kvbm-flush-secs); 0: no copy
     flush_budget_s: NonNegative = 5.0
-    # 32-byte key that signs and verifies G4 and G5 blocks (cluster.secret.derive_key(cluster secret,
-    # "g4-mac")), from the cluster secret; required with redis_url or object_url: shared storage is not trusted
-    # storage. Never in repr
-    g4_key: bytes | None = None
+    # 32-byte key that signs and verifies G4 and G5 blocks, derived from the cluster secret for the purpose
+    # "g4-mac" (kvbm.signing.BLOCK_KEY_PURPOSE); required with redis_url or object_url: shared storage is not
+    # trusted storage. Never in repr
+    block_key: bytes | None = None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "g4_key")
-        return f"KVBMConfig({fields}, g4_key={'<set>' if self.g4_key else None})"
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "block_key")
+        return f"KVBMConfig({fields}, block_key={'<set>' if self.block_key else None})"
 
     def validate(self) -> None:
         """Raise KVBMConfigError naming the field of a value of the wrong type or out of range, or of G4 without
@@ -92,7 +92,7 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
             except ValueError as exc:
                 raise KVBMConfigError("object_url", str(exc)) from None
         for field, tier in (("redis_url", "G4"), ("object_url", "G5")):
-            if getattr(self, field) and (not isinstance(self.g4_key, bytes) or len(self.g4_key) != 32):
+            if getattr(self, field) and (not isinstance(self.block_key, bytes) or len(self.block_key) != 32):
                 raise KVBMConfigError(
                     field,
                     f"{tier} blocks are signed with a key derived from the cluster secret; "
@@ -100,17 +100,17 @@ class KVBMConfig(msgspec.Struct, forbid_unknown_fields=True):
                 )
 
     def to_json(self) -> dict[str, object]:
-        """JSON values (the path as a string, the G4 key as hex) for a worker under another Python."""
+        """JSON values (the path as a string, the block key as hex) for a worker under another Python."""
         values = msgspec.structs.asdict(self)
         values["disk_path"] = str(self.disk_path)
-        values["g4_key"] = self.g4_key.hex() if self.g4_key is not None else None
+        values["block_key"] = self.block_key.hex() if self.block_key is not None else None
         return values
 
     @classmethod
     def from_json(cls, values: dict[str, object]) -> KVBMConfig:
         """The inverse of `to_json`; validated."""
-        key = values.get("g4_key")
-        config = cls(**{**values, "g4_key": bytes.fromhex(key) if isinstance(key, str) else None})  # type: ignore[arg-type]
+        key = values.get("block_key")
+        config = cls(**{**values, "block_key": bytes.fromhex(key) if isinstance(key, str) else None})  # type: ignore[arg-type]
         config.validate()
         return config
 

@@ -24,7 +24,10 @@ Policies:
             --workers N, or a `strata worker` of the same node that outlives them. With G5, the G2 blocks
             this process stored that the bucket lacks are uploaded too, and the upload queue drained, within
             the same budget.
-Events: every change of what this worker holds (G1 from the engine's events, G2/G3/G4 from the tiers) is
+Tiers: reached only through the Protocols of kvbm/tier.py: `BlockTier`, and the capabilities `NodeShared` (G2:
+the close above) and `WriteBehind` (G5: every block leaving G1, drained on close); `_open_tiers` is the one place
+that names their classes.
+Events: every change of what this worker holds (G1 from the engine's events, G2..G5 from the tiers) is
 published to `events` (the embedded `KVIndex`, a transport to the server's index, or the Redis Stream channel)
 as `TierEvent`s; G2 events name the node's segment so every worker mapping it is credited.
 Device pools: CPU only here. On CUDA, G2 would be registered pinned host memory and each tier's transfer would
@@ -54,7 +57,7 @@ from kvbm.host_pool import SHM_DIR, HostPool
 from kvbm.metrics import KVBMMetrics
 from kvbm.object_pool import ObjectPool
 from kvbm.redis_pool import RedisPool
-from kvbm.tier import BlockTier, EvictedBlock
+from kvbm.tier import BlockTier, EvictedBlock, NodeShared, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,8 @@ class KVBMConnector:
             BlockTier
         ] = []  # the local tiers: offload goes to the first, each spills to the next
         self._remote: list[BlockTier] = []  # written through (G4)
-        self._bucket: ObjectPool | None = None  # G5: every block leaving G1
-        self._host: HostPool | None = None  # G2 while this connector maps it (left on close)
+        self._behind: list[WriteBehind] = []  # written behind (G5): every block leaving G1
+        self._host: NodeShared | None = None  # G2 while this connector maps it (left on close)
         self._closed = False
         self._g1: set[BlockHash] = set()
         self._announce_due = False  # set from other threads, served on the engine thread
@@ -117,11 +120,10 @@ class KVBMConnector:
         self._rows = block_rows(kv_cache, kv_cache.shape[0])
         self.tiers = self._open_tiers()
         self._chain = [tier for tier in self.tiers if not tier.remote]
-        self._bucket = next((tier for tier in self.tiers if isinstance(tier, ObjectPool)), None)
-        self._remote = [tier for tier in self.tiers if tier.remote and tier is not self._bucket]
-        self._host = next((tier for tier in self.tiers if isinstance(tier, HostPool)), None)
-        segment = next((tier.segment for tier in self.tiers if tier.segment), "")
-        self.node = f"{socket.gethostname()}:{segment}" if segment else ""
+        self._behind = [tier for tier in self.tiers if isinstance(tier, WriteBehind)]
+        self._remote = [tier for tier in self.tiers if tier.remote and tier not in self._behind]
+        self._host = next((tier for tier in self.tiers if isinstance(tier, NodeShared)), None)
+        self.node = f"{socket.gethostname()}:{self._host.segment}" if self._host is not None else ""
         self.metrics.set_capacity("G1", len(self._rows), self.block_bytes)
         for tier in self.tiers:
             tier.on_evict = partial(self._evicted, tier)
@@ -154,18 +156,16 @@ class KVBMConnector:
                 link = RedisLink(cfg.redis_url, self.metrics.redis_up)
                 slots = cfg.capacity_blocks(cfg.redis_cache_gb, bb)
                 tiers.append(
-                    RedisPool(link, cfg.g4_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics)
+                    RedisPool(link, cfg.block_key, fingerprint, bb, slots, cfg.redis_ttl_s, self.metrics)
                 )
             if cfg.object_url:
-                slots = cfg.capacity_blocks(cfg.object_cache_gb, bb)
+                slots, timeout_s = cfg.capacity_blocks(cfg.object_cache_gb, bb), cfg.object_timeout_s
                 tiers.append(
-                    ObjectPool(
-                        cfg.object_url, cfg.g4_key, fingerprint, bb, slots, cfg.object_timeout_s, self.metrics
-                    )
+                    ObjectPool(cfg.object_url, cfg.block_key, fingerprint, bb, slots, timeout_s, self.metrics)
                 )
         except BaseException:
             for tier in tiers:
-                if isinstance(tier, HostPool) and tier.leave() and not cfg.keep_host_cache:
+                if isinstance(tier, NodeShared) and tier.leave() and not cfg.keep_host_cache:
                     tier.destroy()  # this process created the segment and nobody else maps it
                 else:
                     tier.close()
@@ -230,7 +230,7 @@ class KVBMConnector:
         """Leading blocks some tier holds. Each tier, fastest first, is asked only about blocks no faster tier
         holds, and counts a hit or a miss for each block it was asked about."""
         self._announce_if_due()
-        self._publish_bucket()
+        self._publish_changes()
         missing = list(range(len(block_hashes)))
         for tier in self.tiers:
             if not missing:
@@ -264,22 +264,23 @@ class KVBMConnector:
                 present = tier.contains(block_hashes)
                 missing = [i for i, here in enumerate(present) if not here]
                 self._offload_to(tier, [block_hashes[i] for i in missing], [blocks[i] for i in missing])
-        if self._bucket is not None:
-            self._to_bucket(block_hashes, blocks)
+        self._write_behind(block_hashes, blocks)
         self._update_used()
 
-    def _to_bucket(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> None:
-        """Queue blocks for G5 (a copy each, made here; the upload is the tier's), and publish what it stored."""
-        self._bucket.put(block_hashes, blocks)
-        self._publish_bucket()
+    def _write_behind(self, block_hashes: Sequence[BlockHash], blocks: Sequence[np.ndarray]) -> None:
+        """Queue blocks for the write-behind tiers (G5: a copy each, made here; the writes are the tier's), and
+        publish what they stored."""
+        for tier in self._behind:
+            tier.put(block_hashes, blocks)
+        self._publish_changes()
 
-    def _publish_bucket(self) -> None:
-        """Index events of the uploads and deletions G5 finished since the last call (engine thread)."""
-        if self._bucket is None:
-            return
-        stored, removed = self._bucket.take_changes()
-        self._publish("stored", self._bucket, stored)
-        self._publish("removed", self._bucket, removed)
+    def _publish_changes(self) -> None:
+        """Index events of the writes and deletions the write-behind tiers (G5) finished since the last call
+        (engine thread)."""
+        for tier in self._behind:
+            stored, removed = tier.take_changes()
+            self._publish("stored", tier, stored)
+            self._publish("removed", tier, removed)
 
     def _offload_to(
         self, tier: BlockTier, block_hashes: Sequence[BlockHash], blocks: list[np.ndarray]
@@ -332,8 +333,8 @@ class KVBMConnector:
         if isinstance(event, BlockStored):
             self._g1.add(event.block_hash)
             self._publish_g1("stored", [event.block_hash])
-            if self._bucket is not None and self.config.write_through and event.block_id >= 0:
-                self._to_bucket([event.block_hash], [self._rows[event.block_id]])
+            if self._behind and self.config.write_through and event.block_id >= 0:
+                self._write_behind([event.block_hash], [self._rows[event.block_id]])
         elif isinstance(event, BlockRemoved):
             self._g1.difference_update(event.block_hashes)
             if event.block_hashes:
@@ -353,20 +354,21 @@ class KVBMConnector:
         if self._host is not None and not self._host.closed:  # a test or bench may have destroyed it already
             self._leave_host(self._host)
         self._host = None
-        if self._bucket is not None:
-            left = self._bucket.drain(deadline)
+        for tier in self._behind:
+            left = tier.drain(deadline)
             if left:
                 log.warning(
-                    "kvbm %s: --kvbm-flush-secs spent: %d uploads to G5 dropped", self.worker_id, left
-                )
-            self._publish_bucket()
+                    "kvbm %s: --kvbm-flush-secs spent: %d uploads to %s dropped",
+                    self.worker_id, left, tier.name,
+                )  # fmt: skip
+        self._publish_changes()
         for tier in self.tiers:
             tier.close()
         close_events = getattr(self.events, "close", None)
         if close_events is not None:
             close_events()
 
-    def _leave_host(self, host: HostPool) -> None:
+    def _leave_host(self, host: NodeShared) -> None:
         """Copy this worker's G2 blocks to the next local tier; if this is the segment's last process, also
         the blocks nobody copied, then remove the segment unless `keep_host_cache` (module docstring)."""
         below = self._below(host) if self.config.flush_budget_s > 0 else None
@@ -375,25 +377,27 @@ class KVBMConnector:
         own = host.flush_candidates(self.worker_id, min_uses)
         if below is not None:
             self._flush(host, below, own, deadline)
-        self._flush_to_bucket(host, own)
+        self._flush_behind(host, own)
         last = host.leave()
         if last:
             orphans = host.flush_candidates(None, min_uses)
             if below is not None:
                 self._flush(host, below, orphans, deadline)
-            self._flush_to_bucket(host, orphans)
+            self._flush_behind(host, orphans)
         if last and not self.config.keep_host_cache:
             host.destroy()
-            log.info("kvbm %s: removed G2 segment %s (last process to close it)", self.worker_id, host.path)
+            log.info(
+                "kvbm %s: removed G2 segment %s (last process to close it)", self.worker_id, host.segment
+            )
         else:
             host.close()
 
     def _flush(
-        self, host: HostPool, below: BlockTier, block_hashes: list[BlockHash], deadline: float
+        self, host: NodeShared, below: BlockTier, block_hashes: list[BlockHash], deadline: float
     ) -> None:
         """Copy the G2 blocks `below` lacks into it in batches, hottest first, until `deadline`
         (time.monotonic()): a spent budget or a `below` too small loses the coldest. `block_hashes` is in LRU
-        order. Marks the blocks it copied or left out on purpose (see HostPool.mark_flushed)."""
+        order. Marks the blocks it copied or left out on purpose (see NodeShared.mark_flushed)."""
         present = below.contains(block_hashes)
         missing = [h for h, here in zip(block_hashes, present, strict=True) if not here]
         skipped = len(missing) - min(len(missing), below.capacity_blocks)  # would evict what this copies
@@ -421,20 +425,21 @@ class KVBMConnector:
                 self.worker_id, copied, copied * self.block_bytes / 2**20, below.name, elapsed,
             )  # fmt: skip
 
-    def _flush_to_bucket(self, host: HostPool, block_hashes: list[BlockHash]) -> None:
-        """Queue for G5 the G2 blocks it does not hold (their eviction from G1 queued them once already; these
-        are the uploads that were dropped or failed), hottest first; `close` drains the queue."""
-        bucket = self._bucket
-        if bucket is None or self.config.flush_budget_s <= 0:
+    def _flush_behind(self, host: NodeShared, block_hashes: list[BlockHash]) -> None:
+        """Queue for each write-behind tier (G5) the G2 blocks it does not hold (their eviction from G1 queued
+        them once already; these are the writes that were dropped or failed), hottest first; `close` drains the
+        queues."""
+        if self.config.flush_budget_s <= 0:
             return
-        missing = bucket.unknown(block_hashes)[::-1]
-        for offset in range(0, len(missing), FLUSH_BATCH):
-            batch = missing[offset : offset + FLUSH_BATCH]
-            with host.pinned(batch) as payloads:
-                rows = [i for i, payload in enumerate(payloads) if payload is not None]
-                bucket.put([batch[i] for i in rows], [payloads[i] for i in rows])
+        for tier in self._behind:
+            missing = tier.unknown(block_hashes)[::-1]
+            for offset in range(0, len(missing), FLUSH_BATCH):
+                batch = missing[offset : offset + FLUSH_BATCH]
+                with host.pinned(batch) as payloads:
+                    rows = [i for i, payload in enumerate(payloads) if payload is not None]
+                    tier.put([batch[i] for i in rows], [payloads[i] for i in rows])
 
-    def _flush_batch(self, host: HostPool, below: BlockTier, block_hashes: list[BlockHash]) -> int:
+    def _flush_batch(self, host: NodeShared, below: BlockTier, block_hashes: list[BlockHash]) -> int:
         """One batch of `_flush`, written to `below` straight from the pinned G2 slots; returns the blocks
         `below` stored."""
         with host.pinned(block_hashes) as payloads:

@@ -45,7 +45,7 @@ class DiskPoolError(RuntimeError):
 class DiskPool:
     """G3 tier (see module docstring). Capacity in blocks is fixed when the files are created."""
 
-    name, level, remote, ttl_s, segment = "G3", 3, False, 0, ""
+    name, level, remote, ttl_s = "G3", 3, False, 0
 
     def __init__(
         self,

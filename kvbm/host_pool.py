@@ -112,7 +112,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 class HostPool:
-    """G2 tier (see module docstring). `on_evict` gets the blocks a put evicts, before they are overwritten."""
+    """G2 tier, a `NodeShared` one (see module docstring). `on_evict` gets the blocks a put evicts, before they are overwritten."""
 
     name, level, remote, ttl_s = "G2", 2, False, 0
 

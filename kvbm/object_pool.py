@@ -175,10 +175,10 @@ class CircuitBreaker:
 
 
 class ObjectPool:
-    """G5 tier (see module docstring). `store_factory`: makes the obstore store on the tier's loop (default:
+    """G5 tier, a `WriteBehind` one (see module docstring). `store_factory`: makes the obstore store on the tier's loop (default:
     `open_store(url, timeout_s)`)."""
 
-    name, level, remote, segment, ttl_s = "G5", 5, True, "", 0
+    name, level, remote, ttl_s = "G5", 5, True, 0
 
     def __init__(
         self,

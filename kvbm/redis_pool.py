@@ -34,7 +34,7 @@ MAGIC = 0x344756424B415254  # "TRAKBVG4"
 class RedisPool:
     """G4 tier (see module docstring). `capacity_blocks` 0 means bounded only by the server's maxmemory."""
 
-    name, level, remote, segment = "G4", 4, True, ""
+    name, level, remote = "G4", 4, True
 
     def __init__(
         self,

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 from blake3 import blake3
 
+# cluster.secret.derive_key purpose of the block key (KVBMConfig.block_key, G4 and G5 alike): another string is
+# another key, under which no block already stored verifies
+BLOCK_KEY_PURPOSE = "g4-mac"
 HEADER = np.dtype([("magic", "<u8"), ("layout", "<u8"), ("length", "<u8"), ("mac", "V16")])
 
 
 def block_mac(key: bytes, layout_tag: int, block_hash: int, payload) -> bytes:
     """16-byte keyed BLAKE3 over (layout, block hash, payload: any buffer, read in place): a value nobody
-    without the 32-byte key (`derive_key(secret, "g4-mac")`) can forge, and that cannot be moved to another
+    without the 32-byte key (`derive_key(secret, BLOCK_KEY_PURPOSE)`) can forge, and that cannot be moved to another
     block hash or layout.
 
     BLAKE3 because the MAC sits on the onboarding path, and it hashes faster on one core than BLAKE2b or SHA-256

@@ -605,10 +605,11 @@ def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
 
 def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> KVBMConfig | None:
     """The KVBM tiers of the --kvbm-* flags and --redis-url (`strata serve` and `strata worker`); None with
-    --no-kvbm. G4 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses G4 without
-    one)."""
+    --no-kvbm. G4 and G5 blocks are signed with a key derived from the cluster `secret` (KVBMConfig refuses
+    them without one)."""
     from cluster.secret import derive_key
     from kvbm.config import KVBMConfig
+    from kvbm.signing import BLOCK_KEY_PURPOSE
 
     tiers = options.tiers
     if not tiers.kvbm:
@@ -627,7 +628,7 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
         cache_id=tiers.kvbm_cache_id,
         keep_host_cache=tiers.kvbm_keep_host_cache,
         flush_budget_s=tiers.kvbm_flush_secs,
-        g4_key=derive_key(secret, "g4-mac") if secret else None,
+        block_key=derive_key(secret, BLOCK_KEY_PURPOSE) if secret else None,
     )
     kvbm.validate()
     return kvbm

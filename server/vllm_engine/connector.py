@@ -64,9 +64,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-G4_KEY_ENV = (
-    "STRATA_KVBM_G4_KEY"  # hex; set by VLLMEngine for its engine's processes, never in a config vLLM logs
+BLOCK_KEY_ENV = (
+    "STRATA_KVBM_BLOCK_KEY"  # hex; set by VLLMEngine for its engine's processes, never in a config vLLM logs
 )
+OLD_BLOCK_KEY_ENV = "STRATA_KVBM_G4_KEY"  # its former name, still read when BLOCK_KEY_ENV is unset
 LOOKUP_TIMEOUT_MS = 5000
 LOOKUP_BACKOFF_S = 30.0
 
@@ -79,16 +80,18 @@ def engine_fingerprint(vllm_config: VllmConfig) -> str:
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True):
-    """`kv_connector_extra_config` of a Strata-managed engine (JSON values; the G4 key travels in G4_KEY_ENV)."""
+    """`kv_connector_extra_config` of a Strata-managed engine (JSON values; the block key travels in
+    BLOCK_KEY_ENV)."""
 
-    kvbm: dict[str, Any]  # KVBMConfig.to_json() without the G4 key
+    kvbm: dict[str, Any]  # KVBMConfig.to_json() without the block key
     worker_id: str
     lookup: str  # ipc endpoint the worker half answers lookups on
     events: str | None = None  # ipc endpoint of the Strata worker's tier-event relay (None: Redis or nowhere)
     staging_blocks: int = 16
 
     def kvbm_config(self) -> KVBMConfig:
-        return KVBMConfig.from_json({**self.kvbm, "g4_key": os.environ.get(G4_KEY_ENV)})
+        key = os.environ.get(BLOCK_KEY_ENV) or os.environ.get(OLD_BLOCK_KEY_ENV)
+        return KVBMConfig.from_json({**self.kvbm, "block_key": key})
 
 
 @dataclass(slots=True)

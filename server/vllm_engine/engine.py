@@ -65,7 +65,7 @@ from server.engine.api import (
     validate_request,
 )
 from server.vllm_engine.config import VLLMParallel
-from server.vllm_engine.connector import G4_KEY_ENV, ConnectorSettings, engine_fingerprint
+from server.vllm_engine.connector import BLOCK_KEY_ENV, ConnectorSettings, engine_fingerprint
 from server.vllm_engine.kv_events import KVEventRelay
 
 logger = logging.getLogger(__name__)
@@ -397,9 +397,9 @@ def _connector_config(
         logger.info("%s: model.json sets kv_transfer_config; Strata's KV tiers are not attached", worker_id)
         return None
     values = kvbm.to_json()
-    key = values.pop("g4_key")
+    key = values.pop("block_key")
     if key:
-        os.environ[G4_KEY_ENV] = str(key)  # inherited by vLLM's engine core and worker processes
+        os.environ[BLOCK_KEY_ENV] = str(key)  # inherited by vLLM's engine core and worker processes
     settings = ConnectorSettings(values, worker_id, f"{endpoint}-lookup", tier_endpoint)
     return KVTransferConfig(
         kv_connector="StrataKVConnector", kv_connector_module_path="server.vllm_engine.connector",

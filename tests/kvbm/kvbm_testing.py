@@ -12,11 +12,12 @@ import torch
 
 from cluster.secret import derive_key
 from kvbm.api import KVLayout
+from kvbm.signing import BLOCK_KEY_PURPOSE
 
 T = TypeVar("T")
 
 CLUSTER_SECRET = b"test-cluster-secret-0123456789abcdef"
-G4_KEY = derive_key(CLUSTER_SECRET, "g4-mac")  # what a process given CLUSTER_SECRET signs G4 blocks with
+BLOCK_KEY = derive_key(CLUSTER_SECRET, BLOCK_KEY_PURPOSE)  # signs G4 and G5 blocks given CLUSTER_SECRET
 ZMTP_SIGNATURE = b"\xff" + bytes(7) + b"\x01\x7f"  # the first 10 bytes libzmq sends on every connection
 LEASE_TTL_S = 1.0  # the Redis lease of the tests' workers: a killed one leaves the index once it runs out
 
@@ -71,7 +72,7 @@ def spawned_offload(
     from kvbm.config import KVBMConfig
 
     connector = build_connector(
-        KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id, lease_ttl_s=LEASE_TTL_S
+        KVBMConfig(**config_fields, block_key=BLOCK_KEY), worker_id, lease_ttl_s=LEASE_TTL_S
     )
     connector.bind(make_kv_cache(small_layout(), 64, seed), small_layout())
     connector.offload([BlockHash(h) for h in range(1, num_blocks + 1)], list(range(num_blocks)))
@@ -89,7 +90,7 @@ def spawned_onboard(config_fields: dict, worker_id: str, num_blocks: int, result
     from kvbm.config import KVBMConfig
     from kvbm.connector import KVBMConnector
 
-    connector = KVBMConnector(KVBMConfig(**config_fields, g4_key=G4_KEY), worker_id)
+    connector = KVBMConnector(KVBMConfig(**config_fields, block_key=BLOCK_KEY), worker_id)
     kv_cache = torch.zeros(make_kv_cache(small_layout(), 64).shape)
     connector.bind(kv_cache, small_layout())
     block_hashes = [BlockHash(h) for h in range(1, num_blocks + 1)]

@@ -33,11 +33,11 @@ def test_a_bad_value_names_its_field(fields: dict[str, object], message: str) ->
     assert str(raised.value).startswith(message) and raised.value.field == next(iter(fields))
 
 
-def test_a_disk_path_given_as_text_becomes_a_path_and_the_g4_key_stays_out_of_repr() -> None:
-    config = KVBMConfig(disk_path="kv", redis_url="redis://127.0.0.1:1", g4_key=b"k" * 32)  # type: ignore[arg-type]
+def test_a_disk_path_given_as_text_becomes_a_path_and_the_block_key_stays_out_of_repr() -> None:
+    config = KVBMConfig(disk_path="kv", redis_url="redis://127.0.0.1:1", block_key=b"k" * 32)  # type: ignore[arg-type]
     config.validate()
     assert config.disk_path == Path("kv")
-    assert "kkkk" not in repr(config) and "g4_key=<set>" in repr(config)
+    assert "kkkk" not in repr(config) and "block_key=<set>" in repr(config)
 
 
 def test_tiers_that_fail_to_open_leave_no_g2_segment(tmp_path: Path, cache_id: str, layout) -> None:

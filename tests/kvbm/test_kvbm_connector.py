@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbm_testing import G4_KEY, make_kv_cache, small_layout, tier_of
+from kvbm_testing import BLOCK_KEY, make_kv_cache, small_layout, tier_of
 from msgspec.structs import replace
 
 from cluster.redis_link import MAX_BACKOFF_S
@@ -34,7 +34,7 @@ def connector(layout: KVLayout, cache_id: str, seed: int = 0, **config) -> tuple
     kv_cache = make_kv_cache(layout, NUM_BLOCKS, seed)
     config.setdefault("host_cache_gb", gb(16, layout))
     kvbm = KVBMConnector(
-        KVBMConfig(cache_id=cache_id, g4_key=G4_KEY, **config), metrics=KVBMMetrics(), events=KVIndex()
+        KVBMConfig(cache_id=cache_id, block_key=BLOCK_KEY, **config), metrics=KVBMMetrics(), events=KVIndex()
     )
     kvbm.bind(kv_cache, layout)
     return kvbm, kv_cache
@@ -307,12 +307,12 @@ def test_config_travels_as_json_to_a_worker_under_another_python(tmp_path):
     """KVBMConfig.to_json/from_json: what a vLLM worker's StrataKVConnector is built from."""
     config = KVBMConfig(
         host_cache_gb=0.5, disk_cache_gb=1.0, disk_path=tmp_path / "kv", redis_url="redis://127.0.0.1:1",
-        g4_key=G4_KEY, cache_id="node-a", write_through=True,
+        block_key=BLOCK_KEY, cache_id="node-a", write_through=True,
     )  # fmt: skip
     again = KVBMConfig.from_json(json.loads(json.dumps(config.to_json())))
     assert again == config
-    assert KVBMConfig.from_json({**config.to_json(), "redis_url": None, "g4_key": None}).g4_key is None
+    assert KVBMConfig.from_json({**config.to_json(), "redis_url": None, "block_key": None}).block_key is None
     with pytest.raises(
         ValueError, match="redis_url"
     ):  # G4 without its key is refused, as on the command line
-        KVBMConfig.from_json({**config.to_json(), "g4_key": None})
+        KVBMConfig.from_json({**config.to_json(), "block_key": None})

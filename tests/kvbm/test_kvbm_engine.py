@@ -7,7 +7,7 @@ from pathlib import Path
 
 import obstore
 import pytest
-from kvbm_testing import G4_KEY
+from kvbm_testing import BLOCK_KEY
 
 from kvbm.agent import build_connector
 from kvbm.block_hash import block_hashes
@@ -64,7 +64,7 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
     assert all(len(ids) > 200 for ids in prompts)
     config = KVBMConfig(
         cache_id=cache_id, host_cache_gb=24 * BLOCK_BYTES / GIB, disk_cache_gb=256 * BLOCK_BYTES / GIB,
-        disk_path=tmp_path, redis_url=redis_url, write_through=True, g4_key=G4_KEY,
+        disk_path=tmp_path, redis_url=redis_url, write_through=True, block_key=BLOCK_KEY,
     )  # fmt: skip
     index = KVIndex()
     connector = build_connector(config, "engine-worker", index=index)
@@ -86,7 +86,7 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
 def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: str) -> None:
     """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis."""
     config = KVBMConfig(
-        cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, g4_key=G4_KEY
+        cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, block_key=BLOCK_KEY
     )
     writer = build_connector(config, "node-a", index=KVIndex())
     with engine(40, writer) as first:
@@ -110,7 +110,7 @@ def test_fresh_engine_onboards_from_the_bucket(cache_id: str, object_url: str, m
     a second engine with a fresh G2, no G3 and no Redis answers from them with the same greedy tokens. With
     every other object tampered, or credentials the store refuses, the answer is the same again."""
     first_config = KVBMConfig(
-        cache_id=cache_id, host_cache_gb=8 * BLOCK_BYTES / GIB, object_url=object_url, g4_key=G4_KEY
+        cache_id=cache_id, host_cache_gb=8 * BLOCK_BYTES / GIB, object_url=object_url, block_key=BLOCK_KEY
     )
     writer = build_connector(first_config, "server-a")
     with engine(40, writer) as first:
@@ -119,7 +119,7 @@ def test_fresh_engine_onboards_from_the_bucket(cache_id: str, object_url: str, m
         for topic in TOPICS[1:3]:  # push the first prompt's blocks out of G1 (and through the small G2)
             greedy(first, first.encode(document(topic)), f"evict-{topic}")
     writer.close()  # drains the uploads
-    fresh = KVBMConfig(cache_id=cache_id + "-b", host_cache_gb=0, object_url=object_url, g4_key=G4_KEY)
+    fresh = KVBMConfig(cache_id=cache_id + "-b", host_cache_gb=0, object_url=object_url, block_key=BLOCK_KEY)
     reader = build_connector(fresh, "server-b")
     with engine(40, reader) as second:
         output = greedy(second, prompt, "b")

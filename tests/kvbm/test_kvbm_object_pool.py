@@ -12,7 +12,7 @@ import numpy as np
 import obstore
 import pytest
 import torch
-from kvbm_testing import G4_KEY, make_kv_cache, small_layout, tier_of
+from kvbm_testing import BLOCK_KEY, make_kv_cache, small_layout, tier_of
 
 import kvbm.object_pool as object_pool_module
 from harness.fault_proxy import FaultProxy
@@ -30,7 +30,7 @@ BB = LAYOUT.block_bytes
 def pool(
     url: str, capacity: int = 0, fingerprint: str = LAYOUT.fingerprint, timeout_s: float = 2.0
 ) -> ObjectPool:
-    return ObjectPool(url, G4_KEY, fingerprint, BB, capacity, timeout_s, KVBMMetrics().for_model("m"))
+    return ObjectPool(url, BLOCK_KEY, fingerprint, BB, capacity, timeout_s, KVBMMetrics().for_model("m"))
 
 
 def blocks(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -229,7 +229,7 @@ def test_refused_credentials_degrade_the_tier(s3_server: S3Server, monkeypatch: 
 def test_connector_publishes_g5_and_a_second_connector_onboards(object_url: str, cache_id: str) -> None:
     """Through the KVBMConnector: every block leaving G1 goes to the bucket, the index learns of it once
     uploaded, and another worker with a fresh G2 onboards it."""
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, object_url=object_url, g4_key=G4_KEY)
+    config = KVBMConfig(cache_id=cache_id, host_cache_gb=0, object_url=object_url, block_key=BLOCK_KEY)
     index = KVIndex()
     first = KVBMConnector(config, "a", events=index)
     kv = make_kv_cache(LAYOUT, 8, seed=3)
@@ -237,7 +237,9 @@ def test_connector_publishes_g5_and_a_second_connector_onboards(object_url: str,
     first.offload([31, 32, 33], [0, 1, 2])
     first.close()  # drains the uploads and publishes them
     assert index.query([31, 32, 33]).g5 == 3
-    second = KVBMConnector(KVBMConfig(cache_id=cache_id + "b", object_url=object_url, g4_key=G4_KEY), "b")
+    second = KVBMConnector(
+        KVBMConfig(cache_id=cache_id + "b", object_url=object_url, block_key=BLOCK_KEY), "b"
+    )
     other = torch.zeros_like(kv)
     second.bind(other, LAYOUT)
     assert second.lookup([31, 32, 33, 34]) == 3

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import redis
-from kvbm_testing import G4_KEY
+from kvbm_testing import BLOCK_KEY
 
 import cluster.redis_link as redis_link_module
 import kvbm.redis_pool as redis_pool_module
@@ -27,7 +27,7 @@ def data(count: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def pool_for(
-    url: str, fingerprint: str = "fp", metrics: TierMetrics | None = None, key: bytes = G4_KEY, **kwargs
+    url: str, fingerprint: str = "fp", metrics: TierMetrics | None = None, key: bytes = BLOCK_KEY, **kwargs
 ) -> RedisPool:
     return RedisPool(
         RedisLink(url, None if metrics is None else metrics.redis_up, timeout_s=0.5),
@@ -219,9 +219,9 @@ def test_a_get_larger_than_one_fetch_chunk_keeps_every_block_in_place(redis_url:
 
 
 def test_block_macs_bind_key_layout_hash_and_payload() -> None:
-    mac = block_mac(G4_KEY, 7, 42, b"payload")
+    mac = block_mac(BLOCK_KEY, 7, 42, b"payload")
     assert len(mac) == 16
     assert mac != block_mac(bytes(32), 7, 42, b"payload")
-    assert mac != block_mac(G4_KEY, 8, 42, b"payload")
-    assert mac != block_mac(G4_KEY, 7, 43, b"payload")
-    assert mac != block_mac(G4_KEY, 7, 42, b"payloaD")
+    assert mac != block_mac(BLOCK_KEY, 8, 42, b"payload")
+    assert mac != block_mac(BLOCK_KEY, 7, 43, b"payload")
+    assert mac != block_mac(BLOCK_KEY, 7, 42, b"payloaD")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 from kvbm_testing import (
+    BLOCK_KEY,
     CLUSTER_SECRET,
-    G4_KEY,
     LEASE_TTL_S,
     ZMTP_SIGNATURE,
     make_kv_cache,
@@ -63,7 +63,9 @@ def service(redis_url: str) -> Iterator[KVBMService]:
 
 @pytest.fixture
 def worker(redis_url: str, cache_id: str) -> Iterator[KVBMConnector]:
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=redis_url, g4_key=G4_KEY)
+    config = KVBMConfig(
+        cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=redis_url, block_key=BLOCK_KEY
+    )
     connector = build_connector(config, "worker-a", lease_ttl_s=LEASE_TTL_S)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
     connector.offload(BLOCKS, list(range(8)))
@@ -170,7 +172,7 @@ def test_object_tier_blocks_reach_the_index_outlive_their_worker_and_are_priced_
         host_cache_gb=64 * 1024 / GIB,
         redis_url=redis_url,
         object_url=object_url,
-        g4_key=G4_KEY,
+        block_key=BLOCK_KEY,
     )
     connector = build_connector(config, "worker-g5", lease_ttl_s=LEASE_TTL_S)
     try:
@@ -210,7 +212,9 @@ def test_client_reports_the_service_event_count(service: KVBMService, worker: KV
 def test_index_recovers_after_redis_restart_loses_everything(cache_id: str) -> None:
     server = RedisServer()
     server.start()
-    config = KVBMConfig(cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url, g4_key=G4_KEY)
+    config = KVBMConfig(
+        cache_id=cache_id, host_cache_gb=64 * 1024 / GIB, redis_url=server.url, block_key=BLOCK_KEY
+    )
     connector = build_connector(config, "worker-r", lease_ttl_s=LEASE_TTL_S)
     connector.bind(make_kv_cache(small_layout(), 64), small_layout())
     service = KVBMService(server.url, port=None, lease_check_s=LEASE_CHECK_S).start()

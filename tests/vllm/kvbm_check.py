@@ -20,6 +20,7 @@ from harness.waiting import wait_for
 from kvbm.block_hash import block_hashes, request_salt
 from kvbm.config import KVBMConfig
 from kvbm.events import G1, G2, G3
+from kvbm.signing import BLOCK_KEY_PURPOSE
 from server.engine.api import GenerationOutput, GenerationRequest, SamplingParams
 from server.vllm_engine.engine import VLLMEngine
 
@@ -129,11 +130,11 @@ def service_main() -> None:
 
     args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
             "kv_cache_memory_bytes": 80 << 20}  # fmt: skip
-    g4_key = derive_key(
-        b"kvbm-check cluster secret, 32 by", "g4-mac"
+    block_key = derive_key(
+        b"kvbm-check cluster secret, 32 by", BLOCK_KEY_PURPOSE
     )  # Redis is G4 too: its blocks are signed
     kvbm = KVBMConfig(
-        host_cache_gb=0.25, cache_id=cache_id, redis_url=redis_url, flush_budget_s=0, g4_key=g4_key
+        host_cache_gb=0.25, cache_id=cache_id, redis_url=redis_url, flush_budget_s=0, block_key=block_key
     )
     service = KVBMService(redis_url, port=None, lease_check_s=0.2).start()
     engine = VLLMEngine(args, worker_id="svc-w0", events=None, kvbm=kvbm)
@@ -210,8 +211,8 @@ def object_main() -> None:
 
     args = {"model": model_folder, "enforce_eager": True, "dtype": "float32", "max_model_len": 1024,
             "kv_cache_memory_bytes": 80 << 20}  # fmt: skip
-    g4_key = derive_key(b"kvbm-check cluster secret, 32 by", "g4-mac")
-    kvbm = KVBMConfig(host_cache_gb=0, object_url=object_url, g4_key=g4_key)
+    block_key = derive_key(b"kvbm-check cluster secret, 32 by", BLOCK_KEY_PURPOSE)
+    kvbm = KVBMConfig(host_cache_gb=0, object_url=object_url, block_key=block_key)
     report = {}
     for name in ("first", "again"):
         events = EventList()
