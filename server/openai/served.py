@@ -29,6 +29,7 @@ from server.openai.metrics import FrontendMetrics
 from server.openai.sampling import SamplingFields, sampling_params
 
 logger = logging.getLogger(__name__)
+MAX_TOKEN_ID = 2**32  # tokenizers hold ids as u32
 
 Prompts = Callable[[], list[list[int]]]  # tokenizes a request's prompts (in a worker thread)
 
@@ -99,7 +100,11 @@ class ServedModels:
             self.count(model, "error")
             raise internal_error() from None
 
-    def decode(self, model: str, engine: Engine, token_ids: list[int]) -> str:
+    def decode(self, model: str, engine: Engine, token_ids: list[int], param: str = "prompt") -> str:
+        """The text of `token_ids` (an echoed prompt, /detokenize); ids no tokenizer can hold are the client's
+        error, naming `param` (ids past the vocabulary are refused by the engine at submit)."""
+        if not all(0 <= t < MAX_TOKEN_ID for t in token_ids):
+            self.refuse(model, f"{param}: token ids must be integers in [0, {MAX_TOKEN_ID})", param)
         try:
             return engine.decode(token_ids)
         except Exception:

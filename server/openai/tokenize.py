@@ -93,9 +93,9 @@ async def tokenized(served: ServedModels, request: TokenizeCompletion | Tokenize
 
 async def detokenized(served: ServedModels, request: DetokenizeRequest) -> DetokenizeResponse:
     model, engine = _named(served, request.model)
-    if any(t < 0 for t in request.tokens):
-        raise OpenAIError(400, "tokens: token ids are not negative", param="tokens")
-    return DetokenizeResponse(prompt=await asyncio.to_thread(served.decode, model, engine, request.tokens))
+    return DetokenizeResponse(
+        prompt=await asyncio.to_thread(served.decode, model, engine, request.tokens, "tokens")
+    )
 
 
 def _named(served: ServedModels, model: str | None) -> tuple[str, Engine]:

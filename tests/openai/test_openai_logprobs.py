@@ -151,6 +151,18 @@ def test_tokenize_and_detokenize(served: Served) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_ids_no_tokenizer_holds_are_a_400_naming_the_field(client: openai.OpenAI, served: Served) -> None:
+    """Found by the schema fuzzer: echo decoded a negative id before the engine checked it (a 500)."""
+    for ids in ([104, -1], [104, 2**40]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="fake", prompt=ids, echo=True, max_tokens=1)
+        assert err.value.body["param"] == "prompt" and "[0, 4294967296)" in err.value.body["message"]
+        refused = httpx.post(
+            f"{served.base_url}/detokenize", json={"model": "fake", "tokens": ids}, timeout=10
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+
+
 def test_version_and_one_model(client: openai.OpenAI, served: Served) -> None:
     version = httpx.get(f"{served.base_url}/version", timeout=10).json()["version"]
     assert version and version[0].isdigit()
