@@ -24,14 +24,15 @@ from server.engine import kernels
 from server.engine.api import EngineResources, KVBlockLayout, RequestId
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig
-from server.engine.core import EngineCore, ModelExecutor
+from server.engine.core import EngineCore
+from server.engine.executor import ExecutorEvent, ModelExecutor
 from server.engine.kv_transfer import KVTransferConnector
 from server.engine.loader import ModelFiles, load_config, load_weights, open_weights, prepare_model
 from server.engine.model import LlamaModel, ModelShape
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.parallel.executor import ShardedConnector, ShardedExecutor
-from server.engine.parallel.group import GroupFailure, GroupSettings, RankGroup, RankSpec, ShmPlan, rank_title
+from server.engine.parallel.group import GroupSettings, RankGroup, RankSpec, ShmPlan, rank_title
 from server.engine.parallel.plan import ShardPlan, check_shardable, local_shape, usable_cores
 from server.engine.sampler import LogitBias, MinTokens, Penalties, RepetitionPenalty, Sampler
 from server.engine.scheduler import Scheduler
@@ -61,11 +62,19 @@ class EngineParts:
 
 @dataclass(slots=True)
 class Sharding:
-    """How a sharded engine's group is run: its worker's id (in rank titles), what to call when it fails."""
+    """How a sharded engine's group is run: its worker's id (in rank titles and rank stats), who gets its
+    executor's events. An unsharded engine's executor has none to report."""
 
     worker_id: str
-    on_failure: Callable[[GroupFailure], None]
+    on_event: Callable[[ExecutorEvent], None]
     settings: GroupSettings = field(default_factory=GroupSettings)
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """torch intra-op threads of each rank: the config's num_threads, else this host's usable cores split between
+    a sharded worker's ranks (torch's default for one process)."""
+    world = config.world_size
+    return config.num_threads or (max(1, usable_cores() // world) if world > 1 else torch.get_num_threads())
 
 
 def build(
@@ -88,7 +97,7 @@ def build(
     num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // layout.block_bytes)
     group = None
     if plan is not None:  # the other ranks load while this one does
-        sharding = sharding or Sharding(config.model_name or files.name, lambda failure: None)
+        sharding = sharding or Sharding(config.model_name or files.name, lambda event: None)
         group = _spawn_ranks(
             config, plan, num_blocks, num_threads, connector, sharding, files.name, shape.hidden_size
         )
@@ -97,7 +106,8 @@ def build(
         local = ModelRunner(model, num_blocks, config.block_size)  # this rank's part (all of it unsharded)
         runner: ModelExecutor = local
         if group is not None:
-            executor = ShardedExecutor(local, group, plan, sharding.settings.collective_timeout_s)
+            timeout_s = sharding.settings.collective_timeout_s
+            executor = ShardedExecutor(local, group, plan, timeout_s, sharding.worker_id, sharding.on_event)
             executor.start()
             runner = executor
             connector = ShardedConnector(connector, group) if connector is not None else None
@@ -157,16 +167,16 @@ def build(
 def shard_plan(config: EngineConfig, shape: ModelShape) -> ShardPlan | None:
     """The driver's plan when the config shards the model (None otherwise); ValueError naming the dimension a
     size does not divide; a warning when the ranks outnumber this host's cores or devices."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if tp * pp == 1:
+    tp, pp, world = config.tensor_parallel_size, config.pipeline_parallel_size, config.world_size
+    if world == 1:
         return None
     check_shardable(shape, tp, pp)
     device = config.torch_device
     usable = torch.cuda.device_count() if device.startswith("cuda") else usable_cores()
-    if tp * pp > usable:
+    if world > usable:
         log.warning(
             "%s: %d ranks (tensor_parallel_size %d x pipeline_parallel_size %d) on %d usable %s: they will "
-            "share them and each step waits on the slowest", config.model_name or config.model, tp * pp, tp, pp,
+            "share them and each step waits on the slowest", config.model_name or config.model, world, tp, pp,
             usable, "devices" if device.startswith("cuda") else "cores",
         )  # fmt: skip
     return ShardPlan(tp, pp, 0, shape.num_layers)
@@ -191,7 +201,7 @@ def _spawn_ranks(
         )  # fmt: skip
 
     shm = _shm_plan(config, plan, hidden_size, num_threads)
-    group = RankGroup(spec, plan.world_size, settings, sharding.on_failure, shm)
+    group = RankGroup(spec, plan.world_size, settings, sharding.on_event, shm)
     group.spawn()
     return group
 

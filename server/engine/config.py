@@ -124,6 +124,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
         EngineConfig.from_dict(msgspec.structs.asdict(self), source)
 
     @property
+    def world_size(self) -> int:
+        """The ranks of one worker: tensor_parallel_size x pipeline_parallel_size (1: unsharded)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype(self.torch_device) if self.dtype == "auto" else DTYPES[self.dtype]
 

@@ -7,20 +7,20 @@ Single-threaded: only the engine thread calls it. A fault is contained to the re
 - per-sequence work after the forward (block registration, stop checks, detokenizing, the sink) fails only its
   own request.
 
-The model runner is anything with `run(chunks) -> logits` over the scheduler's chunks (`ModelExecutor`): one
-process today, a group of ranks that steps together for a sharded model. Logits processors (penalties, min_tokens,
-grammar bitmasks) are stages of the sampler.
+The runner is a `ModelExecutor` (server/engine/executor.py): `run(chunks) -> logits` over the scheduler's chunks,
+whether one process computes them or a group of ranks; the core never asks which. Logits processors (penalties,
+min_tokens, grammar bitmasks) are stages of the sampler.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from server.engine.api import FinishReason, RequestId, TokenLogprobs
+from server.engine.executor import ExecutorFailure, ModelExecutor
 from server.engine.kv_transfer import KVTransferConnector
 from server.engine.output_processor import OutputProcessor
 from server.engine.sampler import Sampler, top_logprobs
@@ -28,20 +28,6 @@ from server.engine.scheduler import ScheduledChunk, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
-
-
-class ExecutorFailure(RuntimeError):
-    """The executor lost a part of itself (a rank of a sharded worker died or hung): the step did not happen,
-    nothing in the KV pool can be trusted, and it runs nothing until it is restarted. Not a request's fault: the
-    core lets it through to the engine, which ends or requeues every request (server/engine/llm_engine.py)."""
-
-
-class ModelExecutor(Protocol):
-    """Computes one step: logits [sampling chunks, vocab] fp32, one row per chunk that ends at its sequence's last
-    token, in the order of `chunks`. KV for every scheduled token is written into the pool. Raises
-    ExecutorFailure when it cannot compute any step (see there); any other exception is the step's own."""
-
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
 
 
 class EngineCore:

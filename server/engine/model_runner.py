@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from server.engine.api import RankStats
 from server.engine.model import DecodeGroup, LlamaModel, PrefillChunk, StepBatch
 from server.engine.scheduler import ScheduledChunk
 
@@ -21,6 +22,11 @@ MAX_GROUP_PADDING_BLOCKS = 32
 
 
 class ModelRunner:
+    """Implements `server.engine.executor.ModelExecutor` in the engine's own process (and a rank's part of a
+    sharded model in each rank's)."""
+
+    shard_layout = ""  # the whole model, in this process
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         shape = model.local  # this rank's layers and KV heads (the whole model unsharded)
         self.model = model
@@ -43,6 +49,21 @@ class ModelRunner:
         token, in the order of `chunks`, then P rows of prompt positions whose logprobs are owed (each chunk's
         `seq.prompt_logprob_positions`, in the order of `chunks`)."""
         return self.model.forward(self.prepare(chunks), self.kv_cache)
+
+    def recover(self) -> None:
+        """Nothing to restart: it runs in the engine's own process and never raises ExecutorFailure."""
+
+    def ranks(self) -> list[RankStats]:
+        return []
+
+    def restarts(self) -> dict[str, int]:
+        return {}
+
+    def begin_close(self) -> None:
+        """Nothing runs beside the engine thread."""
+
+    def close(self) -> None:
+        """The pool goes with the engine."""
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
         """The step's inputs as tensors on the model's device (what every rank of a sharded worker gets)."""

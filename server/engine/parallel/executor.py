@@ -2,65 +2,125 @@
 
 The core stays as it is: it schedules, asks the executor for logits and samples on the driver. `ShardedExecutor`
 builds the step's inputs once (the driver's `ModelRunner._prepare`), sends them to every rank, computes the
-driver's own part, and joins the logits the last stage's ranks send back. `ShardedConnector` gives every rank's
-tiers the same KV operation: each rank holds its part of a block in tiers keyed by its part's layout
-(`ShardPlan.tag`), and a block is only as available as its scarcest part.
+driver's own part, and joins the logits the last stage's ranks send back. It owns its group's life: it reports a
+failure, restarts the group with backoff in `recover` and counts the restarts (the events are in
+server/engine/executor.py). `ShardedConnector` gives every rank's tiers the same KV operation: each rank holds its
+part of a block in tiers keyed by its part's layout (`ShardPlan.tag`), and a block is only as available as its
+scarcest part.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from cluster.backoff import Backoff
 from kvbm.api import BlockEvent, KVConnector, KVLayout
 from kvbm.block_hash import BlockHash
 from server.engine.api import RankStats
+from server.engine.executor import (
+    ExecutorEvent,
+    ExecutorFailure,
+    Failed,
+    FailureReason,
+    Ready,
+    RestartFailed,
+    Restarting,
+)
 from server.engine.model_runner import ModelRunner
 from server.engine.parallel import wire
 from server.engine.parallel.comm import GroupComm
-from server.engine.parallel.group import GroupFailure, RankGroup, resident_bytes
+from server.engine.parallel.group import RankGroup, resident_bytes
 from server.engine.parallel.plan import ShardPlan
 from server.engine.parallel.stage import StageRunner
 from server.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
+FIRST_RETRY_S, LAST_RETRY_S = 1.0, 30.0  # the waits after failed restarts: doubling from first to last
 
 
 class ShardedExecutor:
-    """Implements `server.engine.core.ModelExecutor` on the driver (rank 0) of a group."""
+    """Implements `server.engine.executor.ModelExecutor` on the driver (rank 0) of worker `worker_id`'s group;
+    `on_event` gets its events (`Failed` from the group's monitor as well)."""
 
-    def __init__(self, runner: ModelRunner, group: RankGroup, plan: ShardPlan, collective_timeout_s: float):
+    def __init__(
+        self, runner: ModelRunner, group: RankGroup, plan: ShardPlan, collective_timeout_s: float, worker_id: str,
+        on_event: Callable[[ExecutorEvent], None],
+    ) -> None:  # fmt: skip
         self.runner = runner  # the driver's part: its layers and KV heads, its pool rows
         self.group = group
         self.plan = plan
         self._timeout_s = collective_timeout_s
+        self._worker_id = worker_id
+        self._on_event = on_event
         self.stage: StageRunner | None = None
-        self.restarts: dict[str, int] = {}  # why the group was restarted -> how many times
+        self._restarts: dict[str, int] = {}  # Failed.label -> restarts it caused
+
+    @property
+    def shard_layout(self) -> str:
+        return f"tp{self.plan.tp_size}pp{self.plan.pp_size}"
 
     def start(self) -> None:
-        """Wait for the spawned ranks, then join the collectives (engine thread). GroupFailure if it fails."""
+        """Wait for the spawned ranks, then join the collectives (engine thread). ExecutorFailure if it fails."""
         store = self.group.join()
         try:
             comm = GroupComm(store, self.plan, self.runner.device, self._timeout_s, self.group.driver_shm)
         except RuntimeError as err:  # a rank died while the group formed
-            raise self.group.fail(0, f"joining the group failed: {err}") from err
+            detail = f"joining the group failed: {err}"
+            raise self.group.fail(Failed(FailureReason.START_FAILED, 0, detail)) from err
         self.runner.model.join_group(comm.all_reduce)
         self.stage = StageRunner(self.runner.model, self.runner.kv_cache, comm, self.plan)
 
-    def restart(self) -> None:
-        """A new generation of ranks after a failure: spawn, load, join. The driver's pool is zeroed (what it held
-        is unusable without the other parts). GroupFailure if this generation fails too."""
+    def recover(self) -> None:
+        """The group lost a rank and killed the others: start new generations, `FIRST_RETRY_S` apart doubling to
+        `LAST_RETRY_S`, until one runs (`Ready`) or the engine closes. Every failure that causes a restart is
+        counted by its label."""
+        failure = self.group.failure or Failed(FailureReason.STEP_FAILED, 0, "unknown")
+        self._count(failure)
+        self._on_event(Restarting(failure))
+        backoff = Backoff(FIRST_RETRY_S, LAST_RETRY_S)
+        while True:
+            try:
+                self._restart()
+            except ExecutorFailure as again:
+                if self.group.closing:
+                    return
+                self._count(again.failure)
+                self._on_event(RestartFailed(again.failure, backoff.delay))
+                if self.group.wait_closing(backoff.delay):
+                    return
+                backoff.grow()
+            else:
+                self._on_event(Ready())
+                return
+
+    def _restart(self) -> None:
+        """A new generation of ranks: spawn, load, join. The driver's pool is zeroed (what it held is unusable
+        without the other parts). ExecutorFailure if this generation fails too."""
         self.stage = None
         self.group.spawn()
         self.runner.kv_cache.zero_()
         self.start()
 
+    def _count(self, failure: Failed) -> None:
+        self._restarts[failure.label] = self._restarts.get(failure.label, 0) + 1
+
+    def restarts(self) -> dict[str, int]:
+        return dict(self._restarts)
+
+    def begin_close(self) -> None:
+        self.group.begin_close()
+
+    def close(self) -> None:
+        self.group.stop()  # each rank closes its tiers
+
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if self.stage is None:
-            raise self.group.failure or GroupFailure(0, "the group is not running")
+            stopped = Failed(FailureReason.STEP_FAILED, 0, "the group is not running")
+            raise ExecutorFailure(self.group.failure or stopped)
         groups = _micro_batches(chunks, self.plan.pp_size)
         batches = [self.runner.prepare(group) for group in groups]
         self.group.send(wire.Step([wire.encode_batch(batch) for batch in batches]))
@@ -71,11 +131,10 @@ class ShardedExecutor:
             raise self.group.step_failed(err) from err
         return _join(groups, logits)
 
-    def statuses(self, worker: str) -> list[RankStats]:
-        """Every rank of worker `worker`, the driver first."""
+    def ranks(self) -> list[RankStats]:
         busy = self.stage.busy_s if self.stage is not None else 0.0
-        own = RankStats(worker, 0, os.getpid(), self.stage is not None, resident_bytes(), busy)
-        return [own, *self.group.statuses(worker)]
+        own = RankStats(self._worker_id, 0, os.getpid(), self.stage is not None, resident_bytes(), busy)
+        return [own, *self.group.statuses(self._worker_id)]
 
 
 def _micro_batches(chunks: list[ScheduledChunk], count: int) -> list[list[ScheduledChunk]]:

@@ -13,9 +13,9 @@ A generation of the group:
                                                          times out, or a step raises on the driver
 
 On a failure the monitor thread kills every rank at once (SIGKILL: none is left inside a collective, and the
-driver's own pending collective fails at once with a closed connection), records the first cause (`GroupFailure`
-naming the rank and its exit signal or code) and tells the engine, which ends or requeues its requests and calls
-`start` again for the next generation (new processes, new store, new sockets).
+driver's own pending collective fails at once with a closed connection), records the first cause (a `Failed`
+event naming its reason, the rank and its exit signal or code) and reports it; the executor's `recover` then
+spawns the next generation (new processes, new store, new sockets).
 """
 
 from __future__ import annotations
@@ -42,23 +42,13 @@ import zmq
 from kvbm.config import KVBMConfig
 from server.engine.api import RankStats
 from server.engine.config import EngineConfig
-from server.engine.core import ExecutorFailure
+from server.engine.executor import ExecutorFailure, Failed, FailureReason
 from server.engine.parallel import wire
 from server.engine.parallel.comm import ShmAllReduce, host_store, segment_path
 from server.engine.parallel.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class GroupFailure(ExecutorFailure):
-    """A rank of the group is gone (or stuck): every rank was killed; the KV pool's contents are lost."""
-
-    def __init__(self, rank: int, reason: str) -> None:
-        super().__init__(f"rank {rank}: {reason}")
-        self.rank = rank
-        self.reason = reason
-        self.at = time.monotonic()  # when it was seen
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -154,13 +144,15 @@ def resident_bytes() -> int:
         return 0
 
 
-def _exit_reason(returncode: int) -> str:
+def _exited(rank: int, returncode: int) -> Failed:
+    """A rank's process ended: on a signal (negative `returncode`) or with an exit code."""
     if returncode < 0:
         try:
-            return f"exited on {signal.Signals(-returncode).name}"
+            name = signal.Signals(-returncode).name
         except ValueError:
-            return f"exited on signal {-returncode}"
-    return f"exited with code {returncode}"
+            name = f"signal {-returncode}"
+        return Failed(FailureReason.SIGNAL, rank, f"exited on {name}", signal=name)
+    return Failed(FailureReason.EXIT_CODE, rank, f"exited with code {returncode}", exit_code=returncode)
 
 
 class RankGroup:
@@ -172,7 +164,7 @@ class RankGroup:
         spec: Callable[[int, int, str, str, str], RankSpec],
         world_size: int,
         settings: GroupSettings,
-        on_failure: Callable[[GroupFailure], None],
+        on_failure: Callable[[Failed], None],
         shm: ShmPlan | None = None,
     ) -> None:
         """`spec(rank, store_port, control_endpoint, replies_endpoint, reduce_segment)`: rank's RankSpec for a
@@ -190,8 +182,8 @@ class RankGroup:
         self._ranks: dict[int, RankProcess] = {}
         self._answers: dict[int, dict[int, int]] = {}
         self._call_ids = itertools.count(1)
-        self.failure: GroupFailure | None = None  # this generation's
-        self.last_failure: GroupFailure | None = None  # any generation's latest, kept across restarts
+        self.failure: Failed | None = None  # this generation's
+        self.last_failure: Failed | None = None  # any generation's latest, kept across restarts
         self._closing = threading.Event()
         self._generation = 0
         self._pushes: dict[int, zmq.Socket] = {}
@@ -257,33 +249,34 @@ class RankGroup:
         return RankProcess(spec.rank, process, os.pidfd_open(process.pid))
 
     def join(self) -> dist.TCPStore:
-        """Wait until every rank is Ready (raises GroupFailure on a failure, the start timeout or `close`); returns
-        the store the driver joins the collectives on."""
+        """Wait until every rank is Ready (raises ExecutorFailure on a failure, the start timeout or `close`);
+        returns the store the driver joins the collectives on."""
         deadline = time.monotonic() + self.settings.start_timeout_s
         with self._lock:
             while not all(r.ready for r in self._ranks.values()):
                 if self.failure is not None:
-                    raise self.failure
+                    raise ExecutorFailure(self.failure)
                 if self._closing.is_set():
-                    raise GroupFailure(0, "the engine is closing")
+                    raise ExecutorFailure(Failed(FailureReason.START_FAILED, 0, "the engine is closing"))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(left)
         if not all(r.ready for r in self._ranks.values()):
             late = [r.rank for r in self._ranks.values() if not r.ready]
-            raise self.fail(late[0], f"not ready within {self.settings.start_timeout_s:.0f} s")
+            detail = f"not ready within {self.settings.start_timeout_s:.0f} s"
+            raise self.fail(Failed(FailureReason.START_FAILED, late[0], detail))
         self._unlink_segments()  # every rank maps its stage's by now: nothing is left behind if they all die
         assert self._store is not None
         return self._store
 
-    def fail(self, rank: int, reason: str) -> GroupFailure:
-        """Record the generation's first failure, kill every rank, tell the engine; returns the recorded failure
-        (an earlier one if another thread saw the group fail first)."""
+    def fail(self, failure: Failed) -> ExecutorFailure:
+        """Record the generation's first failure, kill every rank, report it; returns the error to raise, of the
+        recorded failure (an earlier one if another thread saw the group fail first)."""
         with self._lock:
             first = self.failure is None
             if first:
-                self.failure = self.last_failure = GroupFailure(rank, reason)
+                self.failure = self.last_failure = failure
             self._kill_all()
             if self.driver_shm is not None:
                 self.driver_shm.abort()  # the driver's own wait in an all-reduce fails now
@@ -292,19 +285,20 @@ class RankGroup:
         if first:
             log.error("sharded group failed: %s", failure)
             self._on_failure(failure)
-        return failure
+        return ExecutorFailure(failure)
 
-    def step_failed(self, error: BaseException) -> GroupFailure:
+    def step_failed(self, error: BaseException) -> ExecutorFailure:
         """The driver's part of a step raised (a peer's connection reset, a collective's timeout): name the rank
         that caused it when one did (a rank's exit is seen a moment after its closed socket), else the driver."""
         with self._lock:
             self._lock.wait_for(lambda: self.failure is not None, timeout=self.settings.heartbeat_s)
         if self.failure is not None:
-            return self.failure
+            return ExecutorFailure(self.failure)
         for rank in self._ranks.values():
             if rank.process.poll() is not None:
-                return self.fail(rank.rank, _exit_reason(rank.process.returncode))
-        return self.fail(0, f"step failed on the driver: {error!r}"[:300])
+                return self.fail(_exited(rank.rank, rank.process.returncode))
+        detail = f"step failed on the driver: {error!r}"[:300]
+        return self.fail(Failed(FailureReason.STEP_FAILED, 0, detail))
 
     def _kill_all(self) -> None:
         for rank in self._ranks.values():
@@ -314,16 +308,17 @@ class RankGroup:
     # ---- talking to the ranks (engine thread) ----
 
     def send(self, message: wire.ToRank) -> None:
-        """The same message to every rank, in order after what was sent before; GroupFailure if the group is
+        """The same message to every rank, in order after what was sent before; ExecutorFailure if the group is
         down."""
         if self.failure is not None:
-            raise self.failure
+            raise ExecutorFailure(self.failure)
         payload = msgspec.msgpack.encode(message)
         for rank, push in self._pushes.items():
             try:
                 push.send(payload, zmq.NOBLOCK)
             except zmq.Again:
-                raise self.fail(rank, "its control queue is full (it stopped reading)") from None
+                detail = "its control queue is full (it stopped reading)"
+                raise self.fail(Failed(FailureReason.STEP_FAILED, rank, detail)) from None
 
     def ask(self, message: wire.Question, meanwhile: Callable[[], T]) -> tuple[T, list[int]]:
         """Send a question with a fresh call id, run `meanwhile()` (the driver's own part, while the ranks do
@@ -345,11 +340,12 @@ class RankGroup:
             self._answers.pop(call_id, None)
             failure = self.failure
         if failure is not None:
-            raise failure
+            raise ExecutorFailure(failure)
         if len(answers) < len(self._pushes):
             silent = min(set(self._pushes) - set(answers))
-            raise self.fail(silent, f"did not answer a KV {type(message).__name__.lower()} within "
-                            f"{self.settings.answer_timeout_s:.0f} s")  # fmt: skip
+            detail = (f"did not answer a KV {type(message).__name__.lower()} within "
+                      f"{self.settings.answer_timeout_s:.0f} s")  # fmt: skip
+            raise self.fail(Failed(FailureReason.STEP_FAILED, silent, detail))
         return own, list(answers.values())
 
     def statuses(self, worker: str) -> list[RankStats]:
@@ -379,7 +375,7 @@ class RankGroup:
                 if fd in events:
                     rank.process.wait()
                     if not self._closing.is_set():  # on close the ranks exit as told
-                        self.fail(rank.rank, _exit_reason(rank.process.returncode))
+                        self.fail(_exited(rank.rank, rank.process.returncode))
                     return
             if pull in events:
                 while True:
@@ -408,7 +404,7 @@ class RankGroup:
                 rank.ready, rank.last_beat = True, time.monotonic()
                 self._lock.notify_all()
         elif isinstance(message, wire.LoadFailed):
-            self.fail(message.rank, f"failed to load: {message.error}")
+            self.fail(Failed(FailureReason.START_FAILED, message.rank, f"failed to load: {message.error}"))
 
     def _check_beats(self) -> None:
         """A ready rank silent for `heartbeat_timeout_s` is stuck (a loading one is bounded by `start_timeout_s`)."""
@@ -416,7 +412,8 @@ class RankGroup:
         for rank in self._ranks.values():
             if rank.ready and now - rank.last_beat > self.settings.heartbeat_timeout_s:
                 silent = now - rank.last_beat
-                self.fail(rank.rank, f"no heartbeat for {silent:.1f} s (stuck or stopped)")
+                detail = f"no heartbeat for {silent:.1f} s (stuck or stopped)"
+                self.fail(Failed(FailureReason.HEARTBEAT, rank.rank, detail))
                 return
 
     # ---- ending ----
@@ -427,7 +424,7 @@ class RankGroup:
         if self.failure is None and self._pushes:
             try:
                 self.send(wire.Stop())
-            except GroupFailure:
+            except ExecutorFailure:
                 pass
         deadline = time.monotonic() + timeout_s
         for rank in self._ranks.values():
@@ -446,6 +443,10 @@ class RankGroup:
     @property
     def closing(self) -> bool:
         return self._closing.is_set()
+
+    def wait_closing(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for `begin_close`; True once it was called."""
+        return self._closing.wait(timeout_s)
 
     def _end_generation(self) -> None:
         """Kill what is left of the current generation and release its sockets, store and folder."""
