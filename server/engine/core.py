@@ -201,10 +201,12 @@ class EngineCore:
         self.outputs.emit(seq, finished=True, kv_transfer_params=params)
 
     def fail(self, seqs: list[Sequence], err: Exception) -> None:
-        """Finish `seqs` with finish_reason "error"; their clients see the exception's type and message."""
-        reason = f"internal engine error: {type(err).__name__}: {err}"[:500]
+        """Finish `seqs` with finish_reason "error". The exception is logged with each request's id; a client sees
+        only that id (the exception's text may hold internals: paths, shapes, another request's data)."""
         for seq in seqs:
-            self.finish(seq, "error", error=reason)
+            log.error("request %s failed: %s: %s", seq.request_id, type(err).__name__, err)
+            error = f"internal engine error (request {seq.request_id}); see the server log"
+            self.finish(seq, "error", error=error)
 
     def requeue_all(self) -> list[Sequence]:
         """After an executor failure: every running sequence back to the head of the wait queue, its blocks freed

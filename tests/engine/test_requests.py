@@ -87,7 +87,7 @@ def test_leaving_the_iterator_aborts(engine, prompt_ids):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-def test_step_failure_fails_its_requests_and_engine_keeps_serving(engine, prompt_ids, monkeypatch):
+def test_step_failure_fails_its_requests_and_engine_keeps_serving(engine, prompt_ids, monkeypatch, caplog):
     real_run = engine.runner.run
     calls = {"n": 0}
 
@@ -99,7 +99,9 @@ def test_step_failure_fails_its_requests_and_engine_keeps_serving(engine, prompt
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     failed = run(engine, greedy(prompt_ids[1], "boom"))
-    assert failed.finish_reason == "error" and "RuntimeError: injected" in failed.error
+    assert failed.finish_reason == "error"
+    assert failed.error == "internal engine error (request boom); see the server log"  # the text: in the log
+    assert "request boom failed: RuntimeError: injected" in caplog.text
     ok = run(engine, greedy(prompt_ids[1], "after-boom"))
     assert ok.finish_reason in ("stop", "length") and ok.num_output_tokens > 0
     wait_until(engine.is_idle)
@@ -140,9 +142,9 @@ def _inject_fault(engine, monkeypatch, where: str, bad: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["admission", "forward", "sampler", "blocks", "stop_check"])
-def test_a_fault_in_one_sequence_fails_that_request_alone(engine, prompt_ids, monkeypatch, where):
-    """Fault injection: the poisoned request ends with finish_reason "error" and the reason; the requests batched
-    with it finish normally with the tokens they produce without the fault."""
+def test_a_fault_in_one_sequence_fails_that_request_alone(engine, prompt_ids, monkeypatch, caplog, where):
+    """Fault injection: the poisoned request ends with finish_reason "error" (its client sees its id, the log the
+    reason); the requests batched with it finish normally with the tokens they produce without the fault."""
     requests = lambda tag: [greedy(prompt_ids[i], f"{tag}-{i}", max_tokens=6) for i in range(3)]  # noqa: E731
     reference = collect_concurrently(engine, requests("ref"))
     _inject_fault(engine, monkeypatch, where, bad="iso-1")
@@ -157,7 +159,8 @@ def test_a_fault_in_one_sequence_fails_that_request_alone(engine, prompt_ids, mo
         if output.finished:
             last[output.request_id] = output
     assert last["iso-1"].finish_reason == "error"
-    assert f"ValueError: injected {where} fault" in last["iso-1"].error
+    assert last["iso-1"].error == "internal engine error (request iso-1); see the server log"
+    assert f"request iso-1 failed: ValueError: injected {where} fault" in caplog.text
     for i in (0, 2):
         assert last[f"iso-{i}"].finish_reason in ("stop", "length"), last[f"iso-{i}"].error
         assert tokens[f"iso-{i}"] == reference[f"ref-{i}"]
