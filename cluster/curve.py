@@ -1,5 +1,5 @@
 """ZMQ CURVE keys from the cluster secret, and the ZAP check that admits only the cluster's client key: the one
-scheme of Strata's TCP links (server <-> worker channels, server/workers/transport.py; KV handoffs between
+scheme of Strata's ZMQ links over TCP (server <-> worker channels, server/workers/transport.py; KV handoffs between
 workers, kvbm/transfer_tcp.py; the KVBM service's query port, kvbm/query_port.py), each link with its own key
 purposes.
 

@@ -16,8 +16,8 @@ The slot headers *are* the cross-process index: the pool is set-associative (as 
 Block hash h may live only in set `h % num_sets` or set `(h >> 32) % num_sets`, i.e. one of 2 x `ways` (16)
 slots, so a lookup reads 32 headers and no separate hash table can go stale; a put takes a free slot of either
 set, else the least recently used idle slot of the two (the clock in the segment header orders uses). With one
-set per hash, a set overflowed at 2/3 occupancy and evicted a block from the middle of a cached prefix, which
-cuts every later block of that prefix off; two choices keep the most loaded set near the mean. Every
+set per hash, a set overflows well before the pool is full and evicts a block from the middle of a cached prefix,
+which cuts every later block of that prefix off; two choices keep the most loaded set near the mean. Every
 header access holds `flock` on the segment file plus a thread lock; payload copies run without the lock:
 
     put: lock, claim slot (state WRITING, hash = new), unlock, spill the old payload, copy in, lock, READY, unlock

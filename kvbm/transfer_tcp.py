@@ -22,7 +22,7 @@ aborted, its worker died) costs the sender its buffer for `ttl_s`, swept on each
 thread. Each handoff is served once, then dropped.
 
 Who may fetch: the link is ZMQ CURVE with keys derived from the cluster secret (`transfer_keys`,
-the scheme of every TCP link, cluster/curve.py): the sender's ROUTER is a CURVE server whose ZAP
+the scheme of every ZMQ link over TCP, cluster/curve.py): the sender's ROUTER is a CURVE server whose ZAP
 handler admits only the one client key the secret gives, so a peer without the secret never completes the
 handshake and gets no byte of KV; every frame is encrypted and authenticated, both ways. A fetcher with
 another secret gets no answer and fails after `fetch_timeout_s`; the handoff stays for one with the right one.

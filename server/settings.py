@@ -1,4 +1,6 @@
-"""The one place Strata reads environment variables."""
+"""Where the server reads Strata's own environment variables (STRATA_*). Elsewhere: kvbm's CLI reads
+STRATA_CLUSTER_SECRET itself, a child process reads what its parent set for it (STRATA_WORKER_CPUS, the block key),
+and a few other programs' variables are read where they apply (VLLM_CPU_*, POD_NAME, AWS_ENDPOINT_URL)."""
 
 from __future__ import annotations
 

@@ -150,8 +150,8 @@ class LlamaModel:
     Batch invariance (`batch_invariant`): a token's logits are one computation, whatever else is in the step,
     however its prompt was chunked or cached, and whether it is decoded or recomputed after a resume. Every op
     but attention already is one here: the linear layers sum over K in one order at every row count (the compiled
-    bf16 kernel by construction; oneDNN's packed fp32 GEMM measured so on this CPU, tests/engine/
-    test_batch_invariant.py checks it), RMSNorm, RoPE and SiLU are per row, the sampler draws a seeded row from
+    bf16 kernel by construction; oneDNN's packed fp32 GEMM as tests/engine/test_batch_invariant.py checks on the
+    CPU it runs on), RMSNorm, RoPE and SiLU are per row, the sampler draws a seeded row from
     its own generator. Attention is not by default: a decode row goes through the decode kernel (an online
     softmax a 16-key block at a time, fp32 P), a prompt row through the bf16 prefill kernel (128-key steps, P
     rounded to bf16) or SDPA (fp32), so a continuation (migration, disaggregated decode, preemption's recompute)

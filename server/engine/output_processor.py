@@ -33,8 +33,8 @@ class OutputProcessor:
         self._texts: list[str] | None = None
 
     def token_texts(self) -> list[str]:
-        """Each vocabulary id's text, built on first use (about 30 ms for SmolLM2: the engine's submit calls this
-        for a request that asks for logprobs, so the engine thread never builds it)."""
+        """Each vocabulary id's text, built on first use (a batched decode of the whole vocabulary: the engine's
+        submit calls this for a request that asks for logprobs, so the engine thread never builds it)."""
         if self._texts is None:
             self._texts = self._token_texts()
         return self._texts

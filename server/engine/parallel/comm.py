@@ -1,9 +1,11 @@
 """The collectives of one rank of a sharded worker: gloo on the CPU, NCCL on CUDA.
 
-Groups are built directly on a TCPStore that the driver (rank 0) hosts on a free loopback port, never as torch's
-default process group: one process may drive several sharded models, each its own group, and a group restarted
+Groups are built directly on a TCPStore that the driver (rank 0) hosts on a free port, never as torch's default
+process group: one process may drive several sharded models, each its own group, and a group restarted
 after a failure gets a new store (so nothing of the dead generation is read again). Every collective has the
-group's timeout: a peer that stops answering raises here instead of hanging the step.
+group's timeout: a peer that stops answering raises here instead of hanging the step. Neither the store nor gloo
+authenticates a peer: the ranks connect to the store on 127.0.0.1, but torch's store listens on every interface and
+gloo on the address the host name resolves to.
 
     world group    every rank: hidden states stage to stage, logits slices to the driver (point to point)
     tp group       the ranks of this rank's pipeline stage: the all-reduce of each row-parallel layer
