@@ -70,7 +70,7 @@ def _share_cores(config: EngineConfig, workers: int) -> None:
     split this host's cores between them (at least one thread each) instead of each taking all of them: OpenMP
     teams that together outnumber the cores preempt each other at every barrier (docs/llm.md, "CPU threads").
     One process keeps every core."""
-    processes = workers * config.tensor_parallel_size * config.pipeline_parallel_size
+    processes = workers * config.world_size
     cores = len(os.sched_getaffinity(0))
     if config.num_threads is None and processes > 1:
         config.num_threads = max(1, cores // processes)

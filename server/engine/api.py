@@ -505,6 +505,18 @@ class LocalEngine(Engine, Protocol):
     @property
     def resources(self) -> EngineResources: ...
 
+    @property
+    def shard_layout(self) -> str:
+        """ "tp<T>pp<P>" when its model is split over ranks (workers of one model must agree), "" otherwise."""
+        ...
+
+
+def shard_layout(tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
+    """An engine's `shard_layout`: "tp<T>pp<P>" when split over ranks, "" for one."""
+    if tensor_parallel_size * pipeline_parallel_size == 1:
+        return ""
+    return f"tp{tensor_parallel_size}pp{pipeline_parallel_size}"
+
 
 def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int) -> None:
     """What every engine checks at submit, in this order: a non-empty prompt of ids in the vocabulary, room for

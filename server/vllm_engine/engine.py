@@ -62,6 +62,7 @@ from server.engine.api import (
     SamplingParams,
     TokenLogprobs,
     continuation,
+    shard_layout,
     validate_request,
 )
 from server.vllm_engine.config import VLLMParallel
@@ -126,6 +127,8 @@ class VLLMEngine:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_tokens_limit = self.max_model_len
         self._vocab = int(vllm_config.model_config.get_vocab_size())
+        parallel = VLLMParallel.of(engine_args)
+        self.shard_layout = shard_layout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._num_blocks = int(cache.num_gpu_blocks or 0)
         self._max_running = int(vllm_config.scheduler_config.max_num_seqs)
         self._max_requests = self._max_running + max_queued_requests

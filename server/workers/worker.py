@@ -184,7 +184,7 @@ def build_llm_engine(
     config = kvbm_config or KVBMConfig(host_cache_gb=0.0)
     kv_transfer = (transfer or KVTransferConfig()).build()
     connector = build_connector(config, worker_id, index=events, model=engine_config.model_name or "")
-    world = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+    world = engine_config.world_size
     if world > 1:  # this process is the group's driver
         setproctitle.setproctitle(rank_title(engine_config.model_name or "model", worker_id, 0, world))
     # a group that loses a rank hands its requests back: the router resumes them on another worker meanwhile
@@ -203,7 +203,7 @@ def describe(engine: LocalEngine, speeds: Speeds, role: str = "both") -> WorkerI
         hardware=describe_hardware(engine),
         speeds=speeds,
         role=role,
-        shards=getattr(engine, "shard_layout", ""),
+        shards=engine.shard_layout,
     )
 
 

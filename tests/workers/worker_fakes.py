@@ -47,6 +47,7 @@ class StepEngine:
         kv_capacity_bytes=100 * 4096,
     )
     healthy = True
+    shard_layout = ""
 
     def __init__(
         self,

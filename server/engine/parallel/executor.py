@@ -20,7 +20,7 @@ import torch
 from cluster.backoff import Backoff
 from kvbm.api import BlockEvent, KVConnector, KVLayout
 from kvbm.block_hash import BlockHash
-from server.engine.api import RankStats
+from server.engine.api import RankStats, shard_layout
 from server.engine.executor import (
     ExecutorEvent,
     ExecutorFailure,
@@ -61,7 +61,7 @@ class ShardedExecutor:
 
     @property
     def shard_layout(self) -> str:
-        return f"tp{self.plan.tp_size}pp{self.plan.pp_size}"
+        return shard_layout(self.plan.tp_size, self.plan.pp_size)
 
     def start(self) -> None:
         """Wait for the spawned ranks, then join the collectives (engine thread). ExecutorFailure if it fails."""
