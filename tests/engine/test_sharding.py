@@ -27,6 +27,7 @@ from kvbm.transfer_params import KVHandoff, RemoteDecode, decode_transfer_params
 from server.engine.api import GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
+from server.engine.parallel.comm import host_store
 from server.engine.parallel.executor import _join, _micro_batches
 from server.engine.parallel.plan import ShardPlan, stage_layers, vocab_slice
 from server.engine.scheduler import ScheduledChunk
@@ -102,6 +103,37 @@ def test_ranks_are_named_processes(tp3):
     for rank in tp3.stats().ranks[1:]:
         title = Path(f"/proc/{rank.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         assert title == f"strata {tp3.model_name} worker 0 rank {rank.rank}/3"
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (/proc: its socket inodes in the tables)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
+LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+
+
+def test_the_unauthenticated_group_links_listen_on_loopback_only(tp3):
+    """The store (the driver's) and gloo (every rank's) authenticate no peer: nothing of theirs may be reachable
+    from another host."""
+    store = host_store(1, 5.0)
+    assert listening(os.getpid()) >= {(LOOPBACK, store.port)}
+    del store
+    for rank in tp3.stats().ranks[1:]:
+        addresses = listening(rank.pid)
+        assert addresses and {address for address, _ in addresses} == {LOOPBACK}, addresses
 
 
 def test_a_size_that_does_not_divide_the_model_is_refused_by_name():

@@ -4,8 +4,9 @@ Groups are built directly on a TCPStore that the driver (rank 0) hosts on a free
 process group: one process may drive several sharded models, each its own group, and a group restarted
 after a failure gets a new store (so nothing of the dead generation is read again). Every collective has the
 group's timeout: a peer that stops answering raises here instead of hanging the step. Neither the store nor gloo
-authenticates a peer: the ranks connect to the store on 127.0.0.1, but torch's store listens on every interface and
-gloo on the address the host name resolves to.
+authenticates a peer, so both listen on 127.0.0.1 only (the ranks of a group are processes of one host): the store
+on a socket bound here and handed to torch (which alone would listen on every interface), gloo on a device made
+for 127.0.0.1 (alone, on the address the host name resolves to).
 
     world group    every rank: hidden states stage to stage, logits slices to the driver (point to point)
     tp group       the ranks of this rank's pipeline stage: the all-reduce of each row-parallel layer
@@ -19,6 +20,8 @@ point; NCCL does all of it on CUDA.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 from pathlib import Path
 from types import ModuleType
@@ -41,7 +44,12 @@ def connect_store(port: int, plan: ShardPlan, timeout_s: float) -> dist.TCPStore
 def host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     """The driver's store, on a free loopback port (`.port`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns the socket from here
+    )  # fmt: skip
 
 
 class ShmAllReduce:
@@ -63,8 +71,8 @@ class ShmAllReduce:
         """Lay out a segment; `spin`: waiters spin briefly before they sleep (only where ranks have cores of
         their own)."""
         size = kernels.shm_allreduce_bytes(world, slot_floats)
-        with open(path, "wb") as segment:
-            segment.truncate(size)
+        with open(os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "wb") as segment:
+            segment.truncate(size)  # the group's ranks are this user's processes: nobody else maps it
         segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         kernels.shm_allreduce_init(segment, world, slot_floats, SPINS if spin else 0)
 
@@ -141,4 +149,7 @@ def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeou
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, size, options)
