@@ -55,6 +55,7 @@ from server.workers.worker import (
     ChannelEvents,
     calibrate_logged,
     describe,
+    freeze_startup_heap,
     serve_channel,
     start_heartbeat,
 )
@@ -256,6 +257,7 @@ def serve_engine(
     """Calibrate `engine`, register it and serve one server after another until SIGTERM/SIGINT; close it.
     `registries`: series of the worker's own (its KVBM tiers') for `--metrics-port`."""
     info = describe(engine, calibrate_logged(engine), role)
+    freeze_startup_heap()
     status = None
     try:
         worker = RemoteWorker(engine, info, options, events, on_attach)

@@ -9,6 +9,7 @@ when its spec says so. A frame that is not a message (`BadMessage`) ends serving
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -124,7 +125,9 @@ def run_worker(
         channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         channel.close()
         return
-    channel.send(Hello(describe(engine, calibrate_logged(engine), role)))
+    info = describe(engine, calibrate_logged(engine), role)
+    freeze_startup_heap()
+    channel.send(Hello(info))
     stop = threading.Event()
     beat = start_heartbeat(channel, engine, heartbeat_s, stop, parent_pid=os.getppid())
     try:
@@ -135,6 +138,15 @@ def run_worker(
         beat.join()
         engine.close()
         channel.close()
+
+
+def freeze_startup_heap() -> None:
+    """Once the engine is up: move every object made so far out of the garbage collector's sight (gc.freeze, as
+    vLLM's API server does), so that a full collection scans only what came since. A collection holds the GIL,
+    and a heartbeat waits for it: over a whole vLLM or torch heap that pause is long on an idle core and many
+    times longer on one shared with busy engines, long enough for the server to declare a live worker dead."""
+    gc.collect()
+    gc.freeze()
 
 
 def calibrate_logged(engine: LocalEngine) -> Speeds:
@@ -315,6 +327,9 @@ def _send_answer(channel: Channel, answer: Answer) -> None:
         channel.send(CallFailed(answer.call_id, f"answer not sent: {exc}"))
 
 
+LATE_BEAT_S = 2.0  # a beat this much later than its interval is logged
+
+
 def start_heartbeat(
     channel: Channel,
     engine: LocalEngine,
@@ -327,7 +342,11 @@ def start_heartbeat(
     too: its server sees a dead worker and resumes its requests elsewhere, instead of routing to a corpse."""
 
     def beat() -> None:
+        last = time.monotonic()
         while not stop.wait(interval_s):
+            late_s, last = time.monotonic() - last - interval_s, time.monotonic()
+            if late_s > LATE_BEAT_S:  # the server declares a worker dead after a few such gaps: say why
+                logger.warning("heartbeat %.1f s late: this process did not run (CPU or GIL starved)", late_s)
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.error("server process is gone; exiting")
                 os._exit(1)
