@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvbm.cli import ServiceOptions
     from kvbm.config import KVBMConfig
     from server.openai.limits import RequestLimits
+    from server.openai.response_store import ResponseStore
 
     Options = ServeOptions | WorkerOptions | PlannerOptions | ProfileOptions | ServiceOptions
 
@@ -298,6 +299,19 @@ def _request_limit_flags(group: argparse._ArgumentGroup) -> None:
         default=256,
         help="most sequences (n x prompts) one request starts (default 256, vLLM's max-num-seqs)",
     )
+    group.add_argument(
+        "--responses-ttl-secs",
+        type=float,
+        default=3600.0,
+        help="how long /v1/responses keeps a stored response for previous_response_id and GET (default 3600); "
+        "in Redis with --redis-url, so every frontend replica reads it",
+    )
+    group.add_argument(
+        "--responses-max-stored",
+        type=int,
+        default=10000,
+        help="most stored responses; past it the oldest go first (default 10000)",
+    )
 
 
 def request_limits(options: ServeOptions) -> RequestLimits:
@@ -310,6 +324,20 @@ def request_limits(options: ServeOptions) -> RequestLimits:
         max_prompts=options.max_prompts_per_request,
         max_seqs=options.max_seqs_per_request,
     )
+
+
+def response_store(options: ServeOptions) -> ResponseStore:
+    """Where /v1/responses stores responses: Redis with --redis-url (every frontend replica reads it), else this
+    process's memory; ValueError names a bad flag."""
+    from server.openai.response_store import MemoryResponseStore, RedisResponseStore
+
+    if not options.responses_ttl_secs > 0:
+        raise ValueError(f"--responses-ttl-secs: must be > 0, got {options.responses_ttl_secs}")
+    if options.responses_max_stored < 1:
+        raise ValueError(f"--responses-max-stored: must be >= 1, got {options.responses_max_stored}")
+    if options.redis_url:
+        return RedisResponseStore(options.redis_url, options.responses_ttl_secs, options.responses_max_stored)
+    return MemoryResponseStore(options.responses_ttl_secs, options.responses_max_stored)
 
 
 def _security_flags(group: argparse._ArgumentGroup) -> None:

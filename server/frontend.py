@@ -14,6 +14,7 @@ from server.engine.api import Engine
 from server.openai.app import build_app
 from server.openai.limits import RequestLimits
 from server.openai.metrics import FrontendMetrics
+from server.openai.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +31,19 @@ class OpenAIFrontend:
         ssl_certfile: str | None = None,
         limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
         """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile);
         `limits`: per-request bounds (--max-request-bytes, --max-n, ...); `tool_call_parser`: tool_choice auto's
-        parser (--tool-call-parser with --enable-auto-tool-choice; None refuses auto)."""
+        parser (--tool-call-parser with --enable-auto-tool-choice; None refuses auto); `response_store`: where
+        /v1/responses keeps responses (None: this process's memory)."""
         app = build_app(
             engines,
             FrontendMetrics.create(registry),
             api_key=api_key,
             limits=limits,
             tool_call_parser=tool_call_parser,
+            response_store=response_store,
         )
         config = uvicorn.Config(
             app,

@@ -93,6 +93,8 @@ class ServeOptions(msgspec.Struct, frozen=True):
     max_n: int
     max_prompts_per_request: int
     max_seqs_per_request: int
+    responses_ttl_secs: float
+    responses_max_stored: int
     # LLM serving
     vllm_python: str | None
     workers: int | None

@@ -16,7 +16,14 @@ from prometheus_client import CollectorRegistry
 from server import backends
 from server.backends.llm import LLMBackend
 from server.backends.unavailable import StartupHold
-from server.cli import cluster_secret, engine_overrides, kvbm_config, request_limits, triton_access
+from server.cli import (
+    cluster_secret,
+    engine_overrides,
+    kvbm_config,
+    request_limits,
+    response_store,
+    triton_access,
+)
 from server.deployment import LLMDeployment, LLMServing
 from server.frontend import OpenAIFrontend
 from server.options import ServeOptions
@@ -42,6 +49,7 @@ def serve(options: ServeOptions) -> int:
     try:
         serving = llm_serving(options)
         limits = request_limits(options)
+        responses = response_store(options)
         triton_settings = TritonSettings(
             http_port=options.http_port,
             grpc_port=options.grpc_port,
@@ -91,6 +99,7 @@ def serve(options: ServeOptions) -> int:
             ssl_keyfile=options.ssl_keyfile,
             ssl_certfile=options.ssl_certfile,
             limits=limits,
+            response_store=responses,
             tool_call_parser=options.tool_call_parser if options.enable_auto_tool_choice else None,
         )
     try:

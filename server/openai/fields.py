@@ -58,22 +58,42 @@ _NOTHING: dict[str, tuple[Any, ...]] = {
     "mm_processor_kwargs": (None,),
 }
 
+# the Responses API's fields that ask for what Strata does not do (responses.py declares the honored ones)
+_RESPONSES_NOTHING: dict[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "conversation": (None,),  # the Conversations API; previous_response_id chains responses instead
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "prompt": (None,),  # a stored prompt template of OpenAI's dashboard
+    "prompt_cache_key": (None,),
+    "prompt_cache_retention": (None,),
+    "reasoning": (None,),
+    "safety_identifier": (None,),
+    "service_tier": (None, "auto", "default"),
+    "stream_options": (None,),
+    "top_logprobs": (None, 0),
+    "truncation": (None, "disabled"),
+}
+
 REFUSED = frozenset(_NOTHING)
+RESPONSES_REFUSED = frozenset(_RESPONSES_NOTHING)
+_TABLES = {"chat": _NOTHING, "completions": _NOTHING, "responses": _RESPONSES_NOTHING}
 
 # what each endpoint does anyway, so a request may say it: chat renders the template and tokenizes without adding
 # special tokens again, completions tokenize with them (vLLM's defaults)
 ENDPOINT_DEFAULTS: dict[str, dict[str, tuple[Any, ...]]] = {
     "chat": {"add_special_tokens": (False,)},
     "completions": {"add_special_tokens": (True,)},
+    "responses": {},
 }
 
 
 def refused_field(extra: dict[str, Any] | None, endpoint: str) -> tuple[str, str] | None:
     """(field, reason) for the first field of a request's undeclared ones (`extra`) that asks for something
     Strata does not do, or that neither OpenAI nor vLLM defines; None if there is none."""
-    defaults = ENDPOINT_DEFAULTS[endpoint]
+    defaults, table = ENDPOINT_DEFAULTS[endpoint], _TABLES[endpoint]
     for name, value in (extra or {}).items():
-        nothing = _NOTHING.get(name)
+        nothing = table.get(name)
         if nothing is None:
             return name, f"`{name}` is not a field of this endpoint"
         allowed = nothing + defaults.get(name, ())

@@ -62,8 +62,8 @@ async def stream(
         served.count(request.model, status)
 
 
-async def respond(result: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
-    """A response model as JSON, a stream of events as text/event-stream."""
+async def respond(result: Awaitable[BaseModel | dict[str, Any] | AsyncIterator[str]]) -> Response:
+    """A response model (or a JSON-ready dict) as JSON, a stream of events as text/event-stream."""
     answer = await result
     if isinstance(answer, AsyncIterator):
         return StreamingResponse(
@@ -71,7 +71,7 @@ async def respond(result: Awaitable[BaseModel | AsyncIterator[str]]) -> Response
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return JSONResponse(dump(answer))
+    return JSONResponse(answer if isinstance(answer, dict) else dump(answer))
 
 
 async def client_gone(request: Request) -> None:

@@ -32,7 +32,7 @@ from schemathesis.checks import (
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.openai.app import build_app
-from server.openai.chat import ChatCompletionChunk
+from server.openai.chat_core import ChatCompletionChunk
 from server.openai.completions import CompletionResponse
 from server.openai.errors import ErrorResponse
 from server.openai.limits import RequestLimits

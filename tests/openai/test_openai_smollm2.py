@@ -293,3 +293,43 @@ def hf_token(folder, token_id: int) -> str:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(folder / "tokenizer.json")).decode([token_id], skip_special_tokens=False)
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+
+
+@pytest.mark.slow
+def test_responses_with_tools_and_structured_output(smollm2_client: openai.OpenAI) -> None:
+    """/v1/responses through the official client: a forced call (required, sampled) is a valid function_call item,
+    streamed too; `auto` answers text or calls the parser found; responses.parse's json_schema parses."""
+    parameters = WEATHER["function"]["parameters"]
+    ask = "What is the weather like in Paris today?"
+    forced = smollm2_client.responses.create(
+        model="smollm2", input=ask, tools=[RESPONSES_WEATHER], tool_choice="required", max_output_tokens=80,
+        temperature=1.0,
+    )  # fmt: skip
+    calls = [item for item in forced.output if item.type == "function_call"]
+    assert calls and forced.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), parameters)
+    with smollm2_client.responses.stream(
+        model="smollm2", input=ask, tools=[RESPONSES_WEATHER], max_output_tokens=80, temperature=1.0,
+        tool_choice={"type": "function", "name": "get_weather"},
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    (call,) = final.output
+    jsonschema.validate(json.loads(call.arguments), parameters)
+    answered = smollm2_client.responses.create(  # the tool's answer goes back as a function_call_output item
+        model="smollm2", previous_response_id=final.id, tools=[RESPONSES_WEATHER], max_output_tokens=30,
+        temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21 C, clear"}],
+    )  # fmt: skip
+    for item in answered.output:
+        assert item.type == "message" or json.loads(item.arguments) is not None
+    parsed = smollm2_client.responses.parse(
+        model="smollm2", input="Tell me about a large city.", text_format=City, max_output_tokens=100,
+        temperature=1.0,
+    )  # fmt: skip
+    assert isinstance(parsed.output_parsed, City), parsed.output_text

@@ -11,7 +11,7 @@ import jsonschema
 from server.engine import chat
 from server.engine.api import chat_turns, turn_dicts
 from server.openai import tools
-from server.openai.chat import ChatCompletionRequest
+from server.openai.chat_core import ChatCompletionRequest
 from server.openai.tools import FunctionDef, Tool
 
 WEATHER = Tool(
