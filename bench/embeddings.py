@@ -97,14 +97,14 @@ def main() -> None:
         tmp = Path(tmp_name)
         server = start_strata(copy_models(tmp / "repo", *MINILM), tmp)
         try:
-            for _ in range(args.rounds):
-                served = texts_per_s(
-                    lambda: openai_call(server, batch), args.concurrency, args.seconds, args.texts
-                )
-                direct = texts_per_s(
-                    lambda: grpc_call(server, batch), args.concurrency, args.seconds, args.texts
-                )
-                rounds.append((served, direct))
+            sides = {"openai": lambda: openai_call(server, batch), "grpc": lambda: grpc_call(server, batch)}
+            for index in range(args.rounds):  # the side that runs first alternates, so that drift hits both
+                order = ["openai", "grpc"] if index % 2 == 0 else ["grpc", "openai"]
+                got = {
+                    name: texts_per_s(sides[name], args.concurrency, args.seconds, args.texts)
+                    for name in order
+                }
+                rounds.append((got["openai"], got["grpc"]))
         finally:
             server.stop()
     served = statistics.median(r[0] for r in rounds)
