@@ -466,6 +466,13 @@ def _engine_flags(group: argparse._ArgumentGroup) -> None:
         help="override the per-step token budget of every LLM engine",
     )
     group.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=None,
+        help="override scheduling_policy of every Strata LLM engine (vLLM's flag): fcfs (arrival order; a "
+        "request's priority must be 0) or priority (lower `priority` first, preempting worse ones)",
+    )
+    group.add_argument(
         "--chat-template",
         default=None,
         help="the chat template of every LLM (vLLM's flag): a Jinja template, or a file holding one",
@@ -664,7 +671,7 @@ def kvbm_config(options: ServeOptions | WorkerOptions, secret: bytes | None) -> 
 
 def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
     """EngineConfig fields set by --context-length, --max-concurrent-requests, --max-queued-requests,
-    --max-num-batched-tokens, --chat-template (a file's text; ValueError naming the flag if it is missing),
+    --max-num-batched-tokens, --scheduling-policy, --chat-template (a file's text; ValueError naming the flag if it is missing),
     --batch-invariant, --tensor-parallel-size and --pipeline-parallel-size."""
     from server.engine.config import chat_template_text
     from server.errors import ConfigError
@@ -680,6 +687,7 @@ def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
             ("max_concurrent_requests", flags.max_concurrent_requests),
             ("max_queued_requests", flags.max_queued_requests),
             ("max_num_batched_tokens", flags.max_num_batched_tokens),
+            ("scheduling_policy", flags.scheduling_policy),
             ("chat_template", template),
             ("batch_invariant", flags.batch_invariant),
             ("tensor_parallel_size", flags.tensor_parallel_size),

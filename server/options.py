@@ -28,6 +28,7 @@ class EngineFlags(msgspec.Struct, frozen=True):
     max_concurrent_requests: int | None = None
     max_queued_requests: int | None = None
     max_num_batched_tokens: int | None = None  # tokens per step
+    scheduling_policy: str | None = None  # fcfs or priority
     chat_template: str | None = None  # Jinja text, or a file of it
     batch_invariant: bool | None = None  # True: --batch-invariant
     tensor_parallel_size: int | None = None  # ranks per worker splitting each layer

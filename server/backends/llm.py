@@ -18,7 +18,8 @@ it work unchanged:
 `text_output` starts with the prompt unless `exclude_input_in_output` is true; a stream never repeats the prompt,
 so `exclude_input_in_output` false with `stream` true is a 400. Sampling fields may also come as request parameters
 (`"parameters": {...}` of the generate endpoint), as may the flags. `cache_salt` (vLLM's field: the prompt shares
-cached KV blocks only with requests of the same salt) is taken from either place, like a sampling field.
+cached KV blocks only with requests of the same salt) and `priority` (vLLM's: lower runs first, under the engine's
+`--scheduling-policy priority`) are taken from either place, like a sampling field.
 
 `LLMBackend` is the repository's backend for these models: loading binds the engine `LLMDeployment` builds for the
 model's latest chosen version; unloading unbinds it and stops the engine.
@@ -170,6 +171,7 @@ class TritonRequest:
     outputs: tuple[str, ...]  # the optional outputs asked for (return_<output> true)
     sampling: dict[str, Any]  # the client's sampling fields, validated once the prompt's length is known
     cache_salt: str | None  # vLLM's field, checked here; None shares blocks with every unsalted request
+    priority: int  # vLLM's field: lower runs first under --scheduling-policy priority (0 otherwise)
 
 
 class TritonUnavailableError(TritonClientError):
@@ -226,7 +228,11 @@ async def _generate(engine: Engine, request: Request) -> AsyncIterator[dict[str,
         asked.sampling["logprobs"] = 0  # the chosen tokens' logprobs, no alternatives
     sampling = SamplingParams.from_dict(asked.sampling, max_output_tokens(engine, len(prompt_ids)))
     generation = GenerationRequest(
-        RequestId(f"triton-{uuid.uuid4().hex}"), prompt_ids, sampling, asked.cache_salt
+        RequestId(f"triton-{uuid.uuid4().hex}"),
+        prompt_ids,
+        sampling,
+        asked.cache_salt,
+        priority=asked.priority,
     )
     pieces: list[str] = [asked.prompt] if asked.prepend_input else []
     reported_tokens = 0  # output tokens counted in responses sent so far
@@ -306,7 +312,10 @@ def _parse(request: Request) -> TritonRequest:
     sampling = _sampling_fields(request)
     cache_salt = sampling.pop("cache_salt", None)
     validate_cache_salt(cache_salt)
-    return TritonRequest(prompt, stream, prepend_input, outputs, sampling, cache_salt)
+    priority = sampling.pop("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError("priority", f"must be an integer, got {priority!r}")
+    return TritonRequest(prompt, stream, prepend_input, outputs, sampling, cache_salt, priority)
 
 
 def _flags(request: Request) -> dict[str, bool]:

@@ -343,6 +343,7 @@ class GenerationRequest(msgspec.Struct, array_like=True):
     (`kvbm.block_hash.request_salt`); a tenant's salt keeps others from probing its prompts through cached tokens.
     `kv_transfer_params`: set by the router in disaggregated serving, never by clients; opaque here, read only by
     the engine's KV transfer connector (`kvbm.transfer_params`: what to hand off, or what to continue from).
+    `priority`: vLLM's meaning, lower runs first; an engine whose scheduling policy is fcfs takes only 0.
     """
 
     request_id: RequestId
@@ -350,6 +351,7 @@ class GenerationRequest(msgspec.Struct, array_like=True):
     sampling: SamplingParams
     cache_salt: str | None = None
     kv_transfer_params: bytes | None = None
+    priority: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -537,6 +539,8 @@ def validate_request(engine: Engine, request: GenerationRequest, vocab_size: int
     if structured is not None and not 0 <= structured.num_generated <= len(prompt):
         raise RequestError(structured.field, "num_generated must be in [0, the prompt's length]")
     validate_cache_salt(request.cache_salt)
+    if not isinstance(request.priority, int) or not -(2**31) <= request.priority < 2**31:
+        raise RequestError("priority", "must be an integer in [-2**31, 2**31)")
 
 
 def max_output_tokens(engine: Engine, num_prompt_tokens: int) -> int:

@@ -138,7 +138,12 @@ def build(
     ]
     outputs = OutputProcessor(eos_token_ids, max_model_len, partial(token_texts, tokenizer, shape.vocab_size))
     core = EngineCore(
-        Scheduler(block_manager, config.max_num_batched_tokens, config.max_concurrent_requests),
+        Scheduler(
+            block_manager,
+            config.max_num_batched_tokens,
+            config.max_concurrent_requests,
+            by_priority=config.scheduling_policy == "priority",
+        ),
         runner, Sampler(eos_token_ids, model.device, processors), outputs, kv_transfer, on_finished,
     )  # fmt: skip
     salt = model_salt(

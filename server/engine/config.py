@@ -94,6 +94,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_num_batched_tokens: PositiveInt = 2048  # tokens computed per step (prefill chunks + decodes)
     max_concurrent_requests: PositiveInt = 64  # running sequences; the rest wait in a queue
     max_queued_requests: PositiveInt = 256  # waiting sequences; past it submit raises EngineOverloaded (429)
+    # vLLM's: fcfs runs requests in arrival order (a request's priority must be 0); priority runs the lowest
+    # `priority` first and preempts worse ones for it (scheduler.py)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_tokens_limit: PositiveInt = 4096  # the largest max_tokens a request may ask for
     cache_dir: str | None = None  # GGUF conversion cache; None: STRATA_CACHE_DIR or ~/.cache/strata
     model_name: str | None = None  # served name; None: derived from the model spec

@@ -43,6 +43,7 @@ class InputProcessor:
             ),
             block_size=self._block_size,
             salt=request_salt(parts.salt, request.cache_salt), generator=_generator(sampling.seed, parts.model.device),
+            priority=request.priority,
         )  # fmt: skip
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
             parts.core.outputs.token_texts()  # built here the first time
@@ -57,6 +58,10 @@ class InputProcessor:
         """Raise RequestError for a request that can never run; return its KV transfer params."""
         parts, prompt = self._parts, request.prompt_token_ids
         validate_request(self._engine, request, parts.model.shape.vocab_size)
+        if request.priority != 0 and not parts.core.scheduler.by_priority:
+            raise RequestError(
+                "priority", "must be 0: this model's scheduling_policy is fcfs (--scheduling-policy priority)"
+            )
         params = parts.core.kv_transfer.validate(request)
         pool_tokens = parts.core.scheduler.block_manager.num_blocks * self._block_size
         if len(prompt) + 1 > pool_tokens:

@@ -6,6 +6,12 @@ sequence's next tokens, the newest running sequence is preempted (blocks freed, 
 its full blocks stay in the prefix cache, so the recompute is mostly a cache hit). Waiting sequences are admitted,
 in arrival order, while the budget, `max_concurrent_requests` and the pool allow, and never in a step that preempted.
 
+Under the priority policy (`by_priority`, vLLM's `--scheduling-policy priority`) both queues are ordered by
+(priority, arrival), lower first: the best waiting sequence is admitted first, the worst running one is preempted
+first, and a waiting sequence of strictly better priority that finds the batch full (max_concurrent_requests, or no
+room in the pool for its first chunk) preempts the worst running ones until it fits. A preempted sequence resumes
+later from its tokens, so it finishes with the same answer; equal priorities never preempt each other.
+
 A waiting sequence whose first uncached block is being computed by a running sequence (two turns of one
 conversation, or n requests with one prompt, arriving together) waits: once that block is registered it is a
 prefix hit, instead of the same prefix being prefilled twice in the same steps. Sequences behind it are admitted
@@ -18,6 +24,8 @@ fail and remove; the other sequences are scheduled as if it were not there.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,11 +50,23 @@ class SchedulerOutput:
     failed: list[tuple[Sequence, Exception]]
 
 
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_concurrent: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_concurrent: int,
+        by_priority: bool = False,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_concurrent = max_concurrent
+        self.by_priority = by_priority
+        self._arrivals = itertools.count()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,10 +80,16 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.block_manager.touch(self.block_manager.match_prefix(seq))  # keep it cached while seq waits
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, _rank(seq), key=_rank), seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
+        if self.by_priority:
+            self._make_room_for_priority()
         budget, preempted = self._schedule_running(out, self.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(out, budget)
@@ -94,6 +120,20 @@ class Scheduler:
             index += 1
         return budget, preempted
 
+    def _make_room_for_priority(self) -> None:
+        """Preempt the worst running sequences while the best waiting one is of strictly better priority and finds
+        the batch full: max_concurrent reached, or too few blocks for its first chunk."""
+        manager = self.block_manager
+        while self.waiting and self.running and self.running[-1].priority > self.waiting[0].priority:
+            head = self.waiting[0]
+            if len(self.running) < self.max_concurrent:
+                hits = manager.match_prefix(head)
+                first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+                needed = -(-first_chunk // manager.block_size) - len(hits)
+                if manager.num_allocatable(hits) >= needed + len(self.running):  # + a decode block each
+                    return
+            self.preempt(self.running.pop())
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in arrival order while the budget, max_concurrent and the pool allow."""
         in_progress = self._blocks_in_progress() if self.waiting and self.wait_for_running_prefix else set()
@@ -114,7 +154,10 @@ class Scheduler:
                 break
             del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.by_priority:  # the worst last: the one preempted first
+                self.running.insert(bisect.bisect_right(self.running, _rank(seq), key=_rank), seq)
+            else:
+                self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
             if self.wait_for_running_prefix:
@@ -157,12 +200,16 @@ class Scheduler:
         return num_tokens
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a sequence no longer in `running` and put it first in the wait queue: it is recomputed from its
-        tokens when admitted again (its registered blocks are likely still cached)."""
+        """Free a sequence no longer in `running` and put it first in the wait queue (by its rank under the priority
+        policy): it is recomputed from its tokens when admitted again (its registered blocks are likely still
+        cached)."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_left(self.waiting, _rank(seq), key=_rank), seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def remove(self, seq: Sequence) -> None:

@@ -45,6 +45,8 @@ class Sequence:
     block_size: int
     salt: BlockHash  # root of this request's hash chain: `request_salt(model salt, cache_salt)`
     generator: torch.Generator | None = None
+    priority: int = 0  # lower runs first under the priority policy (scheduler.py)
+    arrival: int = 0  # the scheduler's count when it was added: ties of priority run in arrival order
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a cache at the last admission

@@ -35,7 +35,6 @@ _NOTHING: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
-    "priority": (None, 0),  # vLLM refuses it too unless its scheduling policy is "priority"
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),

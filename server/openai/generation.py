@@ -115,8 +115,14 @@ class Generation:
         self._watcher = asyncio.create_task(self._watch(client_gone))
         self.request_id = request_id  # engine request i is f"{request_id}-{i}"
 
-    def submit(self, prompts: list[tuple[list[int], SamplingParams]], cache_salt: str | None = None) -> None:
-        """Submit one engine request per (prompt, sampling), each with `cache_salt`; choice i is prompts[i].
+    def submit(
+        self,
+        prompts: list[tuple[list[int], SamplingParams]],
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Submit one engine request per (prompt, sampling), each with `cache_salt` and `priority`; choice i is
+        prompts[i].
         Raises RequestError.
 
         Any thread may call it (an engine's submit can block: a worker round trip). Once `close` has run it submits
@@ -135,7 +141,8 @@ class Generation:
             self._metrics.queued_prompt_tokens.labels(self._model).inc(track.prompt_tokens)
             try:
                 self._engine.submit(
-                    GenerationRequest(request_id, token_ids, sampling, cache_salt), self._sink(index)
+                    GenerationRequest(request_id, token_ids, sampling, cache_salt, priority=priority),
+                    self._sink(index),
                 )
             except BaseException:
                 self._forget(request_id, track)

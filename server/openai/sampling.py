@@ -96,6 +96,7 @@ class SamplingFields(StrictRequest):
     cache_salt: str | None = (
         None  # prefix-cache blocks are shared only among requests with this salt (vLLM's)
     )
+    priority: int = 0  # vLLM's: lower runs first; an engine whose scheduling_policy is fcfs takes only 0
 
     def max_tokens_asked(self) -> int | None:
         """The client's bound on generated tokens (tokens); None: as many as the context leaves."""

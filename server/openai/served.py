@@ -156,7 +156,7 @@ class ServedModels:
             except RequestError as exc:
                 self.refuse_field(request, exc)
         try:
-            generation.submit(jobs, request.cache_salt)
+            generation.submit(jobs, request.cache_salt, request.priority)
         except RequestError as exc:
             self.refuse_field(request, exc)
         except EngineOverloaded as exc:

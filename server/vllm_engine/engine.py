@@ -131,6 +131,9 @@ class VLLMEngine:
         self.shard_layout = shard_layout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._num_blocks = int(cache.num_gpu_blocks or 0)
         self._max_running = int(vllm_config.scheduler_config.max_num_seqs)
+        self._by_priority = (
+            str(vllm_config.scheduler_config.policy) == "priority"
+        )  # engine_args scheduling_policy
         self._max_requests = self._max_running + max_queued_requests
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         salt = model_salt(engine_fingerprint(vllm_config))
@@ -257,6 +260,11 @@ class VLLMEngine:
             params = request_params(request.kv_transfer_params, request.sampling.max_tokens, self._vocab)
         except ValueError as err:
             raise RequestError("kv_transfer_params", str(err)) from None
+        if request.priority != 0 and not self._by_priority:
+            raise RequestError(
+                "priority",
+                "must be 0: this vLLM engine's scheduling_policy is fcfs (engine_args scheduling_policy)",
+            )
         grammar = request.sampling.structured_outputs
         if grammar is not None and (grammar.num_generated or isinstance(params, KVHandoff)):
             # vLLM's grammar would start again on tokens generated under it: refused, never a broken output
@@ -298,7 +306,7 @@ class VLLMEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         try:
-            async for out in self._llm.generate(prompt, _sampling(sampling), rid):
+            async for out in self._llm.generate(prompt, _sampling(sampling), rid, priority=request.priority):
                 completion = out.outputs[0]
                 emitted += len(completion.token_ids)
                 cached = handoff.num_cached_tokens if handoff is not None else out.num_cached_tokens or 0

@@ -152,7 +152,6 @@ def _chat(**fields: object) -> dict[str, object]:
         (_chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
         (_chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
         (_chat(guided_choice=[]), "guided_choice"),
-        (_chat(priority=1), "priority"),
         (
             _chat(stream_options={"include_usage": True, "continuous_usage_stats": True}),
             "stream_options.continuous_usage_stats",
@@ -346,3 +345,15 @@ def test_a_request_the_engine_failed_gets_500_with_the_reason(served: Served, st
     else:
         assert response.status_code == 500
         assert response.json()["error"]["message"] == "internal engine error: ValueError: x"
+
+
+def test_priority_reaches_the_engine_request(served) -> None:
+    """vLLM's `priority` (lower first) travels with the engine request; the engine decides (fcfs engines refuse
+    anything but 0: tests/engine/test_priority.py)."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
+    api.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=1, extra_body={"priority": -3}
+    )
+    assert served.engine.submitted[-1].priority == -3
