@@ -54,7 +54,8 @@ def responses_conversation(api: openai.OpenAI, system: str, turns: int, tokens: 
             for event in stream:
                 if ttft is None and event.type == "response.output_text.delta":
                     ttft = time.perf_counter() - start
-            final = stream.get_final_response()
+                if event.type in ("response.completed", "response.incomplete"):  # cut at max_output_tokens
+                    final = event.response
         previous = final.id
         usage = final.usage
         out.append(Turn(ttft or float("nan"), usage.input_tokens, usage.input_tokens_details.cached_tokens))
