@@ -296,6 +296,8 @@ def test_cache_salt_keeps_tenants_apart(server):
         ({"cache_salt": ""}, "cache_salt"),
         ({"cache_salt": 5}, "cache_salt"),
         ({"cache_salt": "x" * 257}, "cache_salt"),
+        ({"priority": "high"}, "priority"),
+        ({"priority": 3}, "priority"),  # reaches the engine, whose scheduling_policy is fcfs
     ],
 )
 def test_bad_request_names_the_field(server, parameters, field):
