@@ -4,6 +4,8 @@ port's /v1/embeddings through the official openai client."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import numpy as np
 import openai
@@ -30,6 +32,64 @@ TEXTS = [
 ]
 MIN_COSINE = 0.9999
 DIMENSIONS = 384
+# a token-id embedding model, beside the example's text one: the ids' mask and types, then the same encoder and pooling
+IDS_STEP = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy().astype(np.int64)
+            mask = np.ones_like(ids)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask),
+                pb_utils.Tensor("token_type_ids", np.zeros_like(ids)),
+                pb_utils.Tensor("num_tokens", mask.sum(axis=1, keepdims=True)),
+            ]))
+        return responses
+"""
+IDS_STEP_CONFIG = """backend: "python"
+max_batch_size: 64
+input [ { name: "INPUT_IDS" data_type: TYPE_INT64 dims: [ -1 ] } ]
+output [
+  { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "attention_mask" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "token_type_ids" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "num_tokens" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+"""
+IDS_ENSEMBLE_CONFIG = """platform: "ensemble"
+max_batch_size: 64
+input [ { name: "INPUT_IDS" data_type: TYPE_INT64 dims: [ -1 ] } ]
+output [
+  { name: "EMBEDDING" data_type: TYPE_FP32 dims: [ 384 ] },
+  { name: "NUM_TOKENS" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+parameters { key: "openai_api" value: { string_value: "embeddings" } }
+ensemble_scheduling { step [
+  { model_name: "minilm_ids" model_version: -1 input_map { key: "INPUT_IDS" value: "INPUT_IDS" }
+    output_map { key: "input_ids" value: "input_ids" } output_map { key: "attention_mask" value: "attention_mask" }
+    output_map { key: "token_type_ids" value: "token_type_ids" } output_map { key: "num_tokens" value: "NUM_TOKENS" } },
+  { model_name: "minilm_encoder" model_version: -1 input_map { key: "input_ids" value: "input_ids" }
+    input_map { key: "attention_mask" value: "attention_mask" } input_map { key: "token_type_ids" value: "token_type_ids" }
+    output_map { key: "last_hidden_state" value: "last_hidden_state" } },
+  { model_name: "minilm_pooling" model_version: -1 input_map { key: "last_hidden_state" value: "last_hidden_state" }
+    input_map { key: "attention_mask" value: "attention_mask" } output_map { key: "EMBEDDING" value: "EMBEDDING" } }
+] }
+"""
+
+
+def add_token_id_models(repository: Path) -> None:
+    for name, config, model in (
+        ("minilm_ids", IDS_STEP_CONFIG, IDS_STEP),
+        ("minilm_embed_ids", IDS_ENSEMBLE_CONFIG, None),
+    ):
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n{config}')
+        if model is not None:
+            (repository / name / "1" / "model.py").write_text(model)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +98,9 @@ def server(tmp_path_factory):
     if missing:
         pytest.fail(f"missing {', '.join(missing)}: run `make models` (model_repository/generate_models.py)")
     tmp = tmp_path_factory.mktemp("minilm")
-    process = start_strata(copy_models(tmp / "repo", *MODELS), tmp)
+    repository = copy_models(tmp / "repo", *MODELS)
+    add_token_id_models(repository)
+    process = start_strata(repository, tmp)
     yield process
     process.stop()
 
@@ -121,3 +183,19 @@ def test_the_openai_embeddings_route_serves_the_ensemble(server, reference, sent
         assert raised.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         api.embeddings.create(model="minilm_encoder", input="x")  # a model that does not declare itself one
+
+
+def test_a_token_id_embedding_model_takes_token_ids(server, reference, sentence_transformer):
+    """A model whose input is token ids (minilm_embed_ids: the same encoder and pooling after a step that makes the
+    mask) takes `input` as lists of ids, one call each: the tokenizer's ids of each text give that text's
+    embedding; text is refused for it by name."""
+    api = openai.OpenAI(base_url=f"{server.openai_url}/v1", api_key="unused", max_retries=0)
+    ids = [sentence_transformer.tokenize([text])["input_ids"][0].tolist() for text in TEXTS]
+    reply = api.embeddings.create(model="minilm_embed_ids", input=ids, encoding_format="float")
+    assert_same_embeddings(
+        np.array([item.embedding for item in reply.data], dtype=np.float32), reference(TEXTS)
+    )
+    assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.embeddings.create(model="minilm_embed_ids", input="text")
+    assert raised.value.body["param"] == "input"
