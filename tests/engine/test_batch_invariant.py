@@ -27,7 +27,7 @@ MODEL_CACHE = Path(__file__).resolve().parents[2] / ".strata-cache" / "models"
 TEXT = (
     "The history of science is full of surprises, and here is a long account of how instruments changed it. "
 )
-TOKENS = 12  # each prompt runs alone first (the reference): 32 prompts x 2 dtypes, so tokens cost the suite
+TOKENS = 10  # each prompt runs alone first (the reference): 32 prompts x 2 dtypes, so tokens cost the suite
 
 
 def engine(dtype: str, chunk: int = 1024) -> LLMEngine:
