@@ -306,17 +306,8 @@ class TritonServer:
     @contextmanager
     def client(self) -> Iterator[InferenceServerClient]:
         """A gRPC client to this Triton for control calls (load, unload, index)."""
-        ssl = self.config.grpc_ssl
-        if ssl is None:
-            client = InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
-        else:  # the certificate names the server's host, not 127.0.0.1: check it against localhost
-            client = InferenceServerClient(
-                f"localhost:{self.config.grpc_port}",
-                ssl=True,
-                root_certificates=ssl.root_cert or ssl.server_cert,
-                private_key=ssl.server_key if ssl.mutual else None,
-                certificate_chain=ssl.server_cert if ssl.mutual else None,
-            )
+        url, tls = self._grpc_target()
+        client = InferenceServerClient(url, **tls)
         try:
             yield client
         finally:
@@ -324,17 +315,23 @@ class TritonServer:
 
     def inference_client(self) -> grpc_aio.InferenceServerClient:
         """An asyncio gRPC client to this Triton for inference calls (the OpenAI frontend's /v1/embeddings), made
-        in the event loop that uses it; with gRPC TLS as `client` does."""
+        in the event loop that uses it."""
+        url, tls = self._grpc_target()
+        return grpc_aio.InferenceServerClient(url, **tls)
+
+    def _grpc_target(self) -> tuple[str, dict[str, object]]:
+        """The loopback gRPC address and TLS arguments of both clients (tritonclient's sync and asyncio ones take
+        the same): with gRPC TLS the certificate names the server's host, not 127.0.0.1, so it is checked against
+        localhost."""
         ssl = self.config.grpc_ssl
         if ssl is None:
-            return grpc_aio.InferenceServerClient(f"127.0.0.1:{self.config.grpc_port}")
-        return grpc_aio.InferenceServerClient(
-            f"localhost:{self.config.grpc_port}",
-            ssl=True,
-            root_certificates=ssl.root_cert or ssl.server_cert,
-            private_key=ssl.server_key if ssl.mutual else None,
-            certificate_chain=ssl.server_cert if ssl.mutual else None,
-        )
+            return f"127.0.0.1:{self.config.grpc_port}", {}
+        return f"localhost:{self.config.grpc_port}", {
+            "ssl": True,
+            "root_certificates": ssl.root_cert or ssl.server_cert,
+            "private_key": ssl.server_key if ssl.mutual else None,
+            "certificate_chain": ssl.server_cert if ssl.mutual else None,
+        }
 
     @property
     def inference_headers(self) -> dict[str, str] | None:

@@ -166,8 +166,11 @@ class ChatForResponses(chat_core.ChatCompletionRequest):
 
 def as_chat(request: ResponsesRequest, history: list[dict[str, Any]]) -> ChatForResponses:
     """The chat request that answers `request`, continuing the conversation `history` (chat turns)."""
+    given = request.turns()
+    if not given:
+        raise OpenAIError(400, "input: holds no item", param="input")
     turns = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + history
-    turns += request.turns()
+    turns += given
     tools = [
         Tool(type="function", function=FunctionDef(
             name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
@@ -176,8 +179,6 @@ def as_chat(request: ResponsesRequest, history: list[dict[str, Any]]) -> ChatFor
     choice = request.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-    if not request.turns():
-        raise OpenAIError(400, "input: holds no item", param="input")
     return ChatForResponses(
         model=request.model,
         messages=[ChatMessage(**turn) for turn in turns],
@@ -338,7 +339,7 @@ async def _stream(
     events = ResponseEvents(response)
     chunks = started.chunks()
     choice = Choice()
-    status, finish_reason = "aborted", None
+    status = "aborted"
     try:
         for event in events.start():
             yield event
@@ -354,8 +355,7 @@ async def _stream(
                 for part in chunk.choices:
                     for event in events.delta(part.delta):
                         yield event
-                    finish_reason = part.finish_reason or choice.finish_reason
-        closing = events.end(finish_reason, usage([choice], 1))
+        closing = events.end(choice.finish_reason, usage([choice], 1))
         await _keep(store, body, response, history, events.items)
         for event in closing:
             yield event

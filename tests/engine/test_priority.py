@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 
+import msgspec
 import pytest
 from conftest import engine_config, greedy, run
 
@@ -75,10 +76,8 @@ def test_fcfs_keeps_arrival_order_whatever_the_priority() -> None:
 
 
 def test_an_fcfs_engine_refuses_a_priority_by_name(engine: LLMEngine, prompt_ids) -> None:
-    request = greedy(prompt_ids[0], "prio")
     with pytest.raises(RequestError) as raised:
-        engine.submit(GenerationRequest(request.request_id, request.prompt_token_ids, request.sampling, priority=3),
-                      lambda o: None)  # fmt: skip
+        engine.submit(msgspec.structs.replace(greedy(prompt_ids[0], "prio"), priority=3), lambda o: None)
     assert raised.value.field == "priority"
 
 
