@@ -58,6 +58,18 @@ class BlockRemoved:
 BlockEvent = BlockStored | BlockRemoved
 
 
+@dataclass(frozen=True, slots=True)
+class TierRead:
+    """One tier's part of an onboard: `blocks` valid blocks (`bytes`) read from `tier` ("G2".."G5") over
+    [start_ns, end_ns] (time.time_ns), for a traced request's span."""
+
+    tier: str
+    blocks: int
+    bytes: int
+    start_ns: int
+    end_ns: int
+
+
 class KVConnector(Protocol):
     def bind(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         """Called once when the engine has allocated its pool."""
@@ -67,9 +79,12 @@ class KVConnector(Protocol):
         """How many leading blocks of `block_hashes` (none of them in G1) the lower tiers can onboard."""
         ...
 
-    def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+    def onboard(
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], reads: list[TierRead] | None = None
+    ) -> int:
         """Copy blocks into these G1 rows in one batched transfer; return how many leading blocks are valid
-        (a checksum mismatch stops there: the engine prefills the rest)."""
+        (a checksum mismatch stops there: the engine prefills the rest). With `reads`, append one `TierRead` per
+        tier read (a traced request)."""
         ...
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:

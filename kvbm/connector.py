@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from cluster.redis_link import RedisLink
-from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVLayout
+from kvbm.api import BlockEvent, BlockRemoved, BlockStored, KVLayout, TierRead
 from kvbm.block_hash import BlockHash
 from kvbm.config import KVBMConfig
 from kvbm.disk_pool import DiskPool
@@ -241,16 +241,21 @@ class KVBMConnector:
             missing = [i for i, hit in zip(missing, found, strict=True) if not hit]
         return missing[0] if missing else len(block_hashes)
 
-    def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+    def onboard(
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], reads: list[TierRead] | None = None
+    ) -> int:
         """Each tier, fastest first, gets the blocks no faster tier delivered: one batched get per tier, and a
         block that is missing or fails its checksum in one tier is still taken from a slower one."""
         remaining = list(range(len(block_hashes)))
         for tier in self.tiers:
             if not remaining:
                 break
-            start = time.perf_counter()
+            start, start_ns = time.perf_counter(), time.time_ns()
             ok = tier.get([block_hashes[i] for i in remaining], [self._rows[block_ids[i]] for i in remaining])
             self._record_transfer(f"{tier.name}->G1", sum(ok), start)
+            if reads is not None and any(ok):
+                blocks = sum(ok)
+                reads.append(TierRead(tier.name, blocks, blocks * self.block_bytes, start_ns, time.time_ns()))
             remaining = [i for i, good in zip(remaining, ok, strict=True) if not good]
         return remaining[0] if remaining else len(block_hashes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server import settings
+from server.logs import LogSettings, configure_logging
 from server.options import (
     EngineFlags,
     PlannerOptions,
@@ -228,6 +230,46 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="query a standalone `strata kvbm` service instead of the embedded index (needs --redis-url)",
     )
     _security_flags(p.add_argument_group("access control and TLS (docs/SECURITY.md)"))
+    observability = p.add_argument_group("logs, tracing and browsers (docs/observability.md)")
+    _log_flags(observability)
+    _trace_flags(observability)
+    observability.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        metavar="[MODE,]SETTING=VALUE",
+        help="tritonserver's flag, passed through to Triton (its own tracing of file models), e.g. "
+        "mode=opentelemetry and opentelemetry,url=http://collector:4318/v1/traces; repeat. Without it, "
+        "--otlp-traces-endpoint traces Triton's requests too",
+    )
+    observability.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="vLLM's flag: no access log line per request on the OpenAI port",
+    )
+    observability.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=None,
+        metavar="JSON",
+        help="OpenAI port: the browser origins CORS admits, a JSON list such as '[\"https://app.example\"]' "
+        "(vLLM's flag; default: none, no CORS headers)",
+    )
+    observability.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="with --allowed-origins"
+    )
+    observability.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="with --allowed-origins"
+    )
+    observability.add_argument(
+        "--allow-credentials", action="store_true", help="with --allowed-origins: allow cookies and auth"
+    )
+    observability.add_argument(
+        "--cors-admin-routes",
+        action="store_true",
+        help="with --allowed-origins: admit those origins to the admin routes (/v1/strata/...) too; without "
+        "it a browser's preflight there gets 403",
+    )
 
 
 def _core_flags(group: argparse._ArgumentGroup) -> None:
@@ -627,6 +669,50 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
     _engine_flags(p.add_argument_group("engine overrides"))
     _kvbm_flags(p.add_argument_group("KV Block Manager (tiers below the engine's own pool)"))
     _cluster_flag(p)
+    observability = p.add_argument_group("logs and tracing (docs/observability.md)")
+    _log_flags(observability)
+    _trace_flags(observability)
+
+
+def _log_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--log-file", default=None, help="append the log here (default: stderr); worker processes too"
+    )
+    group.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one object per line with the request id and, while tracing, the trace and span ids",
+    )
+
+
+def _trace_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="vLLM's flag: send OpenTelemetry traces over OTLP/HTTP to this collector "
+        "(http://host:4318 or its /v1/traces URL); a client's W3C traceparent header is continued "
+        "(default: no tracing)",
+    )
+    group.add_argument(
+        "--otlp-traces-sample-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="the share of new traces recorded, 0 to 1 (a request with a traceparent follows its sampled "
+        "flag); default 1.0",
+    )
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def _kvbm_parser(sub: argparse._SubParsersAction) -> None:
@@ -733,10 +819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # keeps the spin: with one engine, sleeping at every barrier slows each step. An operator's own setting
         # wins (figures: docs/llm.md, "CPU threads").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    level = logging.DEBUG if getattr(args, "log_verbose", 0) else logging.INFO
+    logs = LogSettings(getattr(args, "log_file", None), getattr(args, "log_format", "text"))
+    configure_logging(logs, level, args.command)
     return run(command_options(args))
 
 

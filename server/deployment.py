@@ -45,6 +45,7 @@ from server.engine.api import Engine
 from server.engine.config import EngineConfig, served_names
 from server.engine.llm_engine import LLMEngine
 from server.errors import ConfigError
+from server.logs import LogSettings
 from server.pool_metrics import PoolCollector
 from server.repository.model_config import VLLM
 from server.repository.scan import ModelSource
@@ -53,6 +54,7 @@ from server.router.disagg import DisaggConfig, DisaggRule
 from server.router.metrics import RouterMetrics
 from server.router.routed import RoutedEngine
 from server.router.router import Router
+from server.tracing import TracingSettings
 from server.vllm_engine.config import CPU_BIND_ENV, VLLMConfig, cpu_binds
 from server.workers.discovery import Discovery
 from server.workers.external import WORKER_CPUS_ENV, ExternalSpec
@@ -109,6 +111,8 @@ class LLMServing:
     decode_workers: int | None = None
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     vllm_python: str | None = None  # the interpreter of a venv with vLLM (--vllm-python), for backend vllm
+    logs: LogSettings = field(default_factory=LogSettings)  # worker processes log as the server does
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # and trace to the same collector
 
 
 @dataclass(slots=True)
@@ -326,6 +330,8 @@ class LLMDeployment:
                     build_llm_engine,
                     (plan.config, self.serving.kvbm, transfer),
                     forward_events=not standalone,
+                    logs=self.serving.logs,
+                    tracing=self.serving.tracing,
                 )
             remotes = spawn_workers(worker_ids, spec, plan.roles, envs, event_sink=event_sink)
         lookup = self._index

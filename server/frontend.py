@@ -15,6 +15,7 @@ from server.openai.app import build_app
 from server.openai.embedder import Embedder
 from server.openai.limits import RequestLimits
 from server.openai.metrics import FrontendMetrics
+from server.openai.observe import CORSSettings
 from server.openai.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,14 @@ class OpenAIFrontend:
         tool_call_parser: str | None = None,
         response_store: ResponseStore | None = None,
         embedders: Mapping[str, Embedder] | None = None,
+        access_log: bool = True,
+        cors: CORSSettings | None = None,
     ) -> None:
         """`api_key`: bearer key on /v1/* (vLLM's --api-key); `ssl_*`: serve HTTPS (vLLM's --ssl-keyfile/certfile);
         `limits`: per-request bounds (--max-request-bytes, --max-n, ...); `tool_call_parser`: tool_choice auto's
         parser (--tool-call-parser with --enable-auto-tool-choice; None refuses auto); `response_store`: where
         /v1/responses keeps responses (None: this process's memory); `embedders`: the repository's embedding models
-        (a live view) for /v1/embeddings."""
+        (a live view) for /v1/embeddings; `access_log`, `cors`: server/openai/observe.py."""
         app = build_app(
             engines,
             FrontendMetrics.create(registry),
@@ -48,6 +51,8 @@ class OpenAIFrontend:
             tool_call_parser=tool_call_parser,
             response_store=response_store,
             embedders=embedders,
+            access_log=access_log,
+            cors=cors,
         )
         config = uvicorn.Config(
             app,

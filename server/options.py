@@ -136,6 +136,18 @@ class ServeOptions(msgspec.Struct, frozen=True):
     ssl_certfile: str | None
     enable_auto_tool_choice: bool
     tool_call_parser: str | None
+    # logs, tracing and browsers
+    log_file: str | None
+    log_format: Literal["text", "json"]
+    otlp_traces_endpoint: str | None
+    otlp_traces_sample_ratio: float
+    trace_config: tuple[str, ...]
+    disable_uvicorn_access_log: bool
+    allowed_origins: tuple[str, ...] | None
+    allowed_methods: tuple[str, ...]
+    allowed_headers: tuple[str, ...]
+    allow_credentials: bool
+    cors_admin_routes: bool
 
 
 class WorkerOptions(msgspec.Struct, frozen=True):
@@ -158,6 +170,10 @@ class WorkerOptions(msgspec.Struct, frozen=True):
     engine: EngineFlags
     tiers: KVBMFlags
     cluster_secret_file: Path | None
+    log_file: str | None
+    log_format: Literal["text", "json"]
+    otlp_traces_endpoint: str | None
+    otlp_traces_sample_ratio: float
 
 
 class PlannerOptions(msgspec.Struct, frozen=True):

@@ -13,7 +13,7 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from server import backends
+from server import backends, tracing
 from server.backends.llm import LLMBackend
 from server.backends.unavailable import StartupHold
 from server.cli import (
@@ -27,11 +27,14 @@ from server.cli import (
 from server.deployment import LLMDeployment, LLMServing
 from server.embeddings import EmbeddingModels
 from server.frontend import OpenAIFrontend
+from server.logs import LogSettings
+from server.openai.observe import CORSSettings
 from server.options import ServeOptions
 from server.planner.embedded import EmbeddedPlanner
 from server.repository.manager import ControlMode, RepositoryManager
 from server.router.config import RouterConfig
 from server.router.disagg import DisaggConfig
+from server.tracing import TracingSettings
 from server.triton import PortInUse, TritonServer, TritonSettings, check_ports_free
 
 log = logging.getLogger("strata")
@@ -51,6 +54,7 @@ def serve(options: ServeOptions) -> int:
         serving = llm_serving(options)
         limits = request_limits(options)
         responses = response_store(options)
+        cors = cors_settings(options)
         triton_settings = TritonSettings(
             http_port=options.http_port,
             grpc_port=options.grpc_port,
@@ -63,6 +67,7 @@ def serve(options: ServeOptions) -> int:
             cache_config=options.cache_config,
             rate_limit=options.rate_limit,
             rate_limit_resource=options.rate_limit_resource,
+            trace_config=triton_trace_config(options),
             **triton_access(options),
         )
         triton_settings.control_token()  # a restriction that would lock Strata out of its own Triton fails here
@@ -104,7 +109,10 @@ def serve(options: ServeOptions) -> int:
             response_store=responses,
             embedders=embedders,
             tool_call_parser=options.tool_call_parser if options.enable_auto_tool_choice else None,
+            access_log=not options.disable_uvicorn_access_log,
+            cors=cors,
         )
+    tracing.configure_from(serving.tracing, "server")
     try:
         # staged before Triton starts, so that Triton loads it (and is not ready) from its first moment
         hold = StartupHold(triton) if options.strict_readiness else None
@@ -135,6 +143,7 @@ def serve(options: ServeOptions) -> int:
         _shutdown(manager, frontend, deployment, triton, options.exit_timeout_secs)
         if planner is not None:
             planner.stop_workers()  # after the model's engine let them go: they exit at once
+        tracing.shutdown()  # export the spans still buffered
 
 
 def llm_serving(options: ServeOptions) -> LLMServing:
@@ -188,6 +197,43 @@ def llm_serving(options: ServeOptions) -> LLMServing:
         decode_workers=options.decode_workers,
         disagg=disagg,
         vllm_python=options.vllm_python,
+        logs=LogSettings(options.log_file, options.log_format),
+        tracing=trace_settings(options.otlp_traces_endpoint, options.otlp_traces_sample_ratio),
+    )
+
+
+def trace_settings(endpoint: str | None, sample_ratio: float) -> TracingSettings:
+    """--otlp-traces-endpoint and --otlp-traces-sample-ratio (ValueError names a bad one)."""
+    if not 0.0 <= sample_ratio <= 1.0:
+        raise ValueError(f"--otlp-traces-sample-ratio: must be in [0, 1], got {sample_ratio}")
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"--otlp-traces-endpoint: an http:// or https:// URL (OTLP/HTTP), got {endpoint!r}")
+    return TracingSettings(endpoint, sample_ratio)
+
+
+def triton_trace_config(options: ServeOptions) -> tuple[str, ...]:
+    """Triton's --trace-config: the operator's, else with --otlp-traces-endpoint Triton's OpenTelemetry mode to the
+    same collector at the same ratio (Triton traces one request in `rate`)."""
+    if options.trace_config or options.otlp_traces_endpoint is None:
+        return options.trace_config
+    ratio = options.otlp_traces_sample_ratio
+    rate = 0 if ratio <= 0 else max(1, round(1 / ratio))
+    url = options.otlp_traces_endpoint.rstrip("/")
+    url = url if url.endswith("/v1/traces") else url + "/v1/traces"
+    if rate == 0:
+        return ()
+    return ("mode=opentelemetry", f"opentelemetry,url={url}", f"rate={rate}", "level=TIMESTAMPS")
+
+
+def cors_settings(options: ServeOptions) -> CORSSettings | None:
+    if options.allowed_origins is None:
+        return None
+    return CORSSettings(
+        tuple(options.allowed_origins),
+        tuple(options.allowed_methods),
+        tuple(options.allowed_headers),
+        options.allow_credentials,
+        options.cors_admin_routes,
     )
 
 

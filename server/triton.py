@@ -120,6 +120,7 @@ class TritonSettings:
     strict_readiness: bool = True
     exit_timeout_secs: int = 30
     log_verbose: int = 0
+    trace_config: tuple[str, ...] = ()  # tritonserver's --trace-config settings, passed through
     access_token: str | None = None  # short form: PROTECTED_APIS need triton-access-token on HTTP and gRPC
     http_restricted: tuple[Restriction, ...] = ()
     grpc_restricted: tuple[Restriction, ...] = ()
@@ -279,6 +280,7 @@ class TritonServer:
             exit_on_error=False,  # a model staged before start that fails to load (StartupHold) is no reason to exit
             exit_timeout_secs=c.exit_timeout_secs,
             log_verbose=c.log_verbose,
+            trace_config=list(c.trace_config) or None,
             allow_gpu_metrics=False,
             **_access_flags(c),
         )

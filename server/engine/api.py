@@ -344,6 +344,8 @@ class GenerationRequest(msgspec.Struct, array_like=True):
     `kv_transfer_params`: set by the router in disaggregated serving, never by clients; opaque here, read only by
     the engine's KV transfer connector (`kvbm.transfer_params`: what to hand off, or what to continue from).
     `priority`: vLLM's meaning, lower runs first; an engine whose scheduling policy is fcfs takes only 0.
+    `trace_context`: the W3C `traceparent` of the span this request's spans continue (server/tracing.py), set only
+    when the request is traced; each process that places or runs it passes on its own span's.
     """
 
     request_id: RequestId
@@ -352,6 +354,7 @@ class GenerationRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None = None
     kv_transfer_params: bytes | None = None
     priority: int = 0
+    trace_context: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -257,9 +257,11 @@ class BlockManager:
         if found <= 0:
             return 0
         rows = self.allocate(seq, found)
-        valid = 0
+        valid, reads = 0, [] if seq.trace is not None else None
         with _connector_failure("onboard", "counted as a miss: the rows are prefilled"):
-            valid = self.connector.onboard(wanted[:found], rows)
+            valid = self.connector.onboard(wanted[:found], rows, reads)
+        if reads:
+            seq.trace.onboarded(reads)  # type: ignore[union-attr]
         valid = min(valid, found)
         self._register_loaded(seq, num_g1_hits, rows[:valid])
         return valid

@@ -15,6 +15,7 @@ min_tokens, grammar bitmasks) are stages of the sampler.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -68,6 +69,7 @@ class EngineCore:
         chunks = scheduled.chunks
         if not chunks:
             return
+        started_ns = time.time_ns()
         try:
             logits = self.runner.run(chunks)
         except ExecutorFailure:
@@ -83,7 +85,18 @@ class EngineCore:
             for chunk in chunks:
                 self._step_alone(chunk)
             return
+        self._trace_prefills(chunks, started_ns)
         self.update_from_output(chunks, logits)
+
+    @staticmethod
+    def _trace_prefills(chunks: list[ScheduledChunk], started_ns: int) -> None:
+        """A prefill span for each traced chunk of a prompt (before update_from_output advances it)."""
+        now = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.trace is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                now = now or time.time_ns()
+                seq.trace.prefilled(started_ns, now, seq.num_computed_tokens, chunk.num_tokens)
 
     def _step_alone(self, chunk: ScheduledChunk) -> None:
         if chunk.seq.status is SequenceStatus.FINISHED:  # failed in an earlier retry of this step
@@ -180,6 +193,8 @@ class EngineCore:
         """Append a sampled token, then finish, hand off or emit."""
         try:
             seq.append_token(token_id)
+            if seq.trace is not None and seq.num_output_tokens == 1:
+                seq.trace.first_token()
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
             reason = self.outputs.check_stop(seq, token_id)
@@ -198,6 +213,7 @@ class EngineCore:
         params = self.kv_transfer.hand_off(seq)
         self.scheduler.remove(seq)
         self._on_finished(seq.request_id)
+        _end_trace(seq, "handed_off")
         self.outputs.emit(seq, finished=True, kv_transfer_params=params)
 
     def fail(self, seqs: list[Sequence], err: Exception) -> None:
@@ -223,6 +239,7 @@ class EngineCore:
             return
         self.scheduler.remove(seq)
         self._on_finished(seq.request_id)
+        _end_trace(seq, "handed_back", error)
         self.outputs.emit_retryable(seq, error)
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -231,4 +248,11 @@ class EngineCore:
             return
         self.scheduler.remove(seq)
         self._on_finished(seq.request_id)
+        _end_trace(seq, reason, error)
         self.outputs.emit(seq, finished=True, reason=reason, error=error)
+
+
+def _end_trace(seq: Sequence, reason: str, error: str | None = None) -> None:
+    if seq.trace is not None:
+        trace, seq.trace = seq.trace, None
+        trace.end(reason, seq.num_output_tokens, error)

@@ -36,6 +36,7 @@ from server.engine.executor import ExecutorFailure
 from server.engine.inbox import Inbox
 from server.engine.input_processor import InputProcessor
 from server.engine.recovery import RankFailurePolicy, Recovery
+from server.engine.request_trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class LLMEngine:
                 raise EngineOverloaded(
                     f"{self.model_name}: {queued} requests are waiting (max_queued_requests); retry later"
                 )
+            seq.trace = RequestTrace.start(
+                request.trace_context, request.request_id, seq.num_prompt_tokens, self.model_name
+            )
             self._inbox.admit(seq)
             if self.kv_transfer.needs_fetch(params):
                 self.kv_transfer.fetch_then(seq, params, self._inbox.put)

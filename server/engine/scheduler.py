@@ -154,6 +154,8 @@ class Scheduler:
                 break
             del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
+            if seq.trace is not None:
+                seq.trace.admitted(seq.num_computed_tokens)
             if self.by_priority:  # the worst last: the one preempted first
                 self.running.insert(bisect.bisect_right(self.running, _rank(seq), key=_rank), seq)
             else:
@@ -204,6 +206,8 @@ class Scheduler:
         policy): it is recomputed from its tokens when admitted again (its registered blocks are likely still
         cached)."""
         self.block_manager.free(seq)
+        if seq.trace is not None:
+            seq.trace.preempted(seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         if self.by_priority:

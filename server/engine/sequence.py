@@ -12,6 +12,7 @@ from kvbm.block_hash import BlockHash, block_hashes, hash_block
 from kvbm.transfer import KVSource
 from server.engine.api import OutputSink, RequestId, SamplingParams, TokenLogprobs
 from server.engine.detokenizer import Detokenizer
+from server.engine.request_trace import RequestTrace
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class Sequence:
     grammar: Any = (
         None  # with sampling.structured_outputs: its llguidance matcher (server/engine/structured.py)
     )
+    trace: RequestTrace | None = None  # a traced request's spans (server/engine/request_trace.py)
 
     def __post_init__(self) -> None:
         self.block_hashes = block_hashes(self.token_ids, self.block_size, self.salt)

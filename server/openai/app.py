@@ -28,6 +28,7 @@ from server.openai.embedder import Embedder
 from server.openai.errors import add_error_handlers
 from server.openai.limits import LimitRequestBody, RequestLimits
 from server.openai.metrics import FrontendMetrics
+from server.openai.observe import BrowserOrigins, CORSSettings, ObserveRequests
 from server.openai.response_store import MemoryResponseStore, ResponseStore
 from server.openai.served import ServedModels
 
@@ -49,11 +50,15 @@ def build_app(
     tool_call_parser: str | None = None,
     response_store: ResponseStore | None = None,
     embedders: Mapping[str, Embedder] | None = None,
+    access_log: bool = True,
+    cors: CORSSettings | None = None,
 ) -> FastAPI:
     """The frontend for `models` (served name -> engine, a live view); metrics go to `metrics.registry`; `limits`
     bound each request before it is parsed (body bytes) and before it is tokenized (choices, prompts, characters);
     /v1/responses keeps responses in `response_store` (default: this process's memory, an hour, 10000 at most);
-    /v1/embeddings serves `embedders` (served name -> embedding model, a live view)."""
+    /v1/embeddings serves `embedders` (served name -> embedding model, a live view); `access_log`: a line per
+    request (observe.py); `cors`: the browser origins allowed (None: no CORS headers, as without --allowed-origins).
+    """
     embedders = embedders if embedders is not None else {}
     served = ServedModels(models, metrics or FrontendMetrics.create())
     limits = limits or RequestLimits()
@@ -63,6 +68,11 @@ def build_app(
     app.add_middleware(LimitRequestBody, max_bytes=limits.max_request_bytes)
     if api_key:  # added last, so it runs first: a client without the key gets 401 before its body is read
         app.add_middleware(RequireAPIKey, api_key=api_key)
+    if cors is not None:  # outside the key check: a browser's preflight carries no Authorization header
+        app.add_middleware(BrowserOrigins, settings=cors)
+    app.add_middleware(
+        ObserveRequests, access_log_on=access_log
+    )  # outermost: every answer gets its id and line
     app.openapi = lambda: _openapi(app, limits)  # type: ignore[method-assign]
 
     @app.get("/health", responses={503: {"description": "a model cannot take requests"}})

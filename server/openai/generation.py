@@ -17,7 +17,9 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+from server import tracing
 from server.engine.api import Engine, GenerationOutput, GenerationRequest, RequestId, SamplingParams
 from server.openai.metrics import FrontendMetrics
 
@@ -102,7 +104,9 @@ class Generation:
         model: str,
         client_gone: WaitForDisconnect,
         request_id: str,
+        span: Any = None,
     ) -> None:
+        """`span`: the request's GenAI span while it is traced (served.py), ended with usage on `close`."""
         self._engine = engine
         self._metrics = metrics
         self._model = model
@@ -114,6 +118,10 @@ class Generation:
         self._lock = threading.Lock()  # submit may run in a worker thread while the loop closes
         self._watcher = asyncio.create_task(self._watch(client_gone))
         self.request_id = request_id  # engine request i is f"{request_id}-{i}"
+        self._span = span
+        self._trace_context = tracing.traceparent_of(span)
+        self._usage = [0, 0, 0]  # prompt, cached, output tokens of the finished engine requests (traced only)
+        self._finish_reasons: list[str] = []
 
     def submit(
         self,
@@ -141,7 +149,14 @@ class Generation:
             self._metrics.queued_prompt_tokens.labels(self._model).inc(track.prompt_tokens)
             try:
                 self._engine.submit(
-                    GenerationRequest(request_id, token_ids, sampling, cache_salt, priority=priority),
+                    GenerationRequest(
+                        request_id,
+                        token_ids,
+                        sampling,
+                        cache_salt,
+                        priority=priority,
+                        trace_context=self._trace_context,
+                    ),
                     self._sink(index),
                 )
             except BaseException:
@@ -167,6 +182,7 @@ class Generation:
         submit in progress (see `submit`)."""
         self._watcher.cancel()
         self._closed = True
+        self._end_span()
         with self._lock:
             unfinished = [(rid, self._tracks[rid]) for rid in self._ids if not self._tracks[rid].finished]
             for _, track in unfinished:
@@ -208,6 +224,8 @@ class Generation:
         if output.new_token_ids:
             if track.last_token_at is None:
                 self._metrics.time_to_first_token.labels(self._model).observe(now - track.submitted_at)
+                if self._span is not None:
+                    self._span.add_event("gen_ai.first_token", {"strata.request_id": output.request_id})
                 self._metrics.queued.labels(self._model).dec()
                 self._metrics.queued_prompt_tokens.labels(self._model).dec(track.prompt_tokens)
             else:
@@ -215,12 +233,36 @@ class Generation:
                 self._metrics.inter_token_latency.labels(self._model).observe(gap)
             track.last_token_at = now
         if output.finished:
+            if self._span is not None:
+                self._traced_finish(output)
             track.finished = True
             self._release(track)
             self._metrics.request_duration.labels(self._model).observe(now - track.submitted_at)
             self._metrics.record_tokens(
                 self._model, output.num_prompt_tokens, output.num_cached_tokens, output.num_output_tokens
             )
+
+    def _traced_finish(self, output: GenerationOutput) -> None:
+        self._usage[0] += output.num_prompt_tokens
+        self._usage[1] += output.num_cached_tokens
+        self._usage[2] += output.num_output_tokens
+        self._finish_reasons.append(output.finish_reason or "none")
+
+    def _end_span(self) -> None:
+        span, self._span = self._span, None
+        if span is None:
+            return
+        prompt, cached, output = self._usage
+        span.set_attributes(
+            {
+                "gen_ai.response.id": self.request_id,
+                "gen_ai.usage.input_tokens": prompt,
+                "gen_ai.usage.output_tokens": output,
+                "strata.usage.cached_tokens": cached,
+                "gen_ai.response.finish_reasons": self._finish_reasons,
+            }
+        )
+        span.end()
 
     def _release(self, track: _Track) -> None:
         self._metrics.in_flight.labels(self._model).dec()

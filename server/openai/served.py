@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+from server import tracing
 from server.engine.api import (
     Engine,
     EngineOverloaded,
@@ -21,6 +22,7 @@ from server.engine.api import (
     StructuredOutput,
     validate_cache_salt,
 )
+from server.logs import REQUEST_ID
 from server.openai.errors import OpenAIError, internal_error, overloaded, unavailable, unknown_model
 from server.openai.fields import refused_field
 from server.openai.generation import Generation, WaitForDisconnect
@@ -29,6 +31,8 @@ from server.openai.metrics import FrontendMetrics
 from server.openai.sampling import SamplingFields, sampling_params
 
 logger = logging.getLogger(__name__)
+# OpenTelemetry GenAI's gen_ai.operation.name of each endpoint (a Responses request runs as chat)
+_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 MAX_TOKEN_ID = 2**32  # tokenizers hold ids as u32
 
 Prompts = Callable[[], list[list[int]]]  # tokenizes a request's prompts (in a worker thread)
@@ -122,9 +126,17 @@ class ServedModels:
     ) -> Generation:
         """Tokenize, validate and submit n engine requests per prompt (`{request_id}-{i}`) in one worker-thread
         hop: tokenizing and an engine's submit (a worker round trip) may block, the event loop must not. Errors
-        come before the first byte, so a bad streaming request still gets its 4xx status."""
+        come before the first byte, so a bad streaming request still gets its 4xx status.
+
+        The generation's id is the HTTP request's (observe.py); while tracing, its GenAI span is a child of the
+        request's server span and the parent of every engine request's spans."""
         generation = Generation(
-            engine, self.metrics, self.label(request.model), client_gone, uuid.uuid4().hex
+            engine,
+            self.metrics,
+            self.label(request.model),
+            client_gone,
+            REQUEST_ID.get() or uuid.uuid4().hex,
+            self._span(request),
         )
         try:
             await asyncio.to_thread(self._submit, request, engine, prompts, generation, tool_grammar)
@@ -132,6 +144,22 @@ class ServedModels:
             generation.close()
             raise
         return generation
+
+    @staticmethod
+    def _span(request: SamplingFields) -> Any:
+        """The GenAI span of a traced request ("chat smollm2"), None when not traced."""
+        operation = _OPERATIONS.get(request.ENDPOINT, request.ENDPOINT)
+        return tracing.start_span(
+            f"{operation} {request.model}",
+            tracing.current_traceparent(),
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.system": "strata",
+                "gen_ai.request.model": request.model,
+                "strata.request.stream": bool(getattr(request, "stream", False)),
+                "strata.request.priority": request.priority,
+            },
+        )
 
     def _submit(
         self,

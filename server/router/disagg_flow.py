@@ -26,6 +26,7 @@ from kvbm.transfer_params import (
     decode_transfer_params,
     encode_transfer_params,
 )
+from server import tracing
 from server.engine.api import GenerationOutput, OutputSink, RequestId
 from server.router.disagg import DisaggRule
 from server.router.flight import Flight, Flights, submit_to
@@ -110,7 +111,8 @@ class DisaggFlow:
                 )
 
         try:
-            place(self.prefill_router, request.request_id, hashes, offer, withdraw, skip=skip)
+            with tracing.span("strata.router.prefill", request.trace_context):
+                place(self.prefill_router, request.request_id, hashes, offer, withdraw, skip=skip)
         except Unplaced:
             return False
         self._count(True, "long_prompt")
@@ -198,7 +200,9 @@ class DisaggFlow:
 
         try:  # the handoff names the prefill worker's host: another host's worker recomputes the prompt
             hashes = self.workers.block_hashes(request)
-            place(self.router, request.request_id, hashes, offer, withdraw, first=flight.decode_worker_id)
+            attributes = {"strata.kv_handoff": handoff is not None}
+            with tracing.span("strata.router.decode", request.trace_context, attributes):
+                place(self.router, request.request_id, hashes, offer, withdraw, first=flight.decode_worker_id)
         except Unplaced as exc:
             self.flights.end(flight, sink, "error", f"no decode worker takes it: {exc}")
         except Exception:

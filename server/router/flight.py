@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from server import tracing
 from server.engine.api import GenerationOutput, GenerationRequest, OutputSink, RequestId
 from server.router.router import Router
 from server.router.speed import SpeedMeter
@@ -170,7 +173,12 @@ class Flights:
 
 def submit_to(worker: RoutableWorker, request: GenerationRequest, sink: OutputSink, flight: Flight) -> None:
     """Submit `request` (the flight's, or what continues it) to `worker`; if the client aborted meanwhile, abort it
-    there too (its last output then ends the flight)."""
+    there too (its last output then ends the flight). A traced request continues the current span (the
+    placement's) on the worker."""
+    traceparent = tracing.current_traceparent()
+    if traceparent is not None:
+        request = msgspec.structs.replace(request, trace_context=traceparent)
+        tracing.set_attributes({"strata.worker.id": flight.worker_id or ""})
     worker.submit(request, sink)
     if flight.state is RequestState.ABORTED:
         worker.abort(request.request_id)

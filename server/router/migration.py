@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from server import tracing
 from server.engine.api import GenerationOutput, OutputSink, continuation
 from server.router.flight import Flight, Flights, submit_to
 from server.router.membership import Membership
@@ -60,16 +61,18 @@ def migrate(
         )
 
     hashes = workers.block_hashes(resumed)
+    attributes = {"strata.migration.from": dead or "", "strata.migration.tokens_done": done}
     try:
-        target = place(
-            router,
-            request.request_id,
-            hashes,
-            offer,
-            withdraw,
-            skip=[dead] if dead else [],
-            refusals=(Exception,),
-        )
+        with tracing.span("strata.router.migrate", request.trace_context, attributes):
+            target = place(
+                router,
+                request.request_id,
+                hashes,
+                offer,
+                withdraw,
+                skip=[dead] if dead else [],
+                refusals=(Exception,),
+            )
     except Unplaced as exc:  # no worker left to try: the client gets the error
         logger.warning("request %s could not be migrated from %s: %s", request.request_id, dead, exc)
         return False

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 from kvbm.block_hash import BlockHash
+from server import tracing
 from server.engine.api import EngineOverloaded, EngineUnavailable, RequestId
-from server.router.router import NoWorkerError, Router
+from server.router.router import NoWorkerError, RouteDecision, Router
 from server.workers.protocol import WorkerId
 
 # what a worker raises at submit when it does not take the request: its queue is full, or it is gone (it died
@@ -54,9 +55,11 @@ def place(
         if worker_id is None:
             router.release(request_id)
             try:
-                worker_id = router.route(request_id, block_hashes, exclude=tried).worker_id
+                decision = router.route(request_id, block_hashes, exclude=tried)
             except NoWorkerError as exc:
                 raise Unplaced(str(exc), reasons) from exc
+            worker_id = decision.worker_id
+            _trace(decision)
         try:
             offer(worker_id)
             return worker_id
@@ -66,4 +69,23 @@ def place(
                 raise
             reasons.append(exc)
             tried.append(worker_id)
+            tracing.add_event(
+                "strata.route.refused", {"strata.worker.id": worker_id, "strata.reason": str(exc)}
+            )
             worker_id = None
+
+
+def _trace(decision: RouteDecision) -> None:
+    """The decision on the current span (the placement's, server/tracing.py) while tracing."""
+    if not tracing.enabled():
+        return
+    attributes = {
+        "strata.worker.id": decision.worker_id,
+        "strata.route.strategy": decision.strategy,
+        "strata.route.reason": decision.reason,
+        "strata.route.blocks": decision.num_blocks,
+        "strata.route.overlap_blocks": decision.reusable_blocks,
+    }
+    if decision.cost is not None:
+        attributes["strata.route.cost"] = decision.cost
+    tracing.set_attributes(attributes)

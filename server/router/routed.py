@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbm.block_hash import BlockHash
+from server import tracing
 from server.engine.api import (
     EngineOverloaded,
     EngineUnavailable,
@@ -147,13 +148,18 @@ class RoutedEngine:
         hashes = self.membership.block_hashes(request)
         flight = self.flights.start(request)
         try:
-            decode_worker = None
-            if self.disagg_flow is not None:  # the decode worker is routed as any is without disaggregation
-                decision = self.router.route(request.request_id, hashes)
-                if self.disagg_flow.prefill_remotely(flight, decision, hashes, sink):
-                    return
-                decode_worker = decision.worker_id
-            self._place(flight, hashes, sink, decode_worker)
+            with tracing.span(
+                "strata.router.place", request.trace_context, {"strata.model": self.model_name}
+            ):
+                decode_worker = None
+                if (
+                    self.disagg_flow is not None
+                ):  # the decode worker is routed as any is without disaggregation
+                    decision = self.router.route(request.request_id, hashes)
+                    if self.disagg_flow.prefill_remotely(flight, decision, hashes, sink):
+                        return
+                    decode_worker = decision.worker_id
+                self._place(flight, hashes, sink, decode_worker)
         except BaseException:
             self.flights.finish(request.request_id)
             raise

@@ -48,6 +48,7 @@ class RouteDecision:
     reason: str  # see server.router.metrics
     num_blocks: int  # full blocks of the request
     reusable_blocks: int  # leading blocks the chosen worker holds in some tier (0 when unknown)
+    cost: float | None = None  # kv-aware: the chosen worker's cost (cost.py), None for the other strategies
 
 
 @dataclass(slots=True)
@@ -131,13 +132,13 @@ class Router:
             prefixes: dict[str, WorkerPrefix] = {}
             if report is not None:
                 prefixes = self._prefixes(candidates, report, block_hashes)
-                worker, reason = self._pick_kv_aware(
+                worker, reason, cost = self._pick_kv_aware(
                     candidates, prefixes, SharedPrefix.of(report), len(block_hashes)
                 )
                 strategy = self.config.strategy
             else:
                 strategy = self.config.fallback if failure else self.config.strategy
-                worker, reason = self._pick_simple(strategy, candidates), failure or "configured"
+                worker, reason, cost = self._pick_simple(strategy, candidates), failure or "configured", None
             decision = self._record(
                 request_id,
                 worker,
@@ -146,6 +147,7 @@ class Router:
                 block_hashes,
                 prefixes.get(worker.stats.worker_id),
                 SharedPrefix.of(report),
+                cost,
             )
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if logger.isEnabledFor(logging.DEBUG):
@@ -277,17 +279,16 @@ class Router:
         prefixes: dict[str, WorkerPrefix],
         shared: SharedPrefix,
         num_blocks: int,
-    ) -> tuple[WorkerLoad, str]:
+    ) -> tuple[WorkerLoad, str, float]:
+        """The chosen worker, why (prefix_hit or no_prefix) and its cost."""
         costs = [
             worker_cost(load, num_blocks, prefixes.get(load.stats.worker_id), shared, self.config)
             for load in candidates
         ]
-        if self.config.temperature > 0:
-            chosen = candidates[self._sample(costs)]
-        else:
-            chosen = candidates[self._argmin(costs)]
+        index = self._sample(costs) if self.config.temperature > 0 else self._argmin(costs)
+        chosen = candidates[index]
         hit = reusable_blocks(prefixes.get(chosen.stats.worker_id), shared) > 0
-        return chosen, "prefix_hit" if hit else "no_prefix"
+        return chosen, "prefix_hit" if hit else "no_prefix", costs[index]
 
     def _pick_simple(self, strategy: Strategy, candidates: list[WorkerLoad]) -> WorkerLoad:
         if strategy == "round-robin":
@@ -322,6 +323,7 @@ class Router:
         block_hashes: Sequence[BlockHash],
         prefix: WorkerPrefix | None,
         shared: SharedPrefix,
+        cost: float | None,
     ) -> RouteDecision:
         worker_id = worker.stats.worker_id
         num_blocks = len(block_hashes)
@@ -340,7 +342,7 @@ class Router:
         self.metrics.decisions.labels(strategy, reason).inc()
         self.metrics.request_blocks.inc(num_blocks)
         self.metrics.reusable_blocks.inc(reusable)
-        return RouteDecision(worker_id, strategy, reason, num_blocks, reusable)
+        return RouteDecision(worker_id, strategy, reason, num_blocks, reusable, cost)
 
     def _refresh_speeds(self) -> None:
         loads = list(self._workers.values())

@@ -42,6 +42,7 @@ from cluster.curve import CurveKeys
 from kvbm.agent import build_connector
 from kvbm.config import KVBMConfig
 from kvbm.transfer import KVTransferConfig
+from server import tracing
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
 from server.vllm_engine.config import VLLMConfig
@@ -243,7 +244,11 @@ def run_worker(
     )
     engine = LLMEngine(config, connector, transfer, worker_id=worker_id, on_rank_failure="migrate")
     announce = connector.request_announce if forward else None
-    return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])
+    tracing.configure(flags.otlp_traces_endpoint, flags.otlp_traces_sample_ratio, worker_id)
+    try:
+        return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])
+    finally:
+        tracing.shutdown()
 
 
 def serve_engine(

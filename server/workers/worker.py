@@ -23,6 +23,7 @@ from typing import Any
 from kvbm.config import KVBMConfig
 from kvbm.events import EventSink, TierEvent
 from kvbm.transfer import KVTransferConfig
+from server import tracing
 from server.engine.api import (
     EngineOverloaded,
     GenerationOutput,
@@ -32,6 +33,8 @@ from server.engine.api import (
     turn_dicts,
 )
 from server.engine.config import EngineConfig
+from server.logs import LogSettings, configure_logging
+from server.tracing import TracingSettings
 from server.workers.hardware import Speeds, calibrate, describe_hardware
 from server.workers.protocol import (
     Abort,
@@ -75,6 +78,8 @@ class WorkerSpec:
     forward_events: bool = False
     worker_id: str = "worker-0"  # set by RemoteEngine.spawn
     role: str = "both"  # prefill | decode | both: what the router sends it (server/router/disagg.py)
+    logs: LogSettings = LogSettings()  # the server's --log-file, --log-format
+    tracing: TracingSettings = TracingSettings()  # the server's --otlp-traces-*
 
 
 def _exit_with_parent() -> None:
@@ -98,15 +103,17 @@ def _exit_with_parent() -> None:
 def worker_main(spec: WorkerSpec, address: ChannelAddress) -> None:
     """Entry point of the spawned process."""
     _exit_with_parent()
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s"
-    )
+    configure_logging(spec.logs, logging.INFO, spec.worker_id)
+    tracing.configure_from(spec.tracing, spec.worker_id)
     channel = Channel(address, server_side=False)
 
     def build(events: EventSink | None) -> LocalEngine:
         return spec.factory(*spec.args, worker_id=spec.worker_id, events=events)
 
-    run_worker(channel, build, spec.forward_events, spec.role, spec.heartbeat_s)
+    try:
+        run_worker(channel, build, spec.forward_events, spec.role, spec.heartbeat_s)
+    finally:
+        tracing.shutdown()  # export the spans still buffered
 
 
 def run_worker(

@@ -33,7 +33,7 @@ class RecordingConnector:
             count += 1
         return count
 
-    def onboard(self, block_hashes, block_ids) -> int:
+    def onboard(self, block_hashes, block_ids, reads=None) -> int:
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             self.kv_cache[block_id].copy_(self.store[block_hash])
         self.onboarded += len(block_ids)

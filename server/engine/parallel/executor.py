@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cluster.backoff import Backoff
-from kvbm.api import BlockEvent, KVConnector, KVLayout
+from kvbm.api import BlockEvent, KVConnector, KVLayout, TierRead
 from kvbm.block_hash import BlockHash
 from server.engine.api import RankStats, shard_layout
 from server.engine.executor import (
@@ -181,9 +181,12 @@ class ShardedConnector:
         _, answers = self.group.ask(wire.Lookup(0, [int(h) for h in block_hashes[:found]]), lambda: None)
         return min(found, *answers)
 
-    def onboard(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+    def onboard(
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], reads: list[TierRead] | None = None
+    ) -> int:
+        """Every rank's tiers read; `reads` are the driver's (its rank's share of each block)."""
         question = wire.Onboard(0, [int(h) for h in block_hashes], list(block_ids))
-        own, answers = self.group.ask(question, lambda: self.local.onboard(block_hashes, block_ids))
+        own, answers = self.group.ask(question, lambda: self.local.onboard(block_hashes, block_ids, reads))
         return min(own, *answers)
 
     def offload(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
