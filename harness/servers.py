@@ -133,13 +133,14 @@ def start_strata(
     wait_ready: bool = True,
     ports: tuple[int, int, int] | None = None,
     ready_timeout_s: float = 120,
+    env: dict[str, str] | None = None,
 ) -> StrataProcess:
     """`strata serve` on free ports (HTTP, gRPC, metrics, OpenAI) with `args`, its log under `tmp_path` and its
     runtime dir named after it (`short_runtime_dir`), in a session of its own; waits for "strata ready" unless
     `wait_ready` is false. A port taken between picking and binding it (another process's) costs one more start
-    on other ports, unless `ports` were given."""
+    on other ports, unless `ports` were given. `env`: variables added to this process's for the server."""
     for attempt in range(3):
-        server = _start_strata(repository, tmp_path, args, ports)
+        server = _start_strata(repository, tmp_path, args, ports, env or {})
         if not wait_ready:
             return server
         try:
@@ -160,14 +161,18 @@ def start_strata(
 
 
 def _start_strata(
-    repository: Path, tmp_path: Path, args: Sequence[str], ports: tuple[int, int, int] | None
+    repository: Path,
+    tmp_path: Path,
+    args: Sequence[str],
+    ports: tuple[int, int, int] | None,
+    extra_env: dict[str, str],
 ) -> StrataProcess:
     http, grpc, metrics = ports or (free_port(), free_port(), free_port())
     openai_port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     log_path = tmp_path / f"strata-{http}.log"
     runtime_dir = short_runtime_dir(tmp_path)
-    env = {**os.environ, "STRATA_RUNTIME_DIR": str(runtime_dir), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "STRATA_RUNTIME_DIR": str(runtime_dir), "PYTHONUNBUFFERED": "1", **extra_env}
     command = [sys.executable, "-m", "server", "serve", "--model-repository", str(repository)]
     command += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     command += ["--http-address", "127.0.0.1", "--exit-timeout-secs", "5", "--openai-port", str(openai_port)]

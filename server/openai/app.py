@@ -11,6 +11,7 @@ POST /v1/responses, GET and DELETE /v1/responses/{id} (responses.py), POST /v1/e
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,7 +64,7 @@ def build_app(
     served = ServedModels(models, metrics or FrontendMetrics.create())
     limits = limits or RequestLimits()
     chat_routes = chat.router(served, limits, tool_call_parser)  # first: an unknown parser is a ValueError
-    app = FastAPI(title="Strata OpenAI-compatible API")
+    app = FastAPI(title="Strata OpenAI-compatible API", **_without_native_telemetry())
     add_error_handlers(app, served.count_invalid)
     app.add_middleware(LimitRequestBody, max_bytes=limits.max_request_bytes)
     if api_key:  # added last, so it runs first: a client without the key gets 401 before its body is read
@@ -100,6 +101,15 @@ def build_app(
     app.include_router(embeddings.router(served, embedders))
     app.include_router(disagg.router(models))
     return app
+
+
+def _without_native_telemetry() -> dict[str, Any]:
+    """FastAPI's own OpenTelemetry spans off (FastAPI >= 0.16x has them, on the global provider): the request's
+    server span is observe.py's, on Strata's provider; PyTriton sets a global one under Triton's OpenTelemetry
+    mode, and FastAPI's would add a second server span per request there."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
 
 
 def _openapi(app: FastAPI, limits: RequestLimits) -> dict[str, Any]:

@@ -111,7 +111,9 @@ class DisaggFlow:
                 )
 
         try:
-            with tracing.span("strata.router.prefill", request.trace_context):
+            # under the request's placement when it runs inside it (at submit), else under the request's span
+            parent = tracing.current_traceparent() or request.trace_context
+            with tracing.span("strata.router.prefill", parent):
                 place(self.prefill_router, request.request_id, hashes, offer, withdraw, skip=skip)
         except Unplaced:
             return False

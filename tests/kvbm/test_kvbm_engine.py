@@ -8,12 +8,15 @@ from pathlib import Path
 import obstore
 import pytest
 from kvbm_testing import BLOCK_KEY
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvbm.agent import build_connector
 from kvbm.block_hash import block_hashes
 from kvbm.config import GIB, KVBMConfig
 from kvbm.index import KVIndex
 from kvbm.object_pool import open_store
+from server import tracing
 from server.engine.api import GenerationRequest, RequestId, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
@@ -40,8 +43,9 @@ def engine(num_kv_blocks: int, connector=None) -> LLMEngine:
     return LLMEngine(config, connector)
 
 
-def greedy(engine: LLMEngine, prompt: list[int], request_id: str):
-    request = GenerationRequest(RequestId(request_id), prompt, SamplingParams(max_tokens=8, temperature=0.0))
+def greedy(engine: LLMEngine, prompt: list[int], request_id: str, trace_context: str | None = None):
+    sampling = SamplingParams(max_tokens=8, temperature=0.0)
+    request = GenerationRequest(RequestId(request_id), prompt, sampling, trace_context=trace_context)
     return generate(engine, request, timeout=300)
 
 
@@ -98,11 +102,23 @@ def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: s
             greedy(first, first.encode(document(topic)), f"evict-{topic}")
     writer.close()
     reader = build_connector(config, "node-b", index=KVIndex())
-    with engine(40, reader) as second:
-        output = greedy(second, prompt, "b")
+    spans = InMemorySpanExporter()  # the traced request's span of its read from G4
+    tracing.configure(None, 1.0, "node-b", processor=SimpleSpanProcessor(spans))
+    try:
+        with engine(40, reader) as second:
+            output = greedy(second, prompt, "b", trace_context=f"00-{'ab' * 16}-{'cd' * 8}-01")
+    finally:
+        tracing.shutdown()
     reader.close()
     assert output.new_token_ids == expected
     assert output.num_cached_tokens >= 160 and onboarded_per_tier(reader)["G4"] > 0
+    (read,) = [span for span in spans.get_finished_spans() if span.name == "strata.kvbm.onboard"]
+    assert read.attributes["strata.kvbm.tier"] == "G4"
+    assert read.attributes["strata.kvbm.blocks"] == onboarded_per_tier(reader)["G4"]
+    assert read.attributes["strata.kvbm.bytes"] == read.attributes["strata.kvbm.blocks"] * BLOCK_BYTES
+    (request,) = [span for span in spans.get_finished_spans() if span.name == "strata.engine.request"]
+    assert read.parent.span_id == request.context.span_id
+    assert request.attributes["strata.usage.cached_tokens"] == output.num_cached_tokens
 
 
 def test_fresh_engine_onboards_from_the_bucket(cache_id: str, object_url: str, monkeypatch) -> None:

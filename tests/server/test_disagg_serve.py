@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, run_cli, start_strata
 
 pytestmark = pytest.mark.slow
@@ -20,12 +21,23 @@ LONG = (
 )
 
 
+TRACE_ID = "0123456789abcdef0123456789abcdef"
+CLIENT_SPAN = "0011223344556677"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def collector():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, collector):
     tmp = tmp_path_factory.mktemp("disagg")
     process = start_strata(
         copy_models(tmp / "repo", "smollm2"), tmp, "--prefill-workers", "1", "--decode-workers", "1",
-        "--max-local-prefill-length", "64",
+        "--max-local-prefill-length", "64", "--otlp-traces-endpoint", collector.url,
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
     )  # fmt: skip
     yield process
     process.stop()
@@ -89,6 +101,42 @@ def test_remote_and_local_prefill_answer_alike_over_openai_and_triton(client, se
     )  # fmt: skip
     assert generated.status_code == 200, generated.text
     assert generated.json()["text_output"] == remote
+
+
+def test_a_remotely_prefilled_request_is_one_trace_over_both_workers(client, collector):
+    chunks = client.completions.create(
+        model="smollm2", prompt=LONG, max_tokens=8, temperature=0, stream=True,
+        extra_body={"cache_salt": "traced"},  # uncached on both workers: prefilled remotely
+        extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
+    )  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    collector.wait_for(
+        lambda spans: (
+            sum(s.trace_id == TRACE_ID and s.name == "strata.engine.request" for s in spans) == 2
+            and any(s.trace_id == TRACE_ID and s.name == "POST /v1/completions" for s in spans)
+        ),
+        30,
+        what="both workers' request spans",
+    )
+    spans = collector.trace(TRACE_ID)
+    router = {s.name: s for s in spans if s.service == "server"}
+    generation = router["text_completion smollm2"]
+    assert router["strata.router.place"].parent_span_id == generation.span_id
+    prefill, decode = router["strata.router.prefill"], router["strata.router.decode"]
+    assert prefill.parent_span_id == router["strata.router.place"].span_id
+    assert decode.parent_span_id == generation.span_id and decode.attributes["strata.kv_handoff"] is True
+    assert prefill.attributes["strata.worker.id"] == "smollm2-p0"
+    assert decode.attributes["strata.worker.id"] == "smollm2-d1"
+    engines = {s.service: s for s in spans if s.name == "strata.engine.request"}
+    assert engines["smollm2-p0"].parent_span_id == prefill.span_id
+    assert engines["smollm2-p0"].attributes["strata.finish_reason"] == "handed_off"
+    assert engines["smollm2-d1"].parent_span_id == decode.span_id
+    assert engines["smollm2-d1"].attributes["strata.finish_reason"] == "length"
+    prefilled = [s for s in spans if s.name == "strata.engine.prefill"]
+    assert {s.service for s in prefilled} == {
+        "smollm2-p0",
+        "smollm2-d1",
+    }  # the decode side: the partial block
 
 
 def test_thresholds_are_checked_and_only_disaggregated_models_have_them(server):

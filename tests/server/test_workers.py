@@ -14,6 +14,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
+from harness.otlp import OTLPReceiver, ReceivedSpan
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 
@@ -22,10 +23,25 @@ pytestmark = pytest.mark.slow
 SHARED_PREFIX = "You are a careful assistant who answers about model serving. " * 12
 
 
+TRACE_ID = "5c3e1a2b9d8f4e6a8b7c6d5e4f3a2b1c"
+CLIENT_SPAN = "a1b2c3d4e5f60718"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def collector():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, collector):
+    """Traced: every process exports to `collector` (spans batched for 0.1 s, so a worker killed in a test has sent
+    what it finished)."""
     tmp = tmp_path_factory.mktemp("workers")
-    process = start_strata(copy_models(tmp / "repo", "smollm2"), tmp, "--workers", "2", "--no-kvbm")
+    process = start_strata(
+        copy_models(tmp / "repo", "smollm2"), tmp, "--workers", "2", "--no-kvbm",
+        "--otlp-traces-endpoint", collector.url, env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    )  # fmt: skip
     yield process
     process.stop()
 
@@ -76,7 +92,7 @@ def test_openai_chat_and_completion_streaming(client):
     assert models == ["smollm2"]
 
 
-def test_tritonclient_streaming_on_the_same_workers(server):
+def test_tritonclient_streaming_on_the_same_workers(server, collector):
     outputs = []
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     grpc.start_stream(callback=lambda result, error: outputs.append((result, error)))
@@ -105,6 +121,12 @@ def test_tritonclient_streaming_on_the_same_workers(server):
         for r, _ in outputs
         if not r.get_response().parameters["triton_final_response"].bool_param
     )
+    # --otlp-traces-endpoint without --trace-config: Triton's own OpenTelemetry mode sends to the same collector
+    collector.wait_for(
+        lambda spans: any(s.service == "triton-inference-server" and s.name == "smollm2" for s in spans),
+        30,
+        what="Triton's span of the smollm2 request",
+    )
 
 
 def test_shared_prefix_goes_where_it_is_cached(client, server):
@@ -131,19 +153,29 @@ def test_bad_requests_are_openai_errors(client):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
-def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server):
+def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server, collector):
     request = dict(
         model="smollm2", prompt="Write a long story about a lighthouse keeper:", max_tokens=40, temperature=0
     )
     reference = client.completions.create(**request).choices[0].text
     pids = dict(re.findall(r"worker (\S+) up: pid (\d+)", server.log()))
     assert len(pids) == 2
-    stream = client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        **request,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
+    )
     chunks = [next(stream) for _ in range(4)]
     busy = [
         labels for labels, value in metric_lines(server, "strata_router_worker_in_flight").items() if value
     ]
     holder = re.search(r'worker="([^"]+)"', busy[0]).group(1)
+    collector.wait_for(  # its prefill span has left the worker (its request span ends only with the request)
+        lambda spans: any(s.trace_id == TRACE_ID and s.service == holder for s in spans),
+        10,
+        what="a prefill span",
+    )
     os.kill(int(pids[holder]), signal.SIGKILL)
     chunks += list(stream)  # the same stream goes on: resumed on the other worker
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -155,6 +187,7 @@ def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server):
     assert metric_lines(server, "strata_router_migrations_total") == {
         f'strata_router_migrations_total{{worker="{holder}"}}': 1.0
     }
+    assert_one_trace_over_both_workers(collector, holder, (set(pids) - {holder}).pop())
     wait_for(
         lambda: len(metric_lines(server, "strata_router_worker_in_flight")) == 1, 30, what="worker dropped"
     )
@@ -164,6 +197,45 @@ def test_killed_worker_is_routed_around_and_its_stream_migrates(client, server):
             model="smollm2", prompt=f"Request {i} after a crash:", max_tokens=3, temperature=0
         )
         assert answer.usage.completion_tokens == 3
+
+
+def assert_one_trace_over_both_workers(collector: OTLPReceiver, dead: str, other: str) -> None:
+    """The migrated request's trace: the client's span -> the frontend's server and GenAI spans -> the placement on
+    `dead` (whose prefill span it sent before dying) and the migration -> `other`'s engine spans."""
+
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        names = {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID}
+        return {("server", "POST /v1/completions"), (other, "strata.engine.request")} <= names
+
+    collector.wait_for(complete, 30, what="the migrated request's spans")
+    spans = collector.trace(TRACE_ID)
+    one = {s.name: s for s in spans if s.service == "server"}
+    assert one["POST /v1/completions"].parent_span_id == CLIENT_SPAN
+    generation = one["text_completion smollm2"]
+    assert generation.parent_span_id == one["POST /v1/completions"].span_id
+    assert generation.attributes["gen_ai.usage.output_tokens"] == 40
+    place, migrate = one["strata.router.place"], one["strata.router.migrate"]
+    assert place.parent_span_id == migrate.parent_span_id == generation.span_id
+    assert (
+        place.attributes["strata.worker.id"] == dead
+        and place.attributes["strata.route.strategy"] == "kv-aware"
+    )
+    assert (
+        migrate.attributes["strata.migration.from"] == dead
+        and migrate.attributes["strata.worker.id"] == other
+    )
+    assert migrate.attributes["strata.migration.tokens_done"] >= 4
+    assert "strata.engine.prefill" in {s.name for s in spans if s.service == dead}
+    (resumed,) = [s for s in spans if s.service == other and s.name == "strata.engine.request"]
+    assert resumed.parent_span_id == migrate.span_id
+    assert (
+        resumed.attributes["gen_ai.usage.output_tokens"]
+        == 40 - migrate.attributes["strata.migration.tokens_done"]
+    )
+    assert {s.name for s in spans if s.parent_span_id == resumed.span_id} >= {
+        "strata.engine.queue",
+        "strata.engine.decode",
+    }
 
 
 def test_disconnect_cancels_on_the_worker(client, server):
