@@ -364,6 +364,8 @@ class LLMDeployment:
             config.worker_args(self.serving.kvbm),
             self.serving.vllm_python,
             forward_events=forward_events,
+            logs=self.serving.logs,
+            tracing=self.serving.tracing,
         )
 
     def _discover(self, name: str, routed: RoutedEngine, event_sink: KVIndex | None) -> Discovery:

@@ -19,22 +19,34 @@ from typing import Any
 
 from kvbm.api import TierRead
 from server import tracing
+from server.engine.api import GenerationOutput
 
 
 class RequestTrace:
-    __slots__ = ("span", "_queue", "_first_token_ns", "_admitted")
+    __slots__ = ("span", "_queue", "_first_token_ns", "_admitted", "_ended")
 
-    def __init__(self, span: Any, attributes: dict[str, Any]) -> None:
+    def __init__(self, span: Any, attributes: dict[str, Any], queue: bool) -> None:
         self.span = span
-        self._queue = tracing.start_span("strata.engine.queue", tracing.traceparent_of(span), attributes)
+        self._queue = (
+            tracing.start_span("strata.engine.queue", tracing.traceparent_of(span), attributes)
+            if queue
+            else None
+        )
         self._first_token_ns: int | None = None
         self._admitted = False
+        self._ended = False
 
     @classmethod
     def start(
-        cls, trace_context: str | None, request_id: str, num_prompt_tokens: int, engine: str
+        cls,
+        trace_context: str | None,
+        request_id: str,
+        num_prompt_tokens: int,
+        engine: str,
+        queue: bool = True,
     ) -> RequestTrace | None:
-        """The trace of a request carrying `trace_context`, None for any other (or while tracing is off)."""
+        """The trace of a request carrying `trace_context`, None for any other (or while tracing is off).
+        `queue` False: an engine that does not say when a request leaves its queue (vLLM) has no queue span."""
         span = tracing.start_span(
             "strata.engine.request",
             trace_context,
@@ -44,7 +56,7 @@ class RequestTrace:
                 "gen_ai.usage.input_tokens": num_prompt_tokens,
             },
         )
-        return None if span is None else cls(span, {"strata.request_id": request_id})
+        return None if span is None else cls(span, {"strata.request_id": request_id}, queue)
 
     def admitted(self, num_cached_tokens: int) -> None:
         """Taken from the wait queue with `num_cached_tokens` of its prompt cached (G1 and lower tiers)."""
@@ -88,8 +100,20 @@ class RequestTrace:
     def preempted(self, num_tokens: int) -> None:
         self.span.add_event("preempted", {"strata.recompute_tokens": num_tokens})
 
+    def observe(self, output: GenerationOutput) -> None:
+        """For an engine that reports only its outputs (vLLM): the first with tokens is the first token, a finished
+        one the end."""
+        if self._first_token_ns is None and output.new_token_ids:
+            self.span.set_attribute("strata.usage.cached_tokens", output.num_cached_tokens)
+            self.first_token()
+        if output.finished:
+            self.end(output.finish_reason or "handed_off", output.num_output_tokens, output.error)
+
     def end(self, reason: str | None, num_output_tokens: int, error: str | None = None) -> None:
-        """The request left this engine: finished (`reason`), handed back ("retryable") or handed off."""
+        """The request left this engine: finished (`reason`), handed back ("retryable") or handed off. Once."""
+        if self._ended:
+            return
+        self._ended = True
         now = time.time_ns()
         if self._queue is not None:  # ended before admission
             self._queue.end(end_time=now)

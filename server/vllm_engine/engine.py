@@ -65,6 +65,7 @@ from server.engine.api import (
     shard_layout,
     validate_request,
 )
+from server.engine.request_trace import RequestTrace
 from server.vllm_engine.config import VLLMParallel
 from server.vllm_engine.connector import BLOCK_KEY_ENV, ConnectorSettings, engine_fingerprint
 from server.vllm_engine.kv_events import KVEventRelay
@@ -302,6 +303,7 @@ class VLLMEngine:
         if prefill_only:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         first = True
+        trace = RequestTrace.start(request.trace_context, rid, num_prompt, "vllm", queue=False)
         prompt: dict[str, Any] = {"prompt_token_ids": rest.prompt_token_ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
@@ -337,6 +339,8 @@ class VLLMEngine:
                     output.kv_transfer_params = encode_transfer_params(
                         KVReceived(0, reused * self._block_bytes)
                     )
+                if trace is not None:
+                    trace.observe(output)
                 first = False
                 sink(output)
                 if out.finished:
@@ -350,8 +354,12 @@ class VLLMEngine:
                 rid, "error", num_prompt, cached, emitted, f"{type(exc).__name__} in the vLLM engine"
             )
             failed.retryable = dead
+            if trace is not None:
+                trace.end("error", emitted, failed.error)
             sink(failed)
         finally:
+            if trace is not None:  # ended by its finished output, else here (aborted, failed)
+                trace.end("abort", emitted)
             self._tasks.pop(rid, None)
             with self._lock:
                 self._num_active -= 1

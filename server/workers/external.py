@@ -24,7 +24,10 @@ from typing import Any
 import msgspec
 
 from kvbm.events import EventSink
+from server import tracing
 from server.engine.api import LocalEngine
+from server.logs import LogSettings, configure_logging
+from server.tracing import TracingSettings
 from server.workers.transport import Channel, ChannelAddress
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ class ExternalSpec(msgspec.Struct, frozen=True):
     env: dict[str, str] = msgspec.field(
         default_factory=dict
     )  # set in the worker's environment unless set here
+    logs: LogSettings = LogSettings()  # the server's --log-file, --log-format
+    tracing: TracingSettings = TracingSettings()  # the server's --otlp-traces-*
 
 
 class _Launch(msgspec.Struct, frozen=True):
@@ -127,11 +132,10 @@ def main() -> None:
     """The child: pin itself to its cores (if the server split them), read the launch line, watch stdin for the
     server's exit, serve the channel."""
     pin_to_cpus(os.environ.get(WORKER_CPUS_ENV))  # first, while this process has one thread
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker[{os.getpid()}] %(levelname)s %(message)s"
-    )
     launch = msgspec.json.decode(sys.stdin.buffer.readline(), type=_Launch)
     spec = launch.spec
+    configure_logging(spec.logs, logging.INFO, spec.worker_id)
+    tracing.configure_from(spec.tracing, spec.worker_id)
     factory = ENGINES.get(spec.engine)
     if factory is None:
         raise SystemExit(f"unknown engine {spec.engine!r}; known: {', '.join(sorted(ENGINES))}")
@@ -146,6 +150,7 @@ def main() -> None:
         spec.role,
         spec.heartbeat_s,
     )
+    tracing.shutdown()  # export the spans still buffered: os._exit runs no exit handler
     os._exit(0)  # vLLM leaves non-daemon threads behind; its engine core was shut down by engine.close()
 
 

@@ -16,6 +16,7 @@ import uuid
 import openai
 import pytest
 
+from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 from kvbm.host_pool import remove_segments
@@ -44,8 +45,17 @@ PREFIXES = [
 ]
 
 
+TRACE_ID = "fedcba9876543210fedcba9876543210"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, vllm_python):
+def collector():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, vllm_python, collector):
     tmp = tmp_path_factory.mktemp("vllm")
     repo = copy_models(tmp / "repo", "smollm2")
     folder = prepare_model(DEFAULT_MODEL).folder
@@ -62,7 +72,7 @@ def server(tmp_path_factory, vllm_python):
     cache_id = f"test-{uuid.uuid4().hex[:8]}"  # the node's G2 segment the workers' StrataKVConnectors share
     process = start_strata(
         repo, tmp, "--vllm-python", vllm_python, "--kvbm-host-cache-gb", "0.25", "--kvbm-cache-id", cache_id,
-        ready_timeout_s=400,
+        "--otlp-traces-endpoint", collector.url, ready_timeout_s=400, env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
     )  # fmt: skip
     yield process
     process.stop()
@@ -77,7 +87,7 @@ def client(server):
         yield client
 
 
-def test_openai_and_triton_answer_as_strata_engine_does(client, server):
+def test_openai_and_triton_answer_as_strata_engine_does(client, server, collector):
     """Greedy answers from vLLM equal Strata's engine's (both fp32) over the OpenAI API and Triton's generate."""
     assert {"smol_vllm", "smollm2"} <= {model.id for model in client.models.list()}
     chat = {
@@ -93,11 +103,21 @@ def test_openai_and_triton_answer_as_strata_engine_does(client, server):
     assert chat["smol_vllm"].usage.prompt_tokens == chat["smollm2"].usage.prompt_tokens
     stream = client.completions.create(
         model="smol_vllm", prompt="The three primary colors are", max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_headers={"traceparent": f"00-{TRACE_ID}-{'1' * 16}-01"},
     )  # fmt: skip
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == 10
+    spans = collector.wait_for(  # the vLLM worker's span, in the client's trace, under the router's placement
+        lambda spans: any(s.trace_id == TRACE_ID and s.name == "strata.engine.request" for s in spans), 30
+    )
+    (engine,) = [s for s in spans if s.trace_id == TRACE_ID and s.name == "strata.engine.request"]
+    (place,) = [s for s in spans if s.trace_id == TRACE_ID and s.name == "strata.router.place"]
+    assert engine.parent_span_id == place.span_id and engine.service == place.attributes["strata.worker.id"]
+    assert (
+        engine.attributes["strata.engine"] == "vllm" and engine.attributes["gen_ai.usage.output_tokens"] == 10
+    )
+    assert engine.events == ("first_token",)
     body = json.dumps(
         {"text_input": "The three primary colors are", "parameters": {"max_tokens": 10, "temperature": 0}}
     )
