@@ -160,3 +160,32 @@ def _json_spans(request: dict[str, Any]) -> list[ReceivedSpan]:
 
 def _json_attributes(attributes: list[dict[str, Any]]) -> dict[str, Any]:
     return {a["key"]: next(iter(a.get("value", {}).values()), None) for a in attributes}
+
+
+def format_tree(spans: list[ReceivedSpan]) -> str:
+    """One trace's spans as an indented tree: name, process, start offset and duration in ms, and a few attributes
+    (children in start order; a span whose parent was not received is a root)."""
+    ids = {span.span_id for span in spans}
+    children: dict[str, list[ReceivedSpan]] = {}
+    for span in spans:
+        children.setdefault(span.parent_span_id if span.parent_span_id in ids else "", []).append(span)
+    origin = min(span.start_ns for span in spans)
+    shown = ("strata.worker.id", "strata.route.overlap_blocks", "strata.route.cost", "strata.prefill.tokens",
+             "strata.kvbm.tier", "strata.kvbm.blocks", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
+             "strata.migration.from", "strata.finish_reason")  # fmt: skip
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for span in sorted(children.get(parent, []), key=lambda s: s.start_ns):
+            start, took = (span.start_ns - origin) / 1e6, (span.end_ns - span.start_ns) / 1e6
+            notes = " ".join(
+                f"{key.split('.')[-1]}={span.attributes[key]}" for key in shown if key in span.attributes
+            )
+            events = f" events: {', '.join(span.events)}" if span.events else ""
+            lines.append(
+                f"{'  ' * depth}{span.name}  [{span.service}]  +{start:.1f} ms, {took:.1f} ms  {notes}{events}"
+            )
+            walk(span.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(line.rstrip() for line in lines)

@@ -250,10 +250,10 @@ class KVBMConnector:
         for tier in self.tiers:
             if not remaining:
                 break
-            start, start_ns = time.perf_counter(), time.time_ns()
+            start, start_ns = time.perf_counter(), time.time_ns() if reads is not None else 0
             ok = tier.get([block_hashes[i] for i in remaining], [self._rows[block_ids[i]] for i in remaining])
             self._record_transfer(f"{tier.name}->G1", sum(ok), start)
-            if reads is not None and any(ok):
+            if reads is not None and any(ok):  # a traced request's span of this read
                 blocks = sum(ok)
                 reads.append(TierRead(tier.name, blocks, blocks * self.block_bytes, start_ns, time.time_ns()))
             remaining = [i for i, good in zip(remaining, ok, strict=True) if not good]
