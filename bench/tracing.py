@@ -4,8 +4,9 @@ OTLP/HTTP to a real receiver in this process (harness/otlp.py), as to a collecto
 
 Each round sends --block sequential requests to each server in turn (the order rotates by round; a block's first
 request is a warm-up and not counted), so machine noise falls on the three alike. Reported: each mode's p50 and p90
-latency (medians over rounds) and its ratio to tracing off, and the spans each receiver got. Goals (issue 51):
-p50 within 1.02x of off at 0.01 and within 1.10x at 1.0.
+latency (medians over rounds) and its ratio to tracing off, and the spans each receiver got. A second untraced
+server ("off (2nd)") measures what two identical servers differ by here: a ratio inside that is noise. Goals
+(issue 51): p50 within 1.02x of off at 0.01 and within 1.10x at 1.0.
 
     python bench/tracing.py [--rounds 5] [--block 21] [--tokens 16] [--workers 1]
 """
@@ -29,7 +30,12 @@ from harness.otlp import OTLPReceiver, format_tree  # noqa: E402
 from harness.servers import copy_models, start_strata, use_run_secret  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 
-MODES = {"off": None, "ratio 0.01": 0.01, "ratio 1.0": 1.0}
+MODES = {
+    "off": None,
+    "off (2nd)": None,
+    "ratio 0.01": 0.01,
+    "ratio 1.0": 1.0,
+}  # 2nd: two untraced servers' A/A
 GOALS = {"ratio 0.01": 1.02, "ratio 1.0": 1.10}
 PROMPT = "Here is a short note about lighthouses and the people who kept them running through the night:"
 
@@ -49,6 +55,10 @@ def show_trace(client: httpx.Client, receiver: OTLPReceiver, tokens: int) -> Non
     trace_id = "5b8aa5a2d2c872e8321cf37308d69df2"
     body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
             "temperature": 0, "stream": True}  # fmt: skip
+    unsampled = {
+        "traceparent": f"00-{'0' * 31}1-{'0' * 15}1-00"
+    }  # a first chat request compiles the template
+    client.post("/v1/chat/completions", json={**body, "stream": False}, headers=unsampled).raise_for_status()
     headers = {"traceparent": f"00-{trace_id}-051581bf3cb55c13-01"}
     with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as answer:
         answer.read()
@@ -94,7 +104,7 @@ def main() -> None:
         if args.show_trace:
             show_trace(clients["ratio 1.0"], receivers["ratio 1.0"], args.tokens)
         for index in range(args.rounds):
-            order = list(MODES)[index % 3 :] + list(MODES)[: index % 3]
+            order = list(MODES)[index % len(MODES) :] + list(MODES)[: index % len(MODES)]
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
             for mode in order:
                 block = [latency(clients[mode], args.tokens) for _ in range(args.block)]
@@ -107,8 +117,9 @@ def main() -> None:
         mode: {key: statistics.median(r[mode][key] for r in rounds) for key in ("p50", "p90")}
         for mode in MODES
     }
-    ratios = {mode: cells[mode]["p50"] / cells["off"]["p50"] for mode in GOALS}
-    per_round = {mode: [round(r[mode]["p50"] / r["off"]["p50"], 4) for r in rounds] for mode in GOALS}
+    compared = [mode for mode in MODES if mode != "off"]
+    ratios = {mode: cells[mode]["p50"] / cells["off"]["p50"] for mode in compared}
+    per_round = {mode: [round(r[mode]["p50"] / r["off"]["p50"], 4) for r in rounds] for mode in compared}
     cpu = f"{cpu_name()}, {cores()} cores"
     requests = args.rounds * (args.block - 1)
     print(

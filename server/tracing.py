@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 Attributes = Mapping[str, Any]
 _tracer: Tracer | None = None
 _provider: Any = None  # the SDK's TracerProvider, for shutdown
+_settings: TracingSettings | None = None  # what configured this process (an endpoint): its children's too
 
 
 class TracingSettings(msgspec.Struct, frozen=True):
@@ -42,6 +43,11 @@ def configure_from(settings: TracingSettings, service_instance: str) -> bool:
     return configure(settings.endpoint, settings.sample_ratio, service_instance)
 
 
+def settings() -> TracingSettings:
+    """How this process traces (no endpoint: it does not, or only to a test's processor): for its child processes."""
+    return _settings or TracingSettings()
+
+
 def configure(
     endpoint: str | None,
     sample_ratio: float = 1.0,
@@ -51,7 +57,7 @@ def configure(
     """Trace this process: spans go to the OTLP/HTTP `endpoint` (a collector's /v1/traces URL; vLLM's
     --otlp-traces-endpoint), or to `processor` (tests). A new trace (no parent) is sampled with `sample_ratio`; a
     span with a parent follows the parent's decision. Returns whether tracing is on."""
-    global _tracer, _provider
+    global _tracer, _provider, _settings
     if endpoint is None and processor is None:
         return False
     try:
@@ -71,13 +77,14 @@ def configure(
     provider.add_span_processor(processor)
     shutdown()
     _provider, _tracer = provider, provider.get_tracer("strata")
+    _settings = TracingSettings(endpoint, sample_ratio) if endpoint is not None else None
     return True
 
 
 def shutdown() -> None:
     """Export what is buffered and stop tracing (idempotent)."""
-    global _tracer, _provider
-    provider, _provider, _tracer = _provider, None, None
+    global _tracer, _provider, _settings
+    provider, _provider, _tracer, _settings = _provider, None, None, None
     if provider is not None:
         provider.shutdown()
 

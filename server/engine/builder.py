@@ -20,6 +20,7 @@ from kvbm.api import KVConnector, KVLayout
 from kvbm.block_hash import model_salt
 from kvbm.connector import KVBMConnector, block_rows
 from kvbm.transfer import KVTransfer
+from server import tracing
 from server.engine import kernels
 from server.engine.api import EngineResources, KVBlockLayout, RequestId
 from server.engine.block_manager import BlockManager
@@ -203,6 +204,7 @@ def _spawn_ranks(
             title=rank_title(model_name, sharding.worker_id, rank, plan.world_size), store_port=store_port,
             control=control, replies=replies, num_threads=num_threads, heartbeat_s=settings.heartbeat_s,
             collective_timeout_s=settings.collective_timeout_s, reduce_segment=reduce_segment,
+            tracing=tracing.settings(),
         )  # fmt: skip
 
     shm = _shm_plan(config, plan, hidden_size, num_threads)

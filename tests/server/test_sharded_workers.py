@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 from tests.server.test_workers import metric_lines
@@ -26,12 +27,21 @@ PROMPTS = [f"Write a short story about lighthouse number {i}:" for i in range(4)
 TOKENS = 24
 
 
+TRACE_ID = "31415926535897932384626433832795"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def collector():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, collector):
     tmp = tmp_path_factory.mktemp("sharded")
     process = start_strata(
         copy_models(tmp / "repo", "smollm2"), tmp, "--workers", "2", "--tensor-parallel-size", "3", "--no-kvbm",
-        ready_timeout_s=300,
+        "--otlp-traces-endpoint", collector.url, ready_timeout_s=300, env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
     )  # fmt: skip
     yield process
     process.stop()
@@ -67,6 +77,29 @@ def test_every_rank_is_a_named_process_with_its_series(server):
     assert len(up) == 6 and set(up.values()) == {1.0}
     memory = metric_lines(server, "strata_rank_resident_memory_bytes{")
     assert len(memory) == 6 and all(value > 50e6 for value in memory.values())
+
+
+def test_a_traced_prompt_has_a_span_from_every_rank_of_its_worker(client, collector):
+    answer = client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=2, temperature=0,
+        extra_headers={"traceparent": f"00-{TRACE_ID}-{'2' * 16}-01"},
+    )  # fmt: skip
+    spans = collector.wait_for(
+        lambda spans: (
+            {"strata.engine.request", "strata.rank.step"} <= {s.name for s in spans if s.trace_id == TRACE_ID}
+            and sum(s.name == "strata.rank.step" for s in spans if s.trace_id == TRACE_ID) >= 2
+        ),
+        30,
+        what="the engine's and its ranks' spans",
+    )
+    (engine,) = [s for s in spans if s.trace_id == TRACE_ID and s.name == "strata.engine.request"]
+    steps = [s for s in spans if s.trace_id == TRACE_ID and s.name == "strata.rank.step"]
+    assert {s.service for s in steps} == {
+        f"{engine.service} rank 1",
+        f"{engine.service} rank 2",
+    }  # rank 0: the driver
+    assert all(s.parent_span_id == engine.span_id for s in steps)
+    assert {s.attributes["strata.prefill.tokens"] for s in steps} == {answer.usage.prompt_tokens}
 
 
 def test_a_rank_killed_under_streaming_load_loses_no_request_and_its_group_comes_back(server, client):

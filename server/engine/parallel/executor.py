@@ -20,6 +20,7 @@ import torch
 from cluster.backoff import Backoff
 from kvbm.api import BlockEvent, KVConnector, KVLayout, TierRead
 from kvbm.block_hash import BlockHash
+from server import tracing
 from server.engine.api import RankStats, shard_layout
 from server.engine.executor import (
     ExecutorEvent,
@@ -123,7 +124,7 @@ class ShardedExecutor:
             raise ExecutorFailure(self.group.failure or stopped)
         groups = _micro_batches(chunks, self.plan.pp_size)
         batches = [self.runner.prepare(group) for group in groups]
-        self.group.send(wire.Step([wire.encode_batch(batch) for batch in batches]))
+        self.group.send(wire.Step([wire.encode_batch(batch) for batch in batches], _traced_prefills(chunks)))
         try:  # from here on every rank is in the step: any failure leaves the group out of step
             own = self.stage.run(batches)
             logits = self.stage.gather_logits(batches, own)
@@ -161,6 +162,15 @@ def _join(groups: list[list[ScheduledChunk]], logits: list[torch.Tensor]) -> tor
     sampling = [sum(c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in g) for g in groups]
     return torch.cat([part[:n] for part, n in zip(logits, sampling, strict=True)]
                      + [part[n:] for part, n in zip(logits, sampling, strict=True)])  # fmt: skip
+
+
+def _traced_prefills(chunks: list[ScheduledChunk]) -> list[tuple[str, int]]:
+    """(traceparent of the request's engine span, tokens) of each prompt chunk of a traced request."""
+    return [
+        (tracing.traceparent_of(c.seq.trace.span) or "", c.num_tokens)
+        for c in chunks
+        if c.seq.trace is not None and c.seq.num_computed_tokens < c.seq.num_prompt_tokens
+    ]
 
 
 class ShardedConnector:

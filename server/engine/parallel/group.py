@@ -46,6 +46,7 @@ from server.engine.executor import ExecutorFailure, Failed, FailureReason
 from server.engine.parallel import wire
 from server.engine.parallel.comm import ShmAllReduce, host_store, segment_path
 from server.engine.parallel.plan import ShardPlan
+from server.tracing import TracingSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,7 @@ class RankSpec(msgspec.Struct, frozen=True):
     heartbeat_s: float
     collective_timeout_s: float
     reduce_segment: str = ""  # its stage's shared-memory all-reduce segment ("": gloo's all-reduce)
+    tracing: TracingSettings = TracingSettings()  # the driver's (server/tracing.py)
 
     @property
     def plan(self) -> ShardPlan:

@@ -20,6 +20,7 @@ import msgspec
 import setproctitle
 import zmq
 
+from server import tracing
 from server.engine.parallel import wire
 from server.engine.parallel.group import RankSpec, resident_bytes
 
@@ -30,6 +31,7 @@ def main() -> None:
     spec = RankSpec.decode(sys.stdin.buffer.readline())
     setproctitle.setproctitle(spec.title)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.title} %(levelname)s %(message)s")
+    tracing.configure_from(spec.tracing, f"{spec.worker_id} rank {spec.rank}")
     threading.Thread(target=_exit_with_driver, name="driver-watch", daemon=True).start()
     context = zmq.Context()
     replies = context.socket(zmq.PUSH)
@@ -84,8 +86,12 @@ def _serve(spec: RankSpec, control: zmq.Socket, reply, work: Work) -> bool:
         while True:
             message = decoder.decode(control.recv())
             if isinstance(message, wire.Step):
+                started = time.time_ns() if message.traces else 0
                 stage.run([wire.decode_batch(batch, runner.device) for batch in message.batches])
                 work.busy_s = stage.busy_s
+                for traceparent, tokens in message.traces:
+                    attributes = {"strata.rank": spec.rank, "strata.prefill.tokens": tokens}
+                    tracing.record_span("strata.rank.step", traceparent, started, time.time_ns(), attributes)
             elif isinstance(message, wire.Offload):
                 if connector is not None:
                     connector.offload(message.block_hashes, message.block_ids)
@@ -101,6 +107,7 @@ def _serve(spec: RankSpec, control: zmq.Socket, reply, work: Work) -> bool:
             else:  # Stop
                 if connector is not None:
                     connector.close()
+                tracing.shutdown()  # export what is buffered: the process ends with os._exit
                 return True
 
 

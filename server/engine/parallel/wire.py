@@ -53,9 +53,11 @@ class WireBatch(msgspec.Struct, array_like=True):
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):
-    """Compute these micro-batches (one per pipeline slot, in order)."""
+    """Compute these micro-batches (one per pipeline slot, in order). `traces`: (traceparent, tokens) of each
+    prompt chunk in it whose request is traced (server/tracing.py): the rank records its part of the step for it."""
 
     batches: list[WireBatch]
+    traces: list[tuple[str, int]] = []
 
 
 class Lookup(msgspec.Struct, tag=True, array_like=True):
