@@ -62,7 +62,7 @@ from server.workers.protocol import WorkerId
 from server.workers.registry import Directory, WorkerRecord
 from server.workers.remote import RemoteEngine, spawn_workers
 from server.workers.transport import link_keys
-from server.workers.worker import WorkerSpec, build_llm_engine
+from server.workers.worker import WorkerSpec, build_llm_engine, warm_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,9 @@ class LLMDeployment:
             )
         # a sharded model's only engine: requests wait for its restarted group, as often as a router migrates
         limit = self.serving.router.migration_limit
-        return LLMEngine(plan.config, connector, worker_id=f"{plan.name}-0", resume_limit=limit)
+        engine = LLMEngine(plan.config, connector, worker_id=f"{plan.name}-0", resume_limit=limit)
+        warm_chat_template(engine)
+        return engine
 
     def _routed(self, plan: EnginePlan) -> RoutedEngine:
         standalone = self.serving.kvbm_service is not None

@@ -59,6 +59,7 @@ from server.workers.worker import (
     freeze_startup_heap,
     serve_channel,
     start_heartbeat,
+    warm_chat_template,
 )
 
 if TYPE_CHECKING:  # the vLLM venv runs this module too, and has no tritonclient (model_config's protobufs)
@@ -262,6 +263,7 @@ def serve_engine(
     """Calibrate `engine`, register it and serve one server after another until SIGTERM/SIGINT; close it.
     `registries`: series of the worker's own (its KVBM tiers') for `--metrics-port`."""
     info = describe(engine, calibrate_logged(engine), role)
+    warm_chat_template(engine)
     freeze_startup_heap()
     status = None
     try:
