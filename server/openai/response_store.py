@@ -17,7 +17,9 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-StoredResponse = dict[str, Any]  # {"response": the response object, "turns": the conversation as chat turns}
+StoredResponse = dict[
+    str, Any
+]  # {"response": the response, "turns": the conversation as chat turns, "input_items"}
 
 
 class ResponseStore(Protocol):

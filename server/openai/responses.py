@@ -1,9 +1,8 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat machinery.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: OpenAI's Responses API over the chat machinery.
 
-A Responses request is read as a chat request (`as_chat`): `instructions` and the `input` items become chat turns,
-after the turns of the conversation `previous_response_id` ends (kept in the response store: response_store.py);
-function tools, tool_choice, `text.format` and max_output_tokens become chat's tools, tool_choice, response_format
-and max_completion_tokens. So forced tool calls go through the grammar and structured output works as in chat.
+A Responses request is read as a chat request (response_request.py's `as_chat`), after the turns of the
+conversation `previous_response_id` ends (kept in the response store: response_store.py), so forced tool calls go
+through the grammar and structured output works as in chat.
 The answer's text and tool calls become output items (response_items.py). Errors name the Responses field
 (`max_output_tokens`, `text.format.schema`, `input`), not chat's.
 
@@ -15,11 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Discriminator, Field, Tag
 
 from server.openai import chat_core
 from server.openai.choices import Choice, collect, final_status, usage
@@ -27,188 +25,11 @@ from server.openai.errors import ERROR_BODY, OpenAIError, failed
 from server.openai.fields import refused_field
 from server.openai.generation import ClientDisconnected
 from server.openai.limits import RequestLimits
-from server.openai.protocol import ChatMessage, StrictRequest
 from server.openai.response_items import ResponseEvents, assistant_turn, finish, items_of
+from server.openai.response_request import ResponsesRequest, as_chat
 from server.openai.response_store import ResponseStore
-from server.openai.sampling import JSONSchemaFormat, ResponseFormat
 from server.openai.served import ServedModels
 from server.openai.streaming import GENERATE_RESPONSES, client_gone, respond
-from server.openai.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool
-
-
-class TextContent(StrictRequest):
-    type: Literal["input_text", "output_text"]  # an assistant turn sent back holds output_text
-    text: str
-
-
-class MessageInput(StrictRequest):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextContent]
-
-    def turn(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
-
-
-class FunctionCallInput(StrictRequest):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class FunctionCallOutputInput(StrictRequest):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[TextContent]
-
-    def turn(self) -> dict[str, Any]:
-        text = self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
-        return {"role": "tool", "tool_call_id": self.call_id, "content": text}
-
-
-def _item_type(value: Any) -> str:
-    """The union member of an input item, by its `type` (a message may leave it out). The tag is bracketed so that
-    an error's `param` leaves it out (errors._param_path): `input.0.content`, not `input.0.item[message].content`."""
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"item[{kind}]"
-
-
-InputItem = Annotated[
-    Annotated[MessageInput, Tag("item[message]")]
-    | Annotated[FunctionCallInput, Tag("item[function_call]")]
-    | Annotated[FunctionCallOutputInput, Tag("item[function_call_output]")],
-    Discriminator(_item_type),
-]
-
-
-class FunctionTool(StrictRequest):
-    type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # forced calls always follow `parameters` here
-
-
-class FunctionChoice(StrictRequest):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(StrictRequest):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class TextConfig(StrictRequest):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(StrictRequest):
-    ENDPOINT: ClassVar[str] = "responses"
-
-    model: str
-    input: str | list[InputItem]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
-    text: TextConfig | None = None
-    metadata: dict[str, str] | None = None
-    store: bool = True
-    previous_response_id: str | None = None
-    stream: bool = False
-    user: str | None = (
-        None  # the end user's id (OpenAI's, for abuse monitoring): accepted, it changes nothing
-    )
-
-    def turns(self) -> list[dict[str, Any]]:
-        """The input as chat turns; consecutive function calls are one assistant turn's tool calls."""
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        turns: list[dict[str, Any]] = []
-        for item in self.input:
-            if isinstance(item, FunctionCallInput):
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
-                if turns and turns[-1]["role"] == "assistant" and not turns[-1]["content"]:
-                    turns[-1].setdefault("tool_calls", []).append(call)
-                else:
-                    turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            else:
-                turns.append(item.turn())
-        return turns
-
-
-class ChatForResponses(chat_core.ChatCompletionRequest):
-    """A Responses request read as chat; the errors chat's code raises name the Responses field."""
-
-    PROMPT_FIELD: ClassVar[str] = "input"
-    _NAMES: ClassVar[dict[str, str]] = {
-        "max_tokens": "max_output_tokens",
-        "max_completion_tokens": "max_output_tokens",
-        "response_format.json_schema.schema": "text.format.schema",
-        "response_format.json_schema": "text.format",
-        "response_format": "text.format",
-        "messages": "input",
-    }
-
-    def param_name(self, field_name: str) -> str:
-        return self._NAMES.get(field_name, super().param_name(field_name))
-
-
-def as_chat(request: ResponsesRequest, history: list[dict[str, Any]]) -> ChatForResponses:
-    """The chat request that answers `request`, continuing the conversation `history` (chat turns)."""
-    given = request.turns()
-    if not given:
-        raise OpenAIError(400, "input: holds no item", param="input")
-    turns = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + history
-    turns += given
-    tools = [
-        Tool(type="function", function=FunctionDef(
-            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
-        for t in request.tools or ()
-    ]  # fmt: skip
-    choice = request.tool_choice
-    if isinstance(choice, FunctionChoice):
-        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-    return ChatForResponses(
-        model=request.model,
-        messages=[ChatMessage(**turn) for turn in turns],
-        max_completion_tokens=request.max_output_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        tools=tools or None,
-        tool_choice=choice,
-        parallel_tool_calls=request.parallel_tool_calls,
-        response_format=_response_format(request.text),
-        stream=request.stream,
-        user=request.user,
-    )
-
-
-def _response_format(text: TextConfig | None) -> ResponseFormat | None:
-    form = text.format if text is not None else None
-    if form is None or form.type == "text":
-        return None
-    if form.type == "json_object":
-        return ResponseFormat(type="json_object")
-    if form.name is None or form.schema_ is None:
-        missing = "name" if form.name is None else "schema"
-        raise OpenAIError(
-            400, f"text.format.{missing}: required with type json_schema", param=f"text.format.{missing}"
-        )
-    schema = JSONSchemaFormat(
-        name=form.name, description=form.description, schema=form.schema_, strict=form.strict
-    )
-    return ResponseFormat(type="json_schema", json_schema=schema)
 
 
 def router(
@@ -227,6 +48,20 @@ def router(
             raise _not_found(response_id)
         return JSONResponse(stored["response"])
 
+    @routes.get("/v1/responses/{response_id}/input_items", responses={404: ERROR_BODY})
+    async def input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> JSONResponse:
+        """The stored response's input items, a page of `limit` from the item after `after` in `order` (OpenAI's
+        list shape; the newest first by default)."""
+        stored = await store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return JSONResponse(_page(stored.get("input_items", []), limit, order, after))
+
     @routes.delete("/v1/responses/{response_id}", responses={404: ERROR_BODY})
     async def delete(response_id: str) -> JSONResponse:
         if not await store.delete(response_id):
@@ -234,6 +69,23 @@ def router(
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     return routes
+
+
+def _page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    ordered = items[::-1] if order == "desc" else items
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise OpenAIError(400, f"after: no input item with id '{after}' in this response", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    data = ordered[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(ordered) > limit,
+    }
 
 
 def _not_found(response_id: str) -> OpenAIError:
@@ -322,10 +174,12 @@ async def _keep(
     history: list[dict[str, Any]],
     items: list[dict[str, Any]],
 ) -> None:
-    """Store the response and the conversation it ends (without the instructions: a continuation sends its own)."""
+    """Store the response, the conversation it ends (without the instructions: a continuation sends its own) and
+    its input items."""
     if body.store:
         turns = history + body.turns() + [assistant_turn(items)]
-        await store.put(response["id"], {"response": response, "turns": turns})
+        stored = {"response": response, "turns": turns, "input_items": body.input_items(response["id"])}
+        await store.put(response["id"], stored)
 
 
 async def _stream(

@@ -9,7 +9,7 @@ from pathlib import Path
 from server.openai.chat_core import ChatCompletionRequest
 from server.openai.completions import CompletionRequest
 from server.openai.fields import REFUSED, RESPONSES_REFUSED
-from server.openai.responses import ResponsesRequest
+from server.openai.response_request import ResponsesRequest
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
 

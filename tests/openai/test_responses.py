@@ -198,3 +198,35 @@ def test_a_store_bounds_its_entries_and_their_age(make: str, request: pytest.Fix
         await store.close()
 
     asyncio.run(check())
+
+
+def test_input_items_lists_the_request_items_in_pages(served: Served) -> None:
+    api = client(served.base_url)
+    reply = api.responses.create(
+        model="fake",
+        input=[
+            {"role": "user", "content": "What is the weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+        max_output_tokens=1,
+    )
+    items = api.responses.input_items.list(reply.id, order="asc")
+    assert [item.type for item in items.data] == ["message", "function_call", "function_call_output"]
+    assert items.data[0].content[0].text == "What is the weather?" and items.data[2].output == "sunny"
+    assert items.first_id == items.data[0].id and items.last_id == items.data[2].id and not items.has_more
+    newest = api.responses.input_items.list(reply.id, limit=2)  # desc by default
+    assert [item.type for item in newest.data] == [
+        "function_call_output",
+        "function_call",
+    ] and newest.has_more
+    rest = api.responses.input_items.list(reply.id, limit=2, after=newest.last_id)
+    assert [item.type for item in rest.data] == ["message"] and not rest.has_more
+    single = api.responses.create(model="fake", input="hi", max_output_tokens=1)
+    (message,) = api.responses.input_items.list(single.id).data
+    assert message.role == "user" and message.content[0].type == "input_text"
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.responses.input_items.list(reply.id, after="nope")
+    assert raised.value.body["param"] == "after"
