@@ -35,6 +35,7 @@ class ReceivedSpan:
     end_ns: int
     attributes: dict[str, Any] = field(default_factory=dict)
     events: tuple[str, ...] = ()
+    event_ns: tuple[int, ...] = ()  # each event's time, as `events`
 
 
 class OTLPReceiver:
@@ -122,6 +123,7 @@ def _protobuf_spans(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
                         span.end_time_unix_nano,
                         {a.key: _value(a.value) for a in span.attributes},
                         tuple(event.name for event in span.events),
+                        tuple(event.time_unix_nano for event in span.events),
                     )
                 )
     return received
@@ -153,6 +155,7 @@ def _json_spans(request: dict[str, Any]) -> list[ReceivedSpan]:
                         int(span.get("endTimeUnixNano", 0)),
                         _json_attributes(span.get("attributes", [])),
                         tuple(event.get("name", "") for event in span.get("events", [])),
+                        tuple(int(event.get("timeUnixNano", 0)) for event in span.get("events", [])),
                     )
                 )
     return received

@@ -139,7 +139,10 @@ class BlockManager:
         taken = [self.free_queue.popleft() for _ in range(num_blocks)]
         evicted = [block for block in taken if block.block_hash is not None]
         if evicted:
+            started = time.time_ns() if seq.trace is not None else 0
             self._evict(evicted)
+            if seq.trace is not None:  # the request waited for these blocks' offload
+                seq.trace.offloaded(started, time.time_ns(), len(evicted))
         for block in taken:
             block.ref_count = 1
             seq.block_table.append(block.block_id)

@@ -4,6 +4,7 @@
     strata.engine.request      submit -> end (finish reason, tokens), under the router's or frontend's span
       strata.engine.queue      submit -> first admission
       strata.kvbm.onboard      one per tier read at admission: tier, blocks, bytes
+      strata.kvbm.offload      blocks its allocation evicted, offloaded before their rows were reused
       strata.engine.prefill    one per prompt chunk forwarded: its first position and tokens
       strata.engine.decode     first token -> end: output tokens
     events: first_token, preempted (with the tokens to recompute), handed_back (its worker lost a rank)
@@ -83,6 +84,11 @@ class RequestTrace:
                     "strata.kvbm.bytes": read.bytes,
                 },
             )
+
+    def offloaded(self, start_ns: int, end_ns: int, num_blocks: int) -> None:
+        """Its allocation evicted `num_blocks` cached blocks, offloaded to the tiers before their rows were reused."""
+        attributes = {"strata.kvbm.blocks": num_blocks}
+        tracing.record_span("strata.kvbm.offload", self.span, start_ns, end_ns, attributes)
 
     def prefilled(self, start_ns: int, end_ns: int, first_position: int, num_tokens: int) -> None:
         tracing.record_span(

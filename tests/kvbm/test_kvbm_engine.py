@@ -88,23 +88,24 @@ def test_greedy_identical_with_onboarded_prefixes(cache_id: str, tmp_path: Path,
 
 
 def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: str) -> None:
-    """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis."""
+    """A second engine with an empty G1 and only G4 reuses what the first one offloaded to Redis. Traced: the
+    evicting request's offload and the reader's G4 read are spans of theirs."""
     config = KVBMConfig(
         cache_id=cache_id, host_cache_gb=0, redis_url=redis_url, write_through=True, block_key=BLOCK_KEY
     )
-    writer = build_connector(config, "node-a", index=KVIndex())
-    with engine(40, writer) as first:
-        prompt = first.encode(document(TOPICS[0]))
-        expected = greedy(first, prompt, "a").new_token_ids
-        for topic in TOPICS[
-            1:3
-        ]:  # G1 evicts (and so offloads) chains tail first: two more prompts push all out
-            greedy(first, first.encode(document(topic)), f"evict-{topic}")
-    writer.close()
-    reader = build_connector(config, "node-b", index=KVIndex())
-    spans = InMemorySpanExporter()  # the traced request's span of its read from G4
-    tracing.configure(None, 1.0, "node-b", processor=SimpleSpanProcessor(spans))
+    spans = InMemorySpanExporter()
+    tracing.configure(None, 1.0, "node", processor=SimpleSpanProcessor(spans))
     try:
+        writer = build_connector(config, "node-a", index=KVIndex())
+        with engine(40, writer) as first:
+            prompt = first.encode(document(TOPICS[0]))
+            expected = greedy(first, prompt, "a").new_token_ids
+            for i, topic in enumerate(
+                TOPICS[1:3]
+            ):  # G1 evicts (so offloads) chains tail first: two more prompts
+                greedy(first, first.encode(document(topic)), f"evict-{topic}", f"00-{'ef' * 16}-{i:016x}-01")
+        writer.close()
+        reader = build_connector(config, "node-b", index=KVIndex())
         with engine(40, reader) as second:
             output = greedy(second, prompt, "b", trace_context=f"00-{'ab' * 16}-{'cd' * 8}-01")
     finally:
@@ -112,13 +113,22 @@ def test_other_node_onboards_from_g4(cache_id: str, tmp_path: Path, redis_url: s
     reader.close()
     assert output.new_token_ids == expected
     assert output.num_cached_tokens >= 160 and onboarded_per_tier(reader)["G4"] > 0
-    (read,) = [span for span in spans.get_finished_spans() if span.name == "strata.kvbm.onboard"]
+    finished = spans.get_finished_spans()
+    requests = {
+        span.attributes["strata.request_id"]: span
+        for span in finished
+        if span.name == "strata.engine.request"
+    }
+    (read,) = [span for span in finished if span.name == "strata.kvbm.onboard"]
     assert read.attributes["strata.kvbm.tier"] == "G4"
     assert read.attributes["strata.kvbm.blocks"] == onboarded_per_tier(reader)["G4"]
     assert read.attributes["strata.kvbm.bytes"] == read.attributes["strata.kvbm.blocks"] * BLOCK_BYTES
-    (request,) = [span for span in spans.get_finished_spans() if span.name == "strata.engine.request"]
-    assert read.parent.span_id == request.context.span_id
-    assert request.attributes["strata.usage.cached_tokens"] == output.num_cached_tokens
+    assert read.parent.span_id == requests["b"].context.span_id
+    assert requests["b"].attributes["strata.usage.cached_tokens"] == output.num_cached_tokens
+    offloads = [span for span in finished if span.name == "strata.kvbm.offload"]
+    assert offloads and sum(span.attributes["strata.kvbm.blocks"] for span in offloads) > 0
+    evicting = {requests[f"evict-{topic}"].context.span_id for topic in TOPICS[1:3]}
+    assert {span.parent.span_id for span in offloads} <= evicting
 
 
 def test_fresh_engine_onboards_from_the_bucket(cache_id: str, object_url: str, monkeypatch) -> None:
