@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -128,7 +129,8 @@ class Bench:
 def measure(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> dict:
     bench = Bench(engine, rng)
     bench.run([bench.request(32, 4)])  # warm-up: kernels, workspaces
-    executor = engine.runner if isinstance(engine.runner, ShardedExecutor) else None
+    sharded = engine.config.world_size > 1
+    executor: ShardedExecutor | None = engine.runner if sharded else None  # type: ignore[assignment]
     prefill, decode1, decode8, reduce_step, bubble = [], [], [], [], []
     for _ in range(args.reps):
         _, first, _, _ = bench.run([bench.request(args.prefill_tokens, 1)])
@@ -373,18 +375,18 @@ def main() -> None:
     try:
         for name in configs:
             tp, pp = parse_config(name)
-            threads = args.threads or max(1, cores // (tp * pp))
             config = EngineConfig(
                 model=model, dtype=args.dtype, device="cpu", num_kv_blocks=1024, max_model_len=2048,
-                max_num_batched_tokens=2048, max_tokens_limit=512, num_threads=threads,
-                tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                max_num_batched_tokens=2048, max_tokens_limit=512, tensor_parallel_size=tp, pipeline_parallel_size=pp,
             )  # fmt: skip
+            threads = args.threads or max(1, cores // config.world_size)
+            config = msgspec.structs.replace(config, num_threads=threads)
             with LLMEngine(config) as engine:
-                row = {"config": name, "ranks": tp * pp, "threads_per_rank": threads,
+                row = {"config": name, "ranks": config.world_size, "threads_per_rank": threads,
                        **measure(engine, args, random.Random(0))}  # fmt: skip
-                if args.kill and tp * pp > 1:
+                if args.kill and config.world_size > 1:
                     row["kill"] = measure_kill(engine, random.Random(1), args.decode_tokens)
-                if tp * pp == 1:
+                if config.world_size == 1:
                     largest = max(parse_config(c)[0] for c in configs)
                     row["lm_head"] = lm_head_costs(engine, max(largest, 2))
                 hidden, layers = (
