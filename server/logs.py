@@ -30,18 +30,23 @@ class LogSettings(msgspec.Struct, frozen=True):
 
 def configure_logging(settings: LogSettings, level: int, process: str) -> None:
     """Log this process's records at `level` and above as `settings` say; `process` names it in each line
-    (server, worker-0, ...). Replaces the handlers a previous call (or basicConfig) installed."""
+    (server, worker-0, ...). Replaces the handler a previous call installed. Like logging.basicConfig, the default
+    settings leave alone a root logger that a host program (a test runner) configured."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "strata", False)]
+    if settings == LogSettings() and len(ours) < len(root.handlers):
+        return
     handler = (
         logging.FileHandler(settings.file, encoding="utf-8") if settings.file else logging.StreamHandler()
     )
+    handler.strata = True  # type: ignore[attr-defined]
     if settings.format == "json":
         handler.setFormatter(JSONFormatter(process))
     else:
         handler.setFormatter(
             logging.Formatter(f"%(asctime)s {process}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
         )
-    root = logging.getLogger()
-    for old in root.handlers[:]:
+    for old in ours:
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)

@@ -68,6 +68,7 @@ class LLMEngine:
         self.num_rejected = 0  # submits refused because the wait queue was full
         self._connector = connector
         self._chat_tokenizer = None
+        self._chat_lock = threading.Lock()
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -129,10 +130,11 @@ class LLMEngine:
     ) -> list[int]:
         """Token ids of `messages` (and `tools`) rendered with the model's chat template, or model.json's or
         --chat-template's (server/engine/chat.py), ending with the assistant prompt."""
-        if self._chat_tokenizer is None:
-            from transformers import AutoTokenizer
+        with self._chat_lock:  # loaded once: two threads importing transformers at once can fail
+            if self._chat_tokenizer is None:
+                from transformers import AutoTokenizer
 
-            self._chat_tokenizer = AutoTokenizer.from_pretrained(self.files.folder, local_files_only=True)
+                self._chat_tokenizer = AutoTokenizer.from_pretrained(self.files.folder, local_files_only=True)
         rendered = chat.render(self._chat_tokenizer, messages, tools, self.config.chat_template)
         return self._chat_tokenizer.encode(rendered, add_special_tokens=False)
 

@@ -79,8 +79,13 @@ def test_every_answer_has_a_request_id_and_an_access_log_line(served, caplog) ->
     ids = [answer.headers["x-request-id"], missing.headers["x-request-id"]]
     assert answer.json()["id"] == f"cmpl-{ids[0]}"  # the generation's id is the request's
     assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
-    wait_for(lambda: len(caplog.records) >= 2, 10, what="two access lines (written after the answers)")
-    lines = sorted((r.getMessage() for r in caplog.records), key=lambda m: "/v1/models" in m)
+    wait_for(
+        lambda: sum(r.name == "strata.access" for r in caplog.records) >= 2,
+        10,
+        what="two access lines (after the answers)",
+    )
+    access = [r.getMessage() for r in caplog.records if r.name == "strata.access"]
+    lines = sorted(access, key=lambda m: "/v1/models" in m)
     assert '"POST /v1/completions" 200' in lines[0] and f"request_id={ids[0]}" in lines[0]
     assert '"GET /v1/models/nope" 404' in lines[1] and f"request_id={ids[1]}" in lines[1]
     assert "client_request_id" not in lines[1]  # "mine 1" has a space: not copied into the log

@@ -65,17 +65,18 @@ def test_log_flags_reach_the_worker_command_and_json_lines_go_to_the_file(tmp_pa
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
+        configure_logging(LogSettings(), logging.INFO, "worker-3")
+        assert root.handlers == handlers  # the defaults leave a root logger the test runner configured alone
         configure_logging(LogSettings(str(tmp_path / "strata.log"), "json"), logging.INFO, "worker-3")
         logging.getLogger("strata.test").warning("hello %s", "there")
-        (handler,) = root.handlers
+        (handler,) = [h for h in root.handlers if h not in handlers]
         assert isinstance(handler.formatter, JSONFormatter)
         handler.flush()
     finally:
         for handler in root.handlers[:]:
-            root.removeHandler(handler)
-            handler.close()
-        for handler in handlers:
-            root.addHandler(handler)
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
         root.setLevel(level)
     (line,) = [json.loads(text) for text in (tmp_path / "strata.log").read_text().splitlines()]
     assert line["message"] == "hello there" and line["process"] == "worker-3" and line["level"] == "WARNING"
