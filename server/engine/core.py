@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from server import tracing
 from server.engine.api import FinishReason, RequestId, TokenLogprobs
 from server.engine.executor import ExecutorFailure, ModelExecutor
 from server.engine.kv_transfer import KVTransferConnector
@@ -69,7 +70,7 @@ class EngineCore:
         chunks = scheduled.chunks
         if not chunks:
             return
-        started_ns = time.time_ns()
+        started_ns = time.time_ns()  # a traced prompt chunk's span starts here
         try:
             logits = self.runner.run(chunks)
         except ExecutorFailure:
@@ -85,7 +86,8 @@ class EngineCore:
             for chunk in chunks:
                 self._step_alone(chunk)
             return
-        self._trace_prefills(chunks, started_ns)
+        if tracing.enabled():
+            self._trace_prefills(chunks, started_ns)
         self.update_from_output(chunks, logits)
 
     @staticmethod

@@ -166,6 +166,8 @@ def _join(groups: list[list[ScheduledChunk]], logits: list[torch.Tensor]) -> tor
 
 def _traced_prefills(chunks: list[ScheduledChunk]) -> list[tuple[str, int]]:
     """(traceparent of the request's engine span, tokens) of each prompt chunk of a traced request."""
+    if not tracing.enabled():
+        return []
     return [
         (tracing.traceparent_of(c.seq.trace.span) or "", c.num_tokens)
         for c in chunks
