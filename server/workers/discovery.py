@@ -110,6 +110,15 @@ class Discovery:
             return
         self._remotes[worker_id] = remote
         self.engine.add_worker(remote)
+        info = remote.info  # logged once requests are routed to it, not when its hello came
+        log.info(
+            "remote worker %s joined: %s pid %d, model %s; %s",
+            worker_id,
+            record.address.to_worker,
+            info.pid,
+            info.model_name,
+            info.summary(),
+        )
 
     def _drop_expired(self) -> None:
         """Remove registrations whose lease expired, and stop routing to such a worker even if its heartbeats

@@ -230,14 +230,6 @@ class RemoteEngine:
             raise WorkerDied(
                 f"{exc} (unreachable at {address.to_worker}, or it holds another cluster secret)"
             ) from None
-        logger.info(
-            "remote worker %s joined: %s pid %d, model %s; %s",
-            worker_id,
-            address.to_worker,
-            info.pid,
-            info.model_name,
-            info.summary(),
-        )
         return cls(worker_id, None, channel, info, heartbeat_timeout_s, call_timeout_s, event_sink)
 
     @property

@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -40,6 +41,11 @@ def write_vllm_model(repository: Path) -> None:
         "kv_cache_memory_bytes": 128 << 20, "max_model_len": 2048, "dtype": "float32", "block_size": 64,
     }  # fmt: skip
     (repository / "smol_vllm" / "1" / "model.json").write_text(json.dumps(model_json))
+
+
+def serving(server) -> bool:
+    """/health is 200 once a worker of every model is routed to (503 while none is)."""
+    return httpx.get(f"http://127.0.0.1:{server.openai_port}/health", timeout=10).status_code == 200
 
 
 def index_blocks(server) -> float:
@@ -79,6 +85,9 @@ def test_a_vllm_worker_on_another_host_serves_announces_its_blocks_and_drains(
     try:
         first = serve()
         wait_for(lambda: first.log().count("remote worker vremote joined") == 1, 400, what="vremote joined")
+        wait_for(
+            lambda: serving(first), 30, what="vremote routed to"
+        )  # logged joined, then added to the router
         assert "backend vllm: continuing under" in log_path.read_text()
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{first.openai_port}/v1", api_key="-", timeout=120, max_retries=0
@@ -95,6 +104,7 @@ def test_a_vllm_worker_on_another_host_serves_announces_its_blocks_and_drains(
 
         second = serve()  # nothing has been asked of it: what its index holds came from the announcement
         wait_for(lambda: second.log().count("remote worker vremote joined") == 1, 60, what="vremote rejoined")
+        wait_for(lambda: serving(second), 30, what="vremote routed to")
         wait_for(lambda: index_blocks(second) >= 5, 10, what="the announced blocks")
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{second.openai_port}/v1", api_key="-", timeout=120, max_retries=0
