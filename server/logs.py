@@ -1,7 +1,7 @@
 """Where a Strata process logs and in what shape: `--log-file` (default: stderr) and `--log-format text|json`.
 
 JSON lines carry, besides the time, level, logger and message, the HTTP request id of the request being served
-(`server.openai.observe.REQUEST_ID`, set by the OpenAI port's middleware) and, while tracing, the trace and span
+(`REQUEST_ID`, set by the OpenAI port's middleware, server/openai/observe.py) and, while tracing, the trace and span
 ids of the current span, so that a log line and its trace are found from each other. Worker processes log the
 same way (their `LogSettings` travel in their spec), with their worker id as `process`.
 """

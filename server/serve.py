@@ -198,17 +198,8 @@ def llm_serving(options: ServeOptions) -> LLMServing:
         disagg=disagg,
         vllm_python=options.vllm_python,
         logs=LogSettings(options.log_file, options.log_format),
-        tracing=trace_settings(options.otlp_traces_endpoint, options.otlp_traces_sample_ratio),
+        tracing=TracingSettings(options.otlp_traces_endpoint, options.otlp_traces_sample_ratio),
     )
-
-
-def trace_settings(endpoint: str | None, sample_ratio: float) -> TracingSettings:
-    """--otlp-traces-endpoint and --otlp-traces-sample-ratio (ValueError names a bad one)."""
-    if not 0.0 <= sample_ratio <= 1.0:
-        raise ValueError(f"--otlp-traces-sample-ratio: must be in [0, 1], got {sample_ratio}")
-    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
-        raise ValueError(f"--otlp-traces-endpoint: an http:// or https:// URL (OTLP/HTTP), got {endpoint!r}")
-    return TracingSettings(endpoint, sample_ratio)
 
 
 def triton_trace_config(options: ServeOptions) -> tuple[str, ...]:
@@ -217,12 +208,15 @@ def triton_trace_config(options: ServeOptions) -> tuple[str, ...]:
     if options.trace_config or options.otlp_traces_endpoint is None:
         return options.trace_config
     ratio = options.otlp_traces_sample_ratio
-    rate = 0 if ratio <= 0 else max(1, round(1 / ratio))
-    url = options.otlp_traces_endpoint.rstrip("/")
-    url = url if url.endswith("/v1/traces") else url + "/v1/traces"
-    if rate == 0:
+    if ratio <= 0:
         return ()
-    return ("mode=opentelemetry", f"opentelemetry,url={url}", f"rate={rate}", "level=TIMESTAMPS")
+    url = tracing.traces_url(options.otlp_traces_endpoint)
+    return (
+        "mode=opentelemetry",
+        f"opentelemetry,url={url}",
+        f"rate={max(1, round(1 / ratio))}",
+        "level=TIMESTAMPS",
+    )
 
 
 def cors_settings(options: ServeOptions) -> CORSSettings | None:

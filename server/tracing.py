@@ -33,10 +33,18 @@ _settings: TracingSettings | None = None  # what configured this process (an end
 
 class TracingSettings(msgspec.Struct, frozen=True):
     """--otlp-traces-endpoint (None: tracing off) and --otlp-traces-sample-ratio, as every process of a server
-    gets them (worker processes in their spec)."""
+    gets them (worker processes in their spec). ValueError names a bad flag."""
 
     endpoint: str | None = None
-    sample_ratio: float = msgspec.field(default=1.0)
+    sample_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"--otlp-traces-sample-ratio: must be in [0, 1], got {self.sample_ratio}")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--otlp-traces-endpoint: an http:// or https:// URL (OTLP/HTTP), got {self.endpoint!r}"
+            )
 
 
 def configure_from(settings: TracingSettings, service_instance: str) -> bool:
@@ -71,7 +79,7 @@ def configure(
     if processor is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(endpoint)))
+        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint)))
     resource = Resource.create({"service.name": "strata", "service.instance.id": service_instance})
     provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
     provider.add_span_processor(processor)
@@ -93,20 +101,11 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def start_span(
-    name: str,
-    traceparent: str | None,
-    attributes: Attributes | None = None,
-    start_ns: int | None = None,
-    kind: str = "INTERNAL",
-) -> Span | None:
-    """A span continuing `traceparent` (None: not traced, no span), started at `start_ns` (time.time_ns(); default
-    now). The caller ends it."""
+def start_span(name: str, traceparent: str | None, attributes: Attributes | None = None) -> Span | None:
+    """A span continuing `traceparent` (None: not traced, no span), started now. The caller ends it."""
     if _tracer is None or traceparent is None:
         return None
-    return _tracer.start_span(
-        name, _parent(traceparent), kind=_kind(kind), attributes=attributes, start_time=start_ns
-    )
+    return _tracer.start_span(name, _parent(traceparent), attributes=attributes)
 
 
 def record_span(
@@ -120,12 +119,10 @@ def record_span(
 
 
 @contextmanager
-def span(
-    name: str, traceparent: str | None, attributes: Attributes | None = None, kind: str = "INTERNAL"
-) -> Iterator[Span | None]:
+def span(name: str, traceparent: str | None, attributes: Attributes | None = None) -> Iterator[Span | None]:
     """`start_span` as the current span of the block (`current_traceparent` inside it is its own), ended after it;
     an exception escaping the block is recorded on it. Yields None when not traced."""
-    started = start_span(name, traceparent, attributes, kind=kind)
+    started = start_span(name, traceparent, attributes)
     if started is None:
         yield None
         return
@@ -190,13 +187,7 @@ def _context_of(span: Span) -> Any:
     return trace.set_span_in_context(span)
 
 
-def _kind(name: str) -> Any:
-    from opentelemetry.trace import SpanKind
-
-    return SpanKind[name]
-
-
-def _traces_url(endpoint: str) -> str:
+def traces_url(endpoint: str) -> str:
     """An OTLP/HTTP base URL (http://collector:4318) gets the traces path; a full URL is kept."""
     endpoint = endpoint.rstrip("/")
     return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"

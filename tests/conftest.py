@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from harness.otlp import OTLPReceiver
 from harness.redis_server import RedisServer
 from harness.s3_server import BUCKET, S3Server
 from harness.servers import StrataProcess, start_strata
@@ -107,3 +108,10 @@ try:
     _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:
     _LIBC = None
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[OTLPReceiver]:
+    """An OTLP/HTTP trace receiver (harness/otlp.py) for a module's traced servers (--otlp-traces-endpoint)."""
+    with OTLPReceiver() as receiver:
+        yield receiver

@@ -24,7 +24,7 @@ from server.engine.api import GenerationOutput
 
 
 class RequestTrace:
-    __slots__ = ("span", "_queue", "_first_token_ns", "_admitted", "_ended")
+    __slots__ = ("span", "_queue", "_first_token_ns", "_ended")
 
     def __init__(self, span: Any, attributes: dict[str, Any], queue: bool) -> None:
         self.span = span
@@ -34,7 +34,6 @@ class RequestTrace:
             else None
         )
         self._first_token_ns: int | None = None
-        self._admitted = False
         self._ended = False
 
     @classmethod
@@ -60,15 +59,14 @@ class RequestTrace:
         return None if span is None else cls(span, {"strata.request_id": request_id}, queue)
 
     def admitted(self, num_cached_tokens: int) -> None:
-        """Taken from the wait queue with `num_cached_tokens` of its prompt cached (G1 and lower tiers)."""
-        if self._admitted:
+        """Taken from the wait queue with `num_cached_tokens` of its prompt cached (G1 and lower tiers); the queue
+        span ends at the first admission (Strata's engine, the only caller, always has one)."""
+        if self._queue is None:
             self.span.add_event("readmitted", {"strata.cached_tokens": num_cached_tokens})
             return
-        self._admitted = True
         self.span.set_attribute("strata.usage.cached_tokens", num_cached_tokens)
-        if self._queue is not None:
-            self._queue.end()
-            self._queue = None
+        self._queue.end()
+        self._queue = None
 
     def onboarded(self, reads: list[TierRead]) -> None:
         """Tier reads of one onboard (kvbm.api.KVConnector.onboard)."""

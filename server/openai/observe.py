@@ -26,9 +26,8 @@ from server import tracing
 from server.logs import REQUEST_ID
 
 access_log = logging.getLogger("strata.access")
-_CLIENT_ID = re.compile(
-    r"[\w.:@/+=-]{1,128}"
-)  # a client's X-Request-Id worth logging (no spaces, no controls)
+# a client's X-Request-Id worth logging (no spaces, no controls)
+_CLIENT_ID = re.compile(r"[\w.:@/+=-]{1,128}")
 ADMIN_PREFIX = "/v1/strata/"
 
 

@@ -152,9 +152,8 @@ class RoutedEngine:
                 "strata.router.place", request.trace_context, {"strata.model": self.model_name}
             ):
                 decode_worker = None
-                if (
-                    self.disagg_flow is not None
-                ):  # the decode worker is routed as any is without disaggregation
+                # the decode worker is routed as any is without disaggregation
+                if self.disagg_flow is not None:
                     decision = self.router.route(request.request_id, hashes)
                     if self.disagg_flow.prefill_remotely(flight, decision, hashes, sink):
                         return

@@ -45,6 +45,7 @@ from kvbm.transfer import KVTransferConfig
 from server import tracing
 from server.engine.api import LocalEngine
 from server.engine.config import EngineConfig
+from server.tracing import TracingSettings
 from server.vllm_engine.config import VLLMConfig
 from server.workers.external import SOURCE_ROOT
 from server.workers.protocol import Attach, BadMessage, Bye, Hello, WorkerInfo
@@ -204,6 +205,7 @@ def run_worker(
 
     try:
         source = _llm_model(flags.model_repository, flags.model)
+        traced = TracingSettings(flags.otlp_traces_endpoint, flags.otlp_traces_sample_ratio)
         redis.Redis.from_url(flags.redis_url, socket_connect_timeout=2).ping()
     except ValueError as exc:
         log.error("%s", exc)
@@ -245,7 +247,7 @@ def run_worker(
     )
     engine = LLMEngine(config, connector, transfer, worker_id=worker_id, on_rank_failure="migrate")
     announce = connector.request_announce if forward else None
-    tracing.configure(flags.otlp_traces_endpoint, flags.otlp_traces_sample_ratio, worker_id)
+    tracing.configure_from(traced, worker_id)
     try:
         return serve_engine(engine, flags.role, options, events, announce, [connector.metrics.registry])
     finally:

@@ -10,7 +10,6 @@ import httpx
 import openai
 import pytest
 
-from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, run_cli, start_strata
 
 pytestmark = pytest.mark.slow
@@ -23,12 +22,6 @@ LONG = (
 
 TRACE_ID = "0123456789abcdef0123456789abcdef"
 CLIENT_SPAN = "0011223344556677"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    with OTLPReceiver() as receiver:
-        yield receiver
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 
 from server import cli
 from server.logs import JSONFormatter, LogSettings, configure_logging
-from server.serve import cors_settings, trace_settings, triton_trace_config
+from server.serve import cors_settings, triton_trace_config
+from server.tracing import TracingSettings
 
 
 def serve_options(*flags: str):
@@ -18,10 +19,10 @@ def serve_options(*flags: str):
 
 def test_tracing_flags_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match="--otlp-traces-sample-ratio"):
-        trace_settings("http://collector:4318", 1.5)
+        TracingSettings("http://collector:4318", 1.5)
     with pytest.raises(ValueError, match="--otlp-traces-endpoint"):
-        trace_settings("collector:4317", 1.0)  # a gRPC address: Strata exports over OTLP/HTTP
-    assert trace_settings(None, 0.5).endpoint is None
+        TracingSettings("collector:4317", 1.0)  # a gRPC address: Strata exports over OTLP/HTTP
+    assert TracingSettings(None, 0.5).endpoint is None
 
 
 def test_the_otlp_endpoint_turns_tritons_own_tracing_on_unless_trace_config_says_otherwise() -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 from tests.server.test_workers import metric_lines
@@ -28,12 +27,6 @@ TOKENS = 24
 
 
 TRACE_ID = "31415926535897932384626433832795"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    with OTLPReceiver() as receiver:
-        yield receiver
 
 
 @pytest.fixture(scope="module")

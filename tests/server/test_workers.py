@@ -28,12 +28,6 @@ CLIENT_SPAN = "a1b2c3d4e5f60718"
 
 
 @pytest.fixture(scope="module")
-def collector():
-    with OTLPReceiver() as receiver:
-        yield receiver
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory, collector):
     """Traced: every process exports to `collector` (spans batched for 0.1 s, so a worker killed in a test has sent
     what it finished)."""

@@ -16,7 +16,6 @@ import uuid
 import openai
 import pytest
 
-from harness.otlp import OTLPReceiver
 from harness.servers import copy_models, start_strata
 from harness.waiting import wait_for
 from kvbm.host_pool import remove_segments
@@ -46,12 +45,6 @@ PREFIXES = [
 
 
 TRACE_ID = "fedcba9876543210fedcba9876543210"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    with OTLPReceiver() as receiver:
-        yield receiver
 
 
 @pytest.fixture(scope="module")
